@@ -37,13 +37,13 @@ typedef struct kv_optim {
     float lr;              /* learning rate, > 0 */
     float beta1;           /* Adam, Group Adam: first-moment decay, [0, 1) */
     float beta2;           /* Adam, Group Adam: second-moment decay, [0, 1) */
-    float epsilon;         /* Adagrad, Adam, Group Adam, Group Adagrad: >= 0 */
+    float epsilon;         /* Adagrad, Adam, Group Adam: >= 0 */
     float initial_accumulator; /* Adagrad, FTRL, Group Adagrad (and Group Adam's v): >= 0 */
-    float lr_power;        /* FTRL: <= 0, usually -0.5 */
+    float lr_power;        /* FTRL, Group Adagrad: <= 0, usually -0.5 */
     float l1;              /* FTRL, Group Adam, Group Adagrad: >= 0 */
     float l2;              /* FTRL, Group Adam, Group Adagrad: >= 0 */
     float l21;             /* Group Adam, Group Adagrad: group lasso strength, >= 0 */
-    float l2_shrinkage;    /* FTRL: >= 0 */
+    float l2_shrinkage;    /* FTRL, Group Adagrad: >= 0 */
 } kv_optim_t;
 
 /* KV_OK if kind and hyperparameters are valid, else KV_EOPTIM. Thread-safe. */

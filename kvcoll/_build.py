@@ -23,7 +23,7 @@ ffibuilder.set_source(
     '#include "kv_table.h"\n',
     sources=[os.path.relpath(os.path.join(CSRC, s)) for s in SOURCES],
     include_dirs=[os.path.relpath(CSRC)],
-    extra_compile_args=["-O3", "-std=c99", "-D_GNU_SOURCE", "-fno-strict-aliasing"],
+    extra_compile_args=["-O3", "-std=c99", "-D_GNU_SOURCE", "-fno-strict-aliasing", "-fno-math-errno"],
     libraries=["pthread", "m"],
 )
 

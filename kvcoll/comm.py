@@ -60,6 +60,11 @@ class Comm:
         self.thread_level = MPI.Query_thread()
         self.calls: dict[str, int] = {}  # per operation name: how many times issued
 
+    @classmethod
+    def local(cls, timeout: float = 300.0) -> "Comm":
+        """A one-rank communicator of this process alone (reference runs, tests)."""
+        return cls(_mpi().COMM_SELF, timeout)
+
     # -- plumbing --------------------------------------------------------------------
 
     def _count(self, op: str) -> None:

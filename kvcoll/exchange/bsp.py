@@ -47,7 +47,10 @@ class BspExchange:
         self._names = list(self.tables)
         self._served = None  # what this rank served in the last pull, for push
 
-    def pull(self, ids: dict[str, np.ndarray], step: int) -> dict[str, Pulled]:
+    def pull(self, ids: dict[str, np.ndarray], step: int, create: bool = True
+             ) -> dict[str, Pulled]:
+        """Rows of every table's ids. create=False (evaluation) reads absent ids as
+        zeros and changes nothing; create=True creates them and prepares push()."""
         world = self.comm.size
         if set(ids) != set(self._names):
             unknown = sorted(set(ids) - set(self._names))
@@ -64,9 +67,12 @@ class BspExchange:
         recv_ids, recv_counts = self.comm.alltoallv(send, counts, op="pull:ids").wait()
         # Owner side: look every received id up, per table.
         per_table_ids = _split_by_table(recv_ids, recv_counts)
-        rows = [self.tables[n].find_or_create(per_table_ids[i], step=step)
-                for i, n in enumerate(self._names)]
-        self._served = (per_table_ids, recv_counts)
+        if create:
+            rows = [self.tables[n].find_or_create(per_table_ids[i], step=step)
+                    for i, n in enumerate(self._names)]
+            self._served = (per_table_ids, recv_counts)
+        else:
+            rows = [self.tables[n].find(per_table_ids[i]) for i, n in enumerate(self._names)]
         dims = np.array([self.tables[n].dim for n in self._names], np.int64)
         # Return rows in the layout the ids came in: per source, per table.
         send_rows = _group_by_dest([r.reshape(-1) for r in rows], recv_counts * dims)
@@ -77,7 +83,8 @@ class BspExchange:
         for i, n in enumerate(self._names):
             uniq, inverse, c = parts[n]
             out[n] = Pulled(uniq, inverse, mine[i].reshape(-1, self.tables[n].dim), c)
-        self._pulled = out
+        if create:
+            self._pulled = out
         return out
 
     def push(self, grads: dict[str, np.ndarray], step: int) -> None:

@@ -1,0 +1,513 @@
+"""Where TensorFlow comes in: the Embedding layer, DistributedOptimizer, Trainer.
+
+TensorFlow never holds a table. Per step, the Trainer pulls the rows of the batch's
+unique ids of every table (one fused exchange, outside any compiled code), feeds them
+to a compiled dense step as ordinary inputs (a matrix sized by the batch, not the
+vocabulary: TensorNet's "virtual sparse feature") together with each id feature's
+position in that matrix, and gets back the loss, the dense gradients and the gradient
+with respect to each rows matrix. Dense gradients are summed over ranks with one fused
+allreduce and applied by the wrapped Keras optimizer; row gradients go back to their
+owners, which apply the row optimizer in C.
+
+    user = kv.Embedding("user", dim=16)                      # a sharded, growable table
+    ids = keras.Input(shape=(), dtype="int64", name="user_id")
+    model = keras.Model({"user_id": ids, ...}, head(user(ids), ...))
+    opt = kv.DistributedOptimizer(keras.optimizers.Adam(1e-3),
+                                  sparse=kv.optimizers.Adagrad(0.05))
+    trainer = kv.Trainer(model, keras.losses.BinaryCrossentropy(from_logits=True), opt)
+    kv.broadcast_variables(model.variables, root_rank=0)
+    for features, labels in batches:
+        loss = trainer.train_step(features, labels)
+    trainer.finish()                    # uneven data: keep serving peers until all are done
+
+Id features are model inputs that feed a kv.Embedding directly: 1-D int64/int32 arrays
+(one id per sample) or, for multi-hot features, a tf.RaggedTensor, a (values,
+row_splits) pair, or a 2-D array (fixed count per sample); the layer's combiner ("sum",
+"mean", "sqrtn") reduces a sample's ids to one vector.
+
+BSP on N ranks with per-rank batch B/N computes what one rank computes with batch B:
+the loss is the mean over the global batch, every rank's gradient is of its share of
+that sum, and dense and row gradients are summed over ranks (up to float order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from . import optimizers as row_optimizers
+from . import runtime
+from .errors import CommError, InvalidArgumentError, NonFiniteError
+from .exchange import BspExchange
+from .table import KvTable
+
+__all__ = ["Embedding", "DistributedOptimizer", "Trainer", "broadcast_variables"]
+
+_COMBINERS = (None, "sum", "mean", "sqrtn")
+_context = threading.local()
+
+
+@contextlib.contextmanager
+def _rows_scope(rows: dict):
+    prev = getattr(_context, "rows", None)
+    _context.rows = rows
+    try:
+        yield
+    finally:
+        _context.rows = prev
+
+
+class Embedding(keras.layers.Layer):
+    """A Keras layer over a sharded, growable kvcoll table.
+
+    table: the table's name; several layers (features) may share one table, with
+        the same dim. dim: the row width. combiner: None for one id per sample
+        (output [batch, dim]); "sum", "mean" or "sqrtn" for multi-hot features
+        (output [batch, dim]). initializer, seed: how new rows start (see
+        kvcoll.Initializer). optimizer: the table's row optimizer (default: the
+        DistributedOptimizer's `sparse`).
+
+    The layer is called on a keras.Input of ids. Inside kvcoll.Trainer it receives
+    each id's position in the batch's rows matrix and gathers from it.
+    """
+
+    def __init__(self, table: str, dim: int, *, combiner: str | None = None,
+                 initializer=("uniform", -0.05, 0.05), seed: int = 0, optimizer=None,
+                 **kwargs):
+        kwargs.setdefault("name", f"kv_embedding_{table}")
+        super().__init__(**kwargs)
+        if combiner not in _COMBINERS:
+            raise InvalidArgumentError(
+                f"Embedding {table!r}: combiner must be one of {_COMBINERS}, got {combiner!r}")
+        if not isinstance(dim, int) or dim < 1:
+            raise InvalidArgumentError(f"Embedding {table!r}: dim must be a positive int, got {dim!r}")
+        self.table = table
+        self.dim = dim
+        self.combiner = combiner
+        self.initializer = initializer
+        self.seed = seed
+        self.row_optimizer = optimizer
+
+    def compute_output_spec(self, ids):
+        if self.combiner is None:
+            shape = tuple(ids.shape) + (self.dim,)
+        else:
+            shape = (ids.shape[0], self.dim)
+        return keras.KerasTensor(shape, dtype="float32")
+
+    def call(self, index):
+        rows = getattr(_context, "rows", None)
+        if rows is None or self.table not in rows:
+            raise InvalidArgumentError(
+                f"kv.Embedding {self.name!r} (table {self.table!r}) has no rows: run the "
+                "model through kvcoll.Trainer (train_step / predict), which pulls them")
+        rows = rows[self.table]
+        if self.combiner is None:
+            return tf.gather(rows, index)
+        # Multi-hot: index is [batch, width] with -1 padding.
+        mask = tf.cast(index >= 0, rows.dtype)
+        vecs = tf.gather(rows, tf.maximum(index, 0)) * mask[..., None]
+        total = tf.reduce_sum(vecs, axis=1)
+        if self.combiner == "sum":
+            return total
+        count = tf.maximum(tf.reduce_sum(mask, axis=1, keepdims=True), 1.0)
+        return total / (count if self.combiner == "mean" else tf.sqrt(count))
+
+    def get_config(self):
+        cfg = super().get_config()
+        cfg.update(table=self.table, dim=self.dim, combiner=self.combiner, seed=self.seed,
+                   initializer=self.initializer)
+        return cfg
+
+
+class DistributedOptimizer:
+    """Horovod-style wrapper: dense gradients are summed over ranks (one fused
+    allreduce of a flat buffer) before the wrapped Keras optimizer applies them;
+    embedding gradients go to the rows' owners, where `sparse` (a kvcoll row
+    optimizer, applied in C) updates them."""
+
+    def __init__(self, optimizer: keras.optimizers.Optimizer, sparse=None):
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise InvalidArgumentError(
+                f"DistributedOptimizer wraps a keras.optimizers.Optimizer, got {optimizer!r}")
+        sparse = sparse if sparse is not None else row_optimizers.Adagrad(0.05)
+        if not hasattr(sparse, "_c_fields"):
+            raise InvalidArgumentError(
+                f"sparse must be a kvcoll.optimizers row optimizer, got {sparse!r}")
+        self.optimizer = optimizer
+        self.sparse = sparse
+
+
+def broadcast_variables(variables, root_rank: int = 0, comm=None) -> None:
+    """Give every rank rank root's values (one fused broadcast of a flat buffer)."""
+    variables = list(variables)
+    if not variables:
+        return
+    comm = comm if comm is not None else runtime.comm()
+    flat = np.concatenate([np.asarray(v.numpy(), np.float64).ravel() for v in variables]) \
+        if comm.rank == root_rank else \
+        np.zeros(sum(int(np.prod(v.shape)) for v in variables), np.float64)
+    flat = comm.bcast(flat, root=root_rank, op="broadcast_variables")
+    at = 0
+    for v in variables:
+        n = int(np.prod(v.shape))
+        v.assign(flat[at:at + n].reshape(v.shape).astype(v.dtype.as_numpy_dtype
+                                                           if hasattr(v.dtype, "as_numpy_dtype")
+                                                           else v.dtype))
+        at += n
+
+
+@dataclasses.dataclass
+class _Feature:
+    name: str
+    table: str
+    multi_hot: bool
+
+
+class Trainer:
+    """Runs BSP training and evaluation of a Keras model with kv.Embedding layers.
+
+    loss: a keras Loss (its per-sample form is used) or a callable
+    (labels, outputs) -> per-sample loss.
+    """
+
+    def __init__(self, model: keras.Model, loss, optimizer: DistributedOptimizer, *,
+                 jit: bool = True, comm=None):
+        if not isinstance(optimizer, DistributedOptimizer):
+            raise InvalidArgumentError(
+                "optimizer must be kv.DistributedOptimizer(keras_optimizer, sparse=...), "
+                f"got {optimizer!r}")
+        self.model = model
+        self.opt = optimizer
+        self.comm = comm if comm is not None else runtime.comm()
+        self._per_sample_loss = loss.call if isinstance(loss, keras.losses.Loss) else loss
+        self.features, layers = _discover(model)
+        self.tables = _make_tables(layers, optimizer.sparse)
+        self.exchange = BspExchange(self.comm, self.tables)
+        self.step = 0
+        self._jit = jit
+        self._train_fn = None
+        self._predict_fn = None
+        self._apply_fn = None
+        self.timings = {"exchange": 0.0, "compute": 0.0, "allreduce": 0.0, "apply": 0.0}
+        optimizer.optimizer.build(model.trainable_variables)
+
+    # -- public -----------------------------------------------------------------------
+
+    def train_step(self, features: dict, labels) -> float:
+        """One BSP step on this rank's slice of the global batch. Returns the global
+        mean loss. Every rank must call it (or be inside finish())."""
+        try:
+            batch = self._prepare(features, labels)
+            err = None
+        except InvalidArgumentError as exc:
+            batch, err = None, exc
+        try:
+            self._header(active=True, ok=err is None)
+        except InvalidArgumentError:
+            if err is not None:
+                raise err from None  # this rank's own, more precise message
+            raise
+        if err is not None:
+            raise err
+        return self._step(batch)
+
+    def finish(self) -> int:
+        """Call when this rank's data has run out: keeps answering the other ranks'
+        steps (with no samples of its own) until every rank has finished. Returns the
+        number of steps it served."""
+        served = 0
+        while self._header(active=False, ok=True):
+            self._step(None)
+            served += 1
+        return served
+
+    def predict(self, features: dict) -> np.ndarray:
+        """Model outputs for this rank's samples; a collective (every rank calls it,
+        possibly with zero samples). Unknown ids read zeros; tables are unchanged."""
+        batch = self._prepare(features, None)
+        ids = {t: self._table_ids(batch, t) for t in self.tables}
+        pulled = self.exchange.pull(ids, self.step, create=False)
+        if batch["n"] == 0:
+            return np.zeros((0,) + tuple(self.model.outputs[0].shape[1:]), np.float32)
+        inputs, rows = self._model_inputs(batch, pulled)
+        if self._predict_fn is None:
+            self._predict_fn = self._compile(self._predict_impl, inputs, rows, None)
+        return self._predict_fn(inputs, rows).numpy()
+
+    def table_stats(self) -> dict:
+        """Per table: rows and bytes summed over all ranks (a collective)."""
+        local = np.array([[len(t), t.stats().bytes] for t in self.tables.values()], np.int64)
+        total = self.comm.allreduce(local.reshape(-1), op="table_stats").reshape(-1, 2)
+        return {n: {"rows": int(r), "bytes": int(b)} for n, (r, b) in zip(self.tables, total)}
+
+    def close(self) -> None:
+        for t in self.tables.values():
+            t.close()
+
+    # -- one step -----------------------------------------------------------------------
+
+    def _header(self, active: bool, ok: bool) -> bool:
+        """The per-step agreement: who still has data, and whether every rank's batch
+        was valid. Returns whether any rank is active."""
+        flags = self.comm.allgather(np.array([int(active), int(ok)], np.int32), op="step:header")
+        bad = [r for r in range(self.comm.size) if not flags[r, 1]]
+        if bad:
+            raise InvalidArgumentError(
+                f"rank(s) {bad} rejected their batch at step {self.step + 1}; "
+                "see the error on those ranks")
+        return bool(flags[:, 0].any())
+
+    def _step(self, batch) -> float:
+        self.step += 1
+        step = self.step
+        t0 = time.perf_counter()
+        ids = {t: (self._table_ids(batch, t) if batch else np.zeros(0, np.int64))
+               for t in self.tables}
+        pulled = self.exchange.pull(ids, step)
+        t1 = time.perf_counter()
+        dense_vars = self.model.trainable_variables
+        if batch and batch["n"]:
+            inputs, rows = self._model_inputs(batch, pulled)
+            labels = tf.convert_to_tensor(batch["labels"])
+            if self._train_fn is None:
+                self._train_fn = self._compile(self._train_impl, inputs, rows, labels)
+            loss_sum, dense_grads, row_grads = self._train_fn(inputs, rows, labels)
+            loss_sum = float(loss_sum)
+            dense_np = [np.asarray(g, np.float32).ravel() if g is not None
+                        else np.zeros(int(np.prod(v.shape)), np.float32)
+                        for g, v in zip(dense_grads, dense_vars)]
+            row_np = {t: np.asarray(g, np.float32) for t, g in row_grads.items()}
+            n_local = batch["n"]
+        else:
+            loss_sum, n_local = 0.0, 0
+            dense_np = [np.zeros(int(np.prod(v.shape)), np.float32) for v in dense_vars]
+            row_np = {t: np.zeros_like(p.rows) for t, p in pulled.items()}
+        t2 = time.perf_counter()
+        finite = np.isfinite(loss_sum) and all(np.isfinite(g).all() for g in dense_np) \
+            and all(np.isfinite(g).all() for g in row_np.values())
+        bad = np.zeros(self.comm.size, np.float32)
+        bad[self.comm.rank] = 0.0 if finite else 1.0
+        # One fused allreduce: dense gradients, loss sum, sample count, non-finite flags.
+        flat = np.concatenate(dense_np + [np.array([loss_sum, n_local], np.float32), bad])
+        if not finite:
+            flat[:-self.comm.size] = 0.0
+        total = self.comm.allreduce(flat, op="allreduce:dense")
+        nd = total.size - 2 - self.comm.size
+        flags = total[-self.comm.size:]
+        if flags.any():
+            ranks = [r for r in range(self.comm.size) if flags[r]]
+            raise NonFiniteError(
+                f"step {step}: the loss or a gradient is NaN/Inf on rank(s) {ranks}; "
+                "no update was applied (lower the learning rate or check the inputs)")
+        loss_total, n_total = float(total[nd]), float(total[nd + 1])
+        t3 = time.perf_counter()
+        if n_total == 0:
+            raise CommError(f"step {step}: no rank had samples")
+        scale = np.float32(1.0 / n_total)
+        self.exchange.push({t: g * scale for t, g in row_np.items()}, step)
+        t4 = time.perf_counter()
+        self._apply_dense(total[:nd] * scale)
+        t5 = time.perf_counter()
+        tm = self.timings
+        tm["exchange"] += (t1 - t0) + (t4 - t3)
+        tm["compute"] += t2 - t1
+        tm["allreduce"] += t3 - t2
+        tm["apply"] += t5 - t4
+        return loss_total / n_total
+
+    def _apply_dense(self, flat: np.ndarray) -> None:
+        dense_vars = self.model.trainable_variables
+        grads, at = [], 0
+        for v in dense_vars:
+            n = int(np.prod(v.shape))
+            grads.append(tf.constant(flat[at:at + n].reshape(v.shape)))
+            at += n
+        if self._apply_fn is None:
+            def apply(gs):
+                self.opt.optimizer.apply_gradients(zip(gs, dense_vars))
+            self._apply_fn = tf.function(apply) if self._jit else apply
+        self._apply_fn(grads)
+
+    # -- compiled parts ------------------------------------------------------------------
+
+    def _train_impl(self, inputs, rows, labels):
+        with tf.GradientTape() as tape:
+            tape.watch(list(rows.values()))
+            with _rows_scope(rows):
+                out = self.model(inputs, training=True)
+            if labels.shape.rank == out.shape.rank - 1:
+                labels = tf.expand_dims(labels, -1)
+            per_sample = self._per_sample_loss(labels, out)
+            loss_sum = tf.reduce_sum(per_sample)
+        dense_vars = self.model.trainable_variables
+        grads = tape.gradient(loss_sum, [*dense_vars, *rows.values()])
+        dense = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                 for g in grads[:len(dense_vars)]]
+        row_grads = {t: tf.convert_to_tensor(g) if g is not None else tf.zeros_like(rows[t])
+                     for t, g in zip(rows, grads[len(dense_vars):])}
+        return loss_sum, dense, row_grads
+
+    def _predict_impl(self, inputs, rows):
+        with _rows_scope(rows):
+            return self.model(inputs, training=False)
+
+    def _compile(self, fn, inputs, rows, labels):
+        if not self._jit:
+            return fn
+        spec_in = {k: tf.TensorSpec([None] * len(v.shape), v.dtype) if v.dtype.is_integer
+                   else tf.TensorSpec([None] + list(v.shape[1:]), v.dtype)
+                   for k, v in inputs.items()}
+        spec_rows = {t: tf.TensorSpec([None, r.shape[1]], tf.float32) for t, r in rows.items()}
+        sig = [spec_in, spec_rows]
+        if labels is not None:
+            sig.append(tf.TensorSpec([None] + list(labels.shape[1:]), labels.dtype))
+        return tf.function(fn, input_signature=sig)
+
+    # -- batch preparation (numpy, per feature) -------------------------------------------
+
+    def _prepare(self, features: dict, labels) -> dict:
+        """Check a batch and normalise every id feature to (flat ids, splits or None)."""
+        if not isinstance(features, dict):
+            raise InvalidArgumentError(f"features must be a dict of arrays, got {type(features)}")
+        names = [i.name for i in self.model.inputs]
+        unknown = sorted(set(features) - set(names))
+        missing = sorted(set(names) - set(features))
+        if unknown or missing:
+            raise InvalidArgumentError(
+                f"features do not match the model's inputs: unknown {unknown}, missing "
+                f"{missing}; a feature must name a model input (kv.Embedding inputs name "
+                f"their tables: {sorted({f.table for f in self.features.values()})})")
+        batch = {"ids": {}, "dense": {}, "n": None}
+        sizes = {}
+        for name, value in features.items():
+            if name in self.features:
+                flat, splits = _ids_of(name, value, self.features[name].multi_hot)
+                batch["ids"][name] = (flat, splits)
+                sizes[name] = flat.size if splits is None else splits.size - 1
+            else:
+                arr = np.asarray(value)
+                if arr.dtype.kind not in "fiub":
+                    raise InvalidArgumentError(
+                        f"feature {name!r}: numeric input must be a number array, got {arr.dtype}")
+                batch["dense"][name] = arr
+                sizes[name] = arr.shape[0] if arr.ndim else 1
+        if labels is not None:
+            lab = np.asarray(labels, np.float32)
+            sizes["labels"] = lab.shape[0] if lab.ndim else 1
+            batch["labels"] = lab
+        if len(set(sizes.values())) > 1:
+            raise InvalidArgumentError(
+                f"features have different batch sizes: {sizes}; every feature (and the "
+                "labels) needs one entry per sample")
+        batch["n"] = next(iter(sizes.values())) if sizes else 0
+        return batch
+
+    def _table_ids(self, batch, table: str) -> np.ndarray:
+        parts = [batch["ids"][f][0] for f, spec in self.features.items() if spec.table == table]
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def _model_inputs(self, batch, pulled):
+        inputs = {}
+        for table, p in pulled.items():
+            at = 0
+            for f, spec in self.features.items():
+                if spec.table != table:
+                    continue
+                flat, splits = batch["ids"][f]
+                pos = p.inverse[at:at + flat.size]
+                at += flat.size
+                inputs[f] = tf.constant(pos if splits is None else _pad(pos, splits))
+        for name, arr in batch["dense"].items():
+            inputs[name] = tf.constant(arr.astype(np.float32) if arr.dtype.kind == "f" else arr)
+        rows = {t: tf.constant(p.rows) for t, p in pulled.items()}
+        return inputs, rows
+
+
+def _ids_of(name, value, multi_hot):
+    """(flat int64 ids, row_splits or None) of one id feature."""
+    splits = None
+    if isinstance(value, tf.RaggedTensor):
+        splits = value.row_splits.numpy().astype(np.int64)
+        value = value.flat_values.numpy()
+    elif isinstance(value, tuple) and len(value) == 2:
+        value, splits = value
+        splits = np.asarray(splits, np.int64)
+    arr = np.asarray(value)
+    if arr.dtype not in (np.int64, np.int32):
+        raise InvalidArgumentError(
+            f"feature {name!r}: ids must be int64 or int32, got {arr.dtype}; hash string ids "
+            "to int64 first")
+    if splits is None and arr.ndim == 2:
+        if not multi_hot:
+            raise InvalidArgumentError(
+                f"feature {name!r}: 2-D ids need an Embedding with a combiner")
+        splits = np.arange(arr.shape[0] + 1, dtype=np.int64) * arr.shape[1]
+        arr = arr.reshape(-1)
+    if arr.ndim != 1:
+        raise InvalidArgumentError(f"feature {name!r}: ids must be 1-D, got shape {arr.shape}")
+    if splits is not None:
+        if not multi_hot:
+            raise InvalidArgumentError(
+                f"feature {name!r}: multi-hot ids need an Embedding with a combiner "
+                "('sum', 'mean' or 'sqrtn')")
+        if splits.ndim != 1 or splits.size < 1 or splits[0] != 0 or splits[-1] != arr.size \
+                or (np.diff(splits) < 0).any():
+            raise InvalidArgumentError(f"feature {name!r}: row_splits are not valid for "
+                                       f"{arr.size} ids")
+    elif multi_hot:
+        splits = np.arange(arr.size + 1, dtype=np.int64)  # one id per sample
+    return np.ascontiguousarray(arr, np.int64), splits
+
+
+def _pad(pos: np.ndarray, splits: np.ndarray) -> np.ndarray:
+    """Positions of a ragged feature as [batch, max_len] with -1 padding."""
+    lengths = np.diff(splits)
+    width = int(lengths.max()) if lengths.size else 0
+    out = np.full((lengths.size, max(width, 1)), -1, np.int64)
+    row = np.repeat(np.arange(lengths.size), lengths)
+    col = np.arange(pos.size) - np.repeat(splits[:-1], lengths)
+    out[row, col] = pos
+    return out
+
+
+def _discover(model: keras.Model):
+    """Which model inputs feed which kv.Embedding (functional models)."""
+    layers = [l for l in model._flatten_layers(include_self=False) if isinstance(l, Embedding)]
+    if not layers:
+        raise InvalidArgumentError("the model has no kv.Embedding layer")
+    features = {}
+    for layer in layers:
+        for node in layer._inbound_nodes:
+            for kt in node.input_tensors:
+                op = kt._keras_history.operation
+                if not isinstance(op, keras.layers.InputLayer):
+                    raise InvalidArgumentError(
+                        f"kv.Embedding {layer.name!r} must be called directly on a keras.Input "
+                        f"of ids, not on the output of {op.name!r}")
+                prev = features.get(op.name)
+                if prev is not None and prev.table != layer.table:
+                    raise InvalidArgumentError(
+                        f"input {op.name!r} feeds two tables ({prev.table!r}, {layer.table!r})")
+                features[op.name] = _Feature(op.name, layer.table, layer.combiner is not None)
+    return features, layers
+
+
+def _make_tables(layers, default_optimizer) -> dict[str, KvTable]:
+    specs = {}
+    for layer in layers:
+        spec = (layer.dim, layer.initializer, layer.seed,
+                layer.row_optimizer or default_optimizer)
+        prev = specs.setdefault(layer.table, spec)
+        if prev != spec:
+            raise InvalidArgumentError(
+                f"table {layer.table!r} is declared twice with different settings "
+                f"(dim, initializer, seed, optimizer): {prev} vs {spec}")
+    return {name: KvTable(dim, name=name, seed=seed, initializer=init, optimizer=opt)
+            for name, (dim, init, seed, opt) in sorted(specs.items())}

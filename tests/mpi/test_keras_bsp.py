@@ -1,0 +1,215 @@
+"""BSP training through the Keras API at any world size.
+
+Every rank also trains a reference model on a one-rank communicator over the whole
+global batch; the distributed run must match it step by step.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import kvcoll as kv  # noqa: E402
+from kvcoll.comm import Comm  # noqa: E402
+from kvcoll.table import owner_of  # noqa: E402
+
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(1)
+
+B = 48  # global batch
+
+
+def build():
+    keras.utils.set_random_seed(3)
+    u = keras.Input(shape=(), dtype="int64", name="user")
+    i = keras.Input(shape=(), dtype="int32", name="item")
+    h = keras.Input(shape=(None,), dtype="int64", name="history")
+    t = keras.Input(shape=(None,), dtype="int64", name="tags")
+    x = keras.Input(shape=(3,), dtype="float32", name="x")
+    parts = [
+        kv.Embedding("user", 4, initializer=("normal", 0, 0.1), seed=1)(u),
+        kv.Embedding("item", 3, initializer=("uniform", -0.1, 0.1))(i),
+        kv.Embedding("item", 3, combiner="mean", initializer=("uniform", -0.1, 0.1),
+                     name="history_emb")(h),
+        kv.Embedding("tag", 2, combiner="sqrtn", optimizer=kv.optimizers.Adam(0.01))(t),
+        x,
+    ]
+    z = keras.layers.Dense(6, activation="tanh")(keras.layers.Concatenate()(parts))
+    return keras.Model({"user": u, "item": i, "history": h, "tags": t, "x": x},
+                       keras.layers.Dense(1)(z))
+
+
+def global_batch(step):
+    g = np.random.default_rng([11, step])
+    lens = g.integers(0, 4, B)
+    tag_lens = g.integers(1, 3, B)
+    return {
+        "user": g.integers(0, 40, B).astype(np.int64),
+        "item": g.integers(0, 30, B).astype(np.int32),
+        "history": (g.integers(0, 30, lens.sum()).astype(np.int64), lens),
+        "tags": (g.integers(-5, 5, tag_lens.sum()).astype(np.int64), tag_lens),
+        "x": g.normal(size=(B, 3)).astype(np.float32),
+        "label": (g.random(B) < 0.4).astype(np.float32),
+    }
+
+
+def take(batch, lo, hi):
+    """Samples lo..hi-1 of a global batch, ragged features as (values, row_splits)."""
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, tuple):
+            vals, lens = v
+            splits = np.concatenate([[0], np.cumsum(lens)])
+            out[k] = (vals[splits[lo]:splits[hi]], splits[lo:hi + 1] - splits[lo])
+        else:
+            out[k] = v[lo:hi]
+    return out
+
+
+def make_trainer(comm=None):
+    model = build()
+    opt = kv.DistributedOptimizer(keras.optimizers.Adam(0.02), sparse=kv.optimizers.Adagrad(0.2))
+    return kv.Trainer(model, keras.losses.BinaryCrossentropy(from_logits=True), opt, comm=comm)
+
+
+def split(world, rank, n=B):
+    return n * rank // world, n * (rank + 1) // world
+
+
+def run(trainer, steps, slice_of, stop_after=None):
+    losses = []
+    for step in range(steps):
+        if stop_after is not None and step >= stop_after:
+            trainer.finish()
+            break
+        b = take(global_batch(step), *slice_of)
+        label = b.pop("label")
+        losses.append(trainer.train_step(b, label))
+    return losses
+
+
+def compare_tables(dist, ref, world, rank):
+    for name, table in dist.tables.items():
+        e = table.export()
+        assert (owner_of(e["keys"], world) == rank).all()
+        np.testing.assert_allclose(e["values"], ref.tables[name].find(e["keys"]),
+                                   rtol=1e-5, atol=1e-6, err_msg=name)
+        r = ref.tables[name].export()
+        order = np.argsort(r["keys"])
+        pos = order[np.searchsorted(r["keys"][order], e["keys"])]
+        np.testing.assert_allclose(e["slots"], r["slots"][pos], rtol=1e-5, atol=1e-6)
+        assert (e["counts"] == r["counts"][pos]).all()
+        total = int(dist.comm.allreduce(np.array([len(table)], np.int64))[0])
+        assert total == len(ref.tables[name]), name
+
+
+def test_bsp_equals_one_rank_step_by_step(comm):
+    world, rank = comm.size, comm.rank
+    ref = make_trainer(Comm.local())
+    dist = make_trainer()
+    kv.broadcast_variables(dist.model.variables, root_rank=0)
+    before = dict(dist.comm.calls)
+    steps = 8
+    ref_losses = run(ref, steps, (0, B))
+    dist_losses = run(dist, steps, split(world, rank))
+    np.testing.assert_allclose(dist_losses, ref_losses, rtol=1e-5)
+    for a, b in zip(dist.model.get_weights(), ref.model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    compare_tables(dist, ref, world, rank)
+    calls = {k: dist.comm.calls.get(k, 0) - before.get(k, 0) for k in dist.comm.calls}
+    # 3 tables, one id all-to-all and one row all-to-all per step, one dense allreduce
+    assert calls["pull:ids"] == steps and calls["pull:rows"] == steps
+    assert calls["push:grads"] == steps and calls["allreduce:dense"] == steps
+    # the unique count changes every step; the compiled step was traced once
+    assert dist._train_fn.experimental_get_tracing_count() == 1
+    for t in (ref, dist):
+        t.close()
+
+
+def test_uneven_data_finishes_and_loses_no_update(comm):
+    world, rank = comm.size, comm.rank
+    steps, short = 6, 3
+    dist = make_trainer()
+    kv.broadcast_variables(dist.model.variables, root_rank=0)
+    # rank 0 runs out after `short` steps; the others train all `steps`
+    run(dist, steps, split(world, rank), stop_after=short if rank == 0 else None)
+    if rank != 0:
+        dist.finish()
+    # reference: after step `short`, rank 0's slice is absent from the global batch
+    ref = make_trainer(Comm.local())
+    for step in range(steps):
+        b = take(global_batch(step), 0, B)
+        if step >= short:
+            if world == 1:
+                break
+            lo0, hi0 = split(world, 0)
+            b = _select(global_batch(step), np.r_[0:lo0, hi0:B])
+        label = b.pop("label")
+        ref.train_step(b, label)
+    for a, r in zip(dist.model.get_weights(), ref.model.get_weights()):
+        np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-6)
+    compare_tables(dist, ref, world, rank)
+    for t in (ref, dist):
+        t.close()
+
+
+def _select(batch, idx):
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, tuple):
+            vals, lens = v
+            splits = np.concatenate([[0], np.cumsum(lens)])
+            out[k] = (np.concatenate([vals[splits[i]:splits[i + 1]] for i in idx]),
+                      np.concatenate([[0], np.cumsum(lens[idx])]))
+        else:
+            out[k] = v[idx]
+    return out
+
+
+@pytest.mark.parametrize("case", ["float ids", "batch sizes", "unknown feature", "nan loss"])
+def test_bad_input_errors_on_every_rank(comm, case):
+    world, rank = comm.size, comm.rank
+    tr = make_trainer()
+    kv.broadcast_variables(tr.model.variables, root_rank=0)
+    b = take(global_batch(0), *split(world, rank))
+    label = b.pop("label")
+    tr.train_step(b, label)
+    before = {n: t.export() for n, t in tr.tables.items()}
+    weights = tr.model.get_weights()
+    bad_rank = world - 1
+    if rank == bad_rank:
+        if case == "float ids":
+            b["user"] = b["user"].astype(np.float32)
+        elif case == "batch sizes":
+            b["x"] = b["x"][:-1] if len(b["x"]) else np.zeros((1, 3), np.float32)
+        elif case == "unknown feature":
+            b["colour"] = b["user"]
+        elif case == "nan loss":
+            b["x"] = np.full_like(b["x"], np.nan) if len(b["x"]) else b["x"]
+    if case == "nan loss" and len(b["x"]) == 0:
+        pytest.skip("the bad rank has no samples")
+    expected = kv.NonFiniteError if case == "nan loss" else kv.InvalidArgumentError
+    match = {"float ids": "int64 or int32|rejected their batch",
+             "batch sizes": "different batch sizes|rejected their batch",
+             "unknown feature": "unknown \\['colour'\\]|rejected their batch",
+             "nan loss": rf"NaN/Inf on rank\(s\) \[{bad_rank}\]"}[case]
+    with pytest.raises(expected, match=match):
+        tr.train_step(b, label)
+    for n, t in tr.tables.items():
+        after = t.export()
+        np.testing.assert_array_equal(np.sort(after["keys"]), np.sort(before[n]["keys"])) \
+            if case != "nan loss" else None
+        common = np.intersect1d(before[n]["keys"], after["keys"])
+        np.testing.assert_array_equal(t.find(common), _rows_of(before[n], common))
+    for a, w in zip(tr.model.get_weights(), weights):
+        np.testing.assert_array_equal(a, w)
+    tr.close()
+
+
+def _rows_of(export, keys):
+    order = np.argsort(export["keys"])
+    return export["values"][order][np.searchsorted(export["keys"][order], keys)]
