@@ -4,7 +4,7 @@ The engine (tables, routing, exchange) imports no TensorFlow; `Embedding`,
 `DistributedOptimizer`, `Trainer` and `broadcast_variables` load it on first use.
 """
 
-from . import errors, optimizers
+from . import data, errors, optimizers
 from .config import ASP, BSP, Config, StepMode, ssp
 from .errors import (CapacityError, ClosedError, CommError, CommTimeoutError, DimensionError,
                      InvalidArgumentError, KvcollError, NonFiniteError, TableFullError)
@@ -20,7 +20,7 @@ __all__ = [
     "Config", "StepMode", "BSP", "ASP", "ssp",
     "KvTable", "Initializer", "TableStats",
     *_KERAS_NAMES,
-    "optimizers", "errors",
+    "optimizers", "errors", "data",
     "KvcollError", "InvalidArgumentError", "DimensionError", "NonFiniteError",
     "CapacityError", "TableFullError", "ClosedError", "CommError", "CommTimeoutError",
 ]

@@ -1,0 +1,22 @@
+"""Data for kvcoll's models: a synthetic CTR set, a Criteo reader, and sharding.
+
+All readers return batches as dicts of numpy arrays — "categorical" int64 [n, F],
+"numeric" float32 [n, D], "label" float32 [n] — and cut a global batch over ranks
+with `even_split`, so a batch depends on the step and never on the world size.
+Nothing here imports MPI, TensorFlow or kvcoll's C extension.
+"""
+
+from .criteo import CriteoFormatError, criteo_id, parse_criteo_lines, read_criteo
+from .shard import even_split, shard
+from .synthetic import SyntheticCTR, auc
+
+__all__ = [
+    "CriteoFormatError",
+    "SyntheticCTR",
+    "auc",
+    "criteo_id",
+    "even_split",
+    "parse_criteo_lines",
+    "read_criteo",
+    "shard",
+]
