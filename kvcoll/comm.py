@@ -130,6 +130,27 @@ class Comm:
         self.wait(self._comm.Iallgather([send, dt], [recv, dt]), op)
         return recv
 
+    def allgatherv(self, arr: np.ndarray, op: str = "allgatherv") -> tuple[np.ndarray, np.ndarray]:
+        """Concatenate every rank's rows (axis 0; the other axes equal), in rank order,
+        and return them with the row count of each rank.
+
+        rank 0: [[1, 1]]   rank 1: [[2, 2], [3, 3]]
+        ->  both: ([[1, 1], [2, 2], [3, 3]], [1, 2])
+        """
+        send = np.ascontiguousarray(arr)
+        counts = self.allgather(np.array([send.shape[0]], np.int64), op=op + ":counts")[:, 0]
+        self._count(op)
+        width = int(np.prod(send.shape[1:], dtype=np.int64))
+        recv = np.empty((int(counts.sum()),) + send.shape[1:], send.dtype)
+        rc = counts * width
+        rd = np.concatenate([[0], np.cumsum(rc)[:-1]]).astype(np.int64)
+        dt = _mpi_type(send.dtype)
+        sbuf = send if send.size else np.zeros(1, send.dtype)
+        rbuf = recv if recv.size else np.zeros(1, recv.dtype)
+        req = self._comm.Iallgatherv([sbuf, send.size, dt], [rbuf, (rc, rd), dt])
+        self.wait(req, op)
+        return recv, counts
+
     def bcast(self, arr: np.ndarray, root: int = 0, op: str = "bcast") -> np.ndarray:
         """Rank root's array on every rank (same shape and dtype everywhere)."""
         self._count(op)

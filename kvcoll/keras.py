@@ -197,6 +197,7 @@ class Trainer:
         self._apply_fn = None
         self.timings = {"exchange": 0.0, "compute": 0.0, "allreduce": 0.0, "apply": 0.0}
         optimizer.optimizer.build(model.trainable_variables)
+        self._n_dense = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
 
     # -- public -----------------------------------------------------------------------
 
@@ -272,30 +273,27 @@ class Trainer:
                for t in self.tables}
         pulled = self.exchange.pull(ids, step)
         t1 = time.perf_counter()
-        dense_vars = self.model.trainable_variables
         if batch and batch["n"]:
             inputs, rows = self._model_inputs(batch, pulled)
             labels = tf.convert_to_tensor(batch["labels"])
             if self._train_fn is None:
                 self._train_fn = self._compile(self._train_impl, inputs, rows, labels)
-            loss_sum, dense_grads, row_grads = self._train_fn(inputs, rows, labels)
+            loss_sum, dense_flat, row_grads = self._train_fn(inputs, rows, labels)
             loss_sum = float(loss_sum)
-            dense_np = [np.asarray(g, np.float32).ravel() if g is not None
-                        else np.zeros(int(np.prod(v.shape)), np.float32)
-                        for g, v in zip(dense_grads, dense_vars)]
-            row_np = {t: np.asarray(g, np.float32) for t, g in row_grads.items()}
+            dense_np = dense_flat.numpy()
+            row_np = {t: g.numpy() for t, g in row_grads.items()}
             n_local = batch["n"]
         else:
             loss_sum, n_local = 0.0, 0
-            dense_np = [np.zeros(int(np.prod(v.shape)), np.float32) for v in dense_vars]
+            dense_np = np.zeros(self._n_dense, np.float32)
             row_np = {t: np.zeros_like(p.rows) for t, p in pulled.items()}
         t2 = time.perf_counter()
-        finite = np.isfinite(loss_sum) and all(np.isfinite(g).all() for g in dense_np) \
+        finite = np.isfinite(loss_sum) and np.isfinite(dense_np).all() \
             and all(np.isfinite(g).all() for g in row_np.values())
         bad = np.zeros(self.comm.size, np.float32)
         bad[self.comm.rank] = 0.0 if finite else 1.0
         # One fused allreduce: dense gradients, loss sum, sample count, non-finite flags.
-        flat = np.concatenate(dense_np + [np.array([loss_sum, n_local], np.float32), bad])
+        flat = np.concatenate([dense_np, np.array([loss_sum, n_local], np.float32), bad])
         if not finite:
             flat[:-self.comm.size] = 0.0
         total = self.comm.allreduce(flat, op="allreduce:dense")
@@ -323,17 +321,18 @@ class Trainer:
         return loss_total / n_total
 
     def _apply_dense(self, flat: np.ndarray) -> None:
-        dense_vars = self.model.trainable_variables
-        grads, at = [], 0
-        for v in dense_vars:
-            n = int(np.prod(v.shape))
-            grads.append(tf.constant(flat[at:at + n].reshape(v.shape)))
-            at += n
+        """Apply the summed dense gradients (one flat vector) with the Keras optimizer."""
         if self._apply_fn is None:
-            def apply(gs):
-                self.opt.optimizer.apply_gradients(zip(gs, dense_vars))
-            self._apply_fn = tf.function(apply) if self._jit else apply
-        self._apply_fn(grads)
+            dense_vars = self.model.trainable_variables
+
+            def apply(g):
+                parts = tf.split(g, [int(np.prod(v.shape)) for v in dense_vars])
+                self.opt.optimizer.apply_gradients(
+                    (tf.reshape(p, v.shape), v) for p, v in zip(parts, dense_vars))
+            self._apply_fn = tf.function(
+                apply, input_signature=[tf.TensorSpec([None], tf.float32)]) if self._jit \
+                else apply
+        self._apply_fn(tf.constant(flat, tf.float32))
 
     # -- compiled parts ------------------------------------------------------------------
 
@@ -348,8 +347,9 @@ class Trainer:
             loss_sum = tf.reduce_sum(per_sample)
         dense_vars = self.model.trainable_variables
         grads = tape.gradient(loss_sum, [*dense_vars, *rows.values()])
-        dense = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-                 for g in grads[:len(dense_vars)]]
+        dense = tf.concat([tf.reshape(tf.convert_to_tensor(g), [-1]) if g is not None
+                           else tf.zeros([int(np.prod(v.shape))], tf.float32)
+                           for g, v in zip(grads, dense_vars)], axis=0)
         row_grads = {t: tf.convert_to_tensor(g) if g is not None else tf.zeros_like(rows[t])
                      for t, g in zip(rows, grads[len(dense_vars):])}
         return loss_sum, dense, row_grads

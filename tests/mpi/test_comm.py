@@ -65,3 +65,12 @@ def test_timeout_names_rank_and_operation(comm):
         time.sleep(1.0)
         c.barrier("lonely-barrier")  # matches rank 0's abandoned request
     comm.barrier()
+
+
+def test_allgatherv_variable_rows(comm):
+    world, me = comm.size, comm.rank
+    mine = np.full((me % 3, 2), me, np.float32)  # some ranks send nothing
+    got, counts = comm.allgatherv(mine)
+    assert counts.tolist() == [r % 3 for r in range(world)]
+    np.testing.assert_array_equal(
+        got, np.concatenate([np.full((r % 3, 2), r, np.float32) for r in range(world)]))

@@ -1,0 +1,47 @@
+"""python -m bench [--quick] [--out DIR]                  every benchmark
+python -m bench BENCHMARK [--quick] [--out DIR] [flags]  one, with its own flags
+
+--quick runs small sizes in seconds and, unless --out is given, writes its results to a
+temporary directory rather than bench/results/. `python -m bench BENCHMARK -h` lists a
+benchmark's flags. A benchmark is a module with add_arguments(parser) and run(args).
+"""
+
+import argparse
+import sys
+
+from . import table_bench, train_bench
+
+BENCHMARKS = {"table": table_bench, "train": train_bench}
+
+
+def _common(p: argparse.ArgumentParser, default=None) -> None:
+    # a benchmark's parser suppresses its defaults, so `--quick table` keeps --quick
+    p.add_argument("--quick", action="store_true", default=default or False,
+                   help="small sizes: a smoke test")
+    p.add_argument("--out", default=default, help="directory for the results "
+                   "(default: bench/results)")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common(p)
+    sub = p.add_subparsers(dest="benchmark", metavar="BENCHMARK")
+    subs = {}
+    for name, mod in BENCHMARKS.items():
+        sp = sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0])
+        _common(sp, argparse.SUPPRESS)
+        mod.add_arguments(sp)
+        subs[name] = sp
+    args = p.parse_args(argv)
+    if args.benchmark:
+        BENCHMARKS[args.benchmark].run(args)
+        return
+    for name, mod in BENCHMARKS.items():  # every benchmark with its defaults
+        own = subs[name].parse_args([])
+        own.quick, own.out = args.quick, args.out
+        mod.run(own)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

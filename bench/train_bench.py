@@ -1,0 +1,162 @@
+"""Training throughput: kvcoll vs a fixed-vocabulary Horovod-style baseline, 1 and 2 ranks.
+
+    python -m bench train            # full: a few minutes
+    python -m bench train --quick    # a smoke test
+
+In one run, on the same synthetic data, model (DeepFM, examples/models.py) and
+hyperparameters, with one TensorFlow thread per rank (every rank gets the same thread
+budget, so 1 -> 2 ranks measures scaling, not TensorFlow's own threading):
+
+- kvcoll on 1 and 2 ranks (kv.Trainer, BSP);
+- baseline on 1 and 2 ranks: keras Embedding over ids hashed modulo 10^6 rows per field,
+  sparse Adagrad on the rows a batch touches, dense gradients allreduced and the
+  embeddings' sparse gradients allgathered, as Horovod does;
+- limit: kvcoll's compiled dense step alone, fed ready-made rows, at the per-rank batch
+  of the 1- and 2-rank runs (no table, no exchange): what kvcoll can approach.
+
+Writes bench/results/train.json, train.md and train.png.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from . import common
+
+WORKER = os.path.join(common.ROOT, "bench", "train_worker.py")
+
+
+def add_arguments(p) -> None:
+    g = p.add_argument_group("train")
+    g.add_argument("--train-steps", type=int, default=300, help="timed steps per run")
+    g.add_argument("--train-batch", type=int, default=4096, help="global batch")
+
+
+def _mpirun(world: int, args: list[str], timeout: float) -> None:
+    mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    cmd = [mpirun, "--oversubscribe", "--bind-to", "none", "-np", str(world),
+           sys.executable, WORKER, *args]
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+def run(args) -> None:
+    steps = 20 if args.quick else args.train_steps
+    batch = 1024 if args.quick else args.train_batch
+    evals = 8192 if args.quick else 100_000
+    out_dir = args.out or (tempfile.mkdtemp() if args.quick else common.RESULTS)
+    records = []
+    with tempfile.TemporaryDirectory() as tmp:
+        plan = [(impl, world) for world in (1, 2) for impl in ("kvcoll", "baseline")]
+        for impl, world in plan:
+            path = os.path.join(tmp, f"{impl}{world}.json")
+            print(f"[train] {impl} on {world} rank(s), {steps} steps of {batch}", flush=True)
+            _mpirun(world, ["--impl", impl, "--steps", str(steps), "--batch-size", str(batch),
+                            "--eval-samples", str(evals), "--out", path], timeout=3600)
+            records.append(json.load(open(path)))
+        for per_rank in (batch, batch // 2):
+            path = os.path.join(tmp, f"limit{per_rank}.json")
+            print(f"[train] limit at a per-rank batch of {per_rank}", flush=True)
+            _mpirun(1, ["--impl", "limit", "--steps", str(steps), "--batch-size", str(per_rank),
+                        "--out", path], timeout=3600)
+            records.append(json.load(open(path)))
+    machine = common.machine_info()
+    for r in records:
+        r["machine"] = machine
+    md = markdown(records, steps, batch, machine)
+    jpath, mpath = common.write_results(out_dir, "train", records, md)
+    png = os.path.join(out_dir, "train.png")
+    chart(records, png)
+    print(md)
+    print(f"[train] wrote {jpath}, {mpath}, {png}")
+
+
+def _get(records, impl, world):
+    return next(r for r in records if r["impl"] == impl and r["world_size"] == world)
+
+
+def summary(records) -> dict:
+    """The ratios the issue names, from one run's records."""
+    kv1, kv2 = _get(records, "kvcoll", 1), _get(records, "kvcoll", 2)
+    bl1, bl2 = _get(records, "baseline", 1), _get(records, "baseline", 2)
+    limits = {r["global_batch_size"]: r for r in records if r["impl"] == "limit"}
+    b = kv1["global_batch_size"]
+    return {
+        "kvcoll_vs_baseline_1": kv1["samples_per_sec"] / bl1["samples_per_sec"],
+        "kvcoll_vs_baseline_2": kv2["samples_per_sec"] / bl2["samples_per_sec"],
+        "kvcoll_scaling_1_to_2": kv2["samples_per_sec"] / kv1["samples_per_sec"],
+        "baseline_scaling_1_to_2": bl2["samples_per_sec"] / bl1["samples_per_sec"],
+        "kvcoll_1_vs_limit": kv1["samples_per_sec"] / limits[b]["samples_per_sec"],
+        "kvcoll_2_per_rank_vs_limit":
+            kv2["samples_per_sec"] / 2 / limits[b // 2]["samples_per_sec"],
+    }
+
+
+def markdown(records, steps, batch, machine) -> str:
+    lines = [
+        "# Training throughput (DeepFM, synthetic CTR data)",
+        "",
+        f"`./dev bench train` — {steps} timed steps, global batch {batch}, one TensorFlow "
+        f"thread per rank; {machine['cpu']}, {machine['cores']} cores, "
+        f"{machine['memory_gib']} GiB, TensorFlow {machine.get('tensorflow', '?')}, "
+        f"{machine.get('date', '')}.",
+        "",
+        "| impl | ranks | batch (per rank) | samples/s | eval AUC | ms/step: exchange / compute / allreduce / apply |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        world = r["world_size"]
+        per_rank = r["global_batch_size"] // world
+        ms = r.get("ms_per_step") or {}
+        split = " / ".join(f"{ms[k]:.1f}" for k in ("exchange", "compute", "allreduce", "apply")
+                           if k in ms) or f"{ms.get('total', 0):.1f} total"
+        auc = "" if r.get("eval_auc") is None else f"{r['eval_auc']:.4f}"
+        lines.append(f"| {r['impl']} | {world} | {per_rank} | {r['samples_per_sec']:,.0f} | "
+                     f"{auc} | {split} |")
+    s = summary(records)
+    planted = _get(records, "kvcoll", 1).get("planted_auc")
+    lines += [
+        "",
+        f"- kvcoll / baseline: {s['kvcoll_vs_baseline_1']:.2f}x on 1 rank, "
+        f"{s['kvcoll_vs_baseline_2']:.2f}x on 2 ranks (target >= 1 at equal AUC; planted "
+        f"AUC {planted:.4f})",
+        f"- 1 -> 2 ranks: kvcoll {s['kvcoll_scaling_1_to_2']:.2f}x, baseline "
+        f"{s['baseline_scaling_1_to_2']:.2f}x (target >= 1.7x for kvcoll)",
+        f"- kvcoll per rank vs the dense-step limit: {s['kvcoll_1_vs_limit']:.0%} on 1 rank, "
+        f"{s['kvcoll_2_per_rank_vs_limit']:.0%} on 2 ranks (target >= 75%)",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def chart(records, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    impls = ["kvcoll", "baseline"]
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=110)
+    width = 0.35
+    for i, world in enumerate((1, 2)):
+        vals = [_get(records, impl, world)["samples_per_sec"] for impl in impls]
+        xs = [j + (i - 0.5) * width for j in range(len(impls))]
+        bars = ax.bar(xs, vals, width, label=f"{world} rank{'s' if world > 1 else ''}")
+        ax.bar_label(bars, labels=[f"{v:,.0f}" for v in vals], fontsize=8)
+    limit = max((r for r in records if r["impl"] == "limit"), key=lambda r: r["global_batch_size"])
+    ax.axhline(limit["samples_per_sec"], color="grey", ls="--", lw=1,
+               label="dense-step limit (1 rank)")
+    ax.set_xticks(range(len(impls)), ["kvcoll", "fixed vocab + allgather"])
+    ax.set_ylabel("samples / s")
+    ax.set_title("DeepFM training throughput, one thread per rank")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

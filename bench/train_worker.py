@@ -1,0 +1,267 @@
+"""One training measurement, run under mpirun by bench/train_bench.py.
+
+    mpirun -np 2 python bench/train_worker.py --impl kvcoll --steps 200 --out r.json
+
+--impl kvcoll    DeepFM on kvcoll tables (kv.Trainer, BSP)
+--impl baseline  the same DeepFM on fixed-size keras Embeddings over ids hashed modulo
+                 --baseline-vocab rows per field, sparse Adagrad on the rows a batch
+                 touches, gradients exchanged as Horovod does: one fused allreduce of the
+                 dense gradients, allgather of the embeddings' sparse gradients
+--impl limit     (one process) kvcoll's compiled dense step alone, fed ready-made rows
+                 of each batch's unique ids: no table, no exchange
+
+Every implementation sees the same data (kvcoll.data.SyntheticCTR: the global batch of
+step t is the same at any world size), the same model code (examples/models.py), the
+same optimizers and hyperparameters (examples/train.py's defaults) and the same thread
+budget per rank (--threads for TensorFlow's intra-op pool, inter-op 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+NUM_FIELDS, NUM_NUMERIC = 26, 13
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--impl", choices=("kvcoll", "baseline", "limit"), required=True)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=4096, help="global batch")
+    p.add_argument("--limit-batch", type=int, default=0,
+                   help="limit: the per-rank batch to measure (default --batch-size)")
+    p.add_argument("--dim", type=int, default=8)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--baseline-vocab", type=int, default=10**6)
+    p.add_argument("--eval-samples", type=int, default=50_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab", type=int, default=10**7, help="synthetic ids per field")
+    p.add_argument("--out", required=True)
+    return p.parse_args(argv)
+
+
+def features(batch):
+    f = {f"C{i + 1}": batch["categorical"][:, i] for i in range(NUM_FIELDS)}
+    f["numeric"] = batch["numeric"]
+    return f
+
+
+def main(argv=None):
+    args = parse(argv)
+    import kvcoll as kv
+    from kvcoll import runtime
+    from kvcoll.comm import Comm
+    from kvcoll.data import SyntheticCTR, auc
+
+    kv.init(argv=[])
+    comm = Comm.local() if args.impl == "limit" else runtime.comm()
+    rank, world = comm.rank, comm.size
+
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    import keras
+    from models import build_deepfm
+    from train import DEFAULTS
+
+    keras.utils.set_random_seed(args.seed)
+    data = SyntheticCTR(seed=args.seed, vocab=args.vocab)
+    loss = keras.losses.BinaryCrossentropy(from_logits=True)
+    adam = keras.optimizers.Adam(DEFAULTS["lr"])
+
+    if args.impl == "baseline":
+        step_fn, predict = baseline(args, comm, tf, keras, build_deepfm, loss, adam)
+        timings = None
+    else:
+        model = build_deepfm(NUM_FIELDS, NUM_NUMERIC, args.dim, lambda f, w: kv.Embedding(
+            f, w, initializer=("normal", 0.0, DEFAULTS["init_std"]), seed=args.seed))
+        opt = kv.DistributedOptimizer(adam, sparse=kv.optimizers.Adagrad(
+            DEFAULTS["sparse_lr"], initial_accumulator_value=DEFAULTS["sparse_init_accum"]))
+        trainer = kv.Trainer(model, loss, opt, comm=comm)
+        kv.broadcast_variables(model.variables, root_rank=0, comm=comm)
+        if args.impl == "limit":
+            return limit(args, trainer, data, tf)
+        step_fn = trainer.train_step
+        predict = trainer.predict
+        timings = trainer.timings
+
+    for step in range(args.warmup):
+        b = data.batch(step, args.batch_size, rank, world)
+        step_fn(features(b), b["label"])
+    comm.barrier()
+    t0_timings = dict(timings) if timings is not None else None
+    t0 = time.perf_counter()
+    last = 0.0
+    for step in range(args.warmup, args.warmup + args.steps):
+        b = data.batch(step, args.batch_size, rank, world)
+        last = step_fn(features(b), b["label"])
+    comm.barrier()
+    elapsed = time.perf_counter() - t0
+
+    ev = data.eval_set(args.eval_samples, rank, world)
+    preds = np.asarray(predict(features(ev)), np.float32).reshape(-1)
+    all_preds, _ = comm.allgatherv(preds)
+    all_labels, _ = comm.allgatherv(ev["label"].astype(np.float32))
+    record = {
+        "impl": args.impl, "world_size": world, "global_batch_size": args.batch_size,
+        "steps": args.steps, "samples_per_sec": args.steps * args.batch_size / elapsed,
+        "eval_auc": auc(all_labels, all_preds),
+        "planted_auc": data.planted_auc(args.eval_samples),
+        "final_loss": float(last), "threads_per_rank": args.threads,
+        "samples_trained": (args.warmup + args.steps) * args.batch_size,
+    }
+    if timings is not None:
+        per_step = {k: (timings[k] - t0_timings[k]) / args.steps * 1e3 for k in timings}
+        per_step["total"] = elapsed / args.steps * 1e3
+        record["ms_per_step"] = per_step
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(record))
+    kv.shutdown()
+
+
+def limit(args, trainer, data, tf):
+    """Time the compiled dense step (forward, backward, dense optimizer) alone."""
+    n = args.limit_batch or args.batch_size
+    batches = []
+    for step in range(8):
+        b = data.batch(step, n)
+        trainer.train_step(features(b), b["label"])  # compiles, grows the tables
+        prepared = trainer._prepare(features(b), b["label"])
+        ids = {t: trainer._table_ids(prepared, t) for t in trainer.tables}
+        pulled = trainer.exchange.pull(ids, trainer.step, create=False)
+        inputs, rows = trainer._model_inputs(prepared, pulled)
+        batches.append((inputs, rows, tf.constant(prepared["labels"])))
+    flat = np.zeros(sum(int(np.prod(v.shape)) for v in trainer.model.trainable_variables),
+                    np.float32)
+
+    def one(i):
+        inputs, rows, labels = batches[i % len(batches)]
+        loss_sum, dense, row_grads = trainer._train_fn(inputs, rows, labels)
+        [np.asarray(g) for g in dense], [np.asarray(g) for g in row_grads.values()]
+        trainer._apply_dense(flat)
+
+    for i in range(5):
+        one(i)
+    reps = max(20, args.steps // 4)
+    t0 = time.perf_counter()
+    for i in range(reps):
+        one(i)
+    elapsed = time.perf_counter() - t0
+    record = {"impl": "limit", "world_size": 1, "global_batch_size": n,
+              "samples_per_sec": reps * n / elapsed, "eval_auc": None,
+              "threads_per_rank": args.threads, "ms_per_step": {"total": elapsed / reps * 1e3}}
+    Path(args.out).write_text(json.dumps(record))
+
+
+def baseline(args, comm, tf, keras, build_deepfm, loss_obj, adam):
+    """Fixed-vocabulary DeepFM trained the Horovod way. Returns (train_step, predict)."""
+    from train import DEFAULTS
+
+    vocab = args.baseline_vocab
+
+    class HashedEmbedding(keras.layers.Layer):
+        def __init__(self, width, **kw):
+            super().__init__(**kw)
+            self.emb = keras.layers.Embedding(
+                vocab, width, embeddings_initializer=keras.initializers.RandomNormal(
+                    0.0, DEFAULTS["init_std"]))
+
+        def call(self, ids):
+            return self.emb(tf.math.floormod(ids, vocab))
+
+        def compute_output_spec(self, ids):
+            return keras.KerasTensor(tuple(ids.shape) + (self.emb.output_dim,), "float32")
+
+    model = build_deepfm(NUM_FIELDS, NUM_NUMERIC, args.dim, lambda f, w: HashedEmbedding(w))
+    emb_vars = [v for v in model.trainable_variables if "embeddings" in v.path]
+    dense_vars = [v for v in model.trainable_variables if "embeddings" not in v.path]
+    flat0 = np.concatenate([v.numpy().ravel() for v in dense_vars])
+    flat0 = comm.bcast(flat0, 0)
+    at = 0
+    for v in dense_vars:
+        n = int(np.prod(v.shape))
+        v.assign(flat0[at:at + n].reshape(v.shape))
+        at += n
+    for v in emb_vars:  # same start on every rank (Horovod's broadcast_variables)
+        v.assign(comm.bcast(v.numpy(), 0))
+    adam.build(dense_vars)
+    accums = [tf.Variable(tf.fill(v.shape, DEFAULTS["sparse_init_accum"])) for v in emb_vars]
+    lr = tf.constant(DEFAULTS["sparse_lr"], tf.float32)
+    eps = tf.constant(1e-7, tf.float32)
+    width = args.dim + 1
+    spec = {f"C{i + 1}": tf.TensorSpec([None], tf.int64) for i in range(NUM_FIELDS)}
+    spec["numeric"] = tf.TensorSpec([None, NUM_NUMERIC], tf.float32)
+
+    @tf.function(input_signature=[spec, tf.TensorSpec([None], tf.float32)])
+    def grads_fn(inputs, labels):
+        with tf.GradientTape() as tape:
+            out = model(inputs, training=True)
+            loss_sum = tf.reduce_sum(loss_obj.call(labels[:, None], out))
+        g = tape.gradient(loss_sum, dense_vars + emb_vars)
+        dense = g[:len(dense_vars)]
+        sparse = g[len(dense_vars):]
+        idx = tf.concat([tf.cast(s.indices, tf.int64) + i * vocab for i, s in enumerate(sparse)], 0)
+        val = tf.concat([s.values for s in sparse], 0)
+        return loss_sum, dense, idx, val
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.int64),
+                                  tf.TensorSpec([None, width], tf.float32)])
+    def apply_sparse(idx, val):
+        field = idx // vocab
+        for i, (v, acc) in enumerate(zip(emb_vars, accums)):
+            mask = tf.equal(field, i)
+            rows = tf.boolean_mask(idx, mask) - i * vocab
+            vals = tf.boolean_mask(val, mask)
+            uniq, pos = tf.unique(rows)
+            summed = tf.math.unsorted_segment_sum(vals, pos, tf.shape(uniq)[0])
+            tf.raw_ops.ResourceSparseApplyAdagradV2(
+                var=v.handle, accum=acc.handle, lr=lr, epsilon=eps, grad=summed, indices=uniq)
+
+    @tf.function(input_signature=[[tf.TensorSpec(v.shape, tf.float32) for v in dense_vars]])
+    def apply_dense(gs):
+        adam.apply_gradients(zip(gs, dense_vars))
+
+    @tf.function(input_signature=[spec])
+    def predict_fn(inputs):
+        return model(inputs, training=False)
+
+    def train_step(feats, labels):
+        inputs = {k: tf.constant(v) for k, v in feats.items()}
+        loss_sum, dense, idx, val = grads_fn(inputs, tf.constant(labels))
+        n = np.array([labels.shape[0], float(loss_sum)], np.float32)
+        flat = np.concatenate([np.asarray(g).ravel() for g in dense] + [n])
+        total = comm.allreduce(flat, op="allreduce:dense")      # Horovod: fused allreduce
+        n_total, loss_total = total[-2], total[-1]
+        all_idx, _ = comm.allgatherv(np.asarray(idx), op="allgather:indices")
+        all_val, _ = comm.allgatherv(np.asarray(val), op="allgather:values")
+        apply_sparse(tf.constant(all_idx), tf.constant(all_val / n_total))
+        g = total[:-2] / n_total
+        gs, at = [], 0
+        for v in dense_vars:
+            k = int(np.prod(v.shape))
+            gs.append(tf.constant(g[at:at + k].reshape(v.shape)))
+            at += k
+        apply_dense(gs)
+        return loss_total / n_total
+
+    def predict(feats):
+        return predict_fn({k: tf.constant(v) for k, v in feats.items()}).numpy()
+
+    return train_step, predict
+
+
+if __name__ == "__main__":
+    main()
