@@ -20,7 +20,7 @@
 #define KV_ENOMEM (-1)      /* an allocation failed; nothing was changed */
 #define KV_EINVAL (-2)      /* an argument is out of range (dim, sizes, NULL pointer, ...) */
 #define KV_ENONFINITE (-3)  /* a gradient or value is NaN or Inf; nothing was changed */
-#define KV_EFULL (-4)       /* the table reached its row limit (2^32 - 2 rows per shard) */
+#define KV_EFULL (-4)       /* the shard ran out of 32-bit row ids */
 #define KV_EOPTIM (-5)      /* bad optimizer kind or hyperparameters */
 #define KV_EINIT (-6)       /* bad initializer kind or parameters */
 
@@ -36,5 +36,21 @@ void *kv_malloc(size_t n);
 void *kv_calloc(size_t count, size_t size); /* overflow-checked, zeroed */
 void *kv_realloc(void *p, size_t n);
 void kv_free(void *p);
+
+/*
+ * Large, zeroed, 2 MiB-aligned blocks for the table's arena chunks and index.
+ * With the default allocator, a block of at least KV_HUGE_MIN bytes is an anonymous
+ * mapping of kv_huge_size(n) bytes (n rounded up to whole 4 KiB pages), aligned to
+ * 2 MiB and advised MADV_HUGEPAGE, so transparent huge pages can back it and a
+ * random access costs no 4 KiB TLB miss; smaller blocks, and every block while a
+ * test allocator is installed, come from kv_malloc (zeroed here, no alignment
+ * promised), so the out-of-memory tests reach these allocations too.
+ * kv_free_huge needs the n given to kv_alloc_huge, and the allocator must not change
+ * while a block is live (kv_set_allocator: only when no table exists).
+ */
+#define KV_HUGE_MIN ((size_t)1 << 20)
+void *kv_alloc_huge(size_t n);
+void kv_free_huge(void *p, size_t n);
+size_t kv_huge_size(size_t n); /* bytes a block of n bytes really holds */
 
 #endif

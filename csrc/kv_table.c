@@ -1,16 +1,27 @@
 /*
  * kv_table.c - one shard of an embedding table: int64 key -> row.
  *
- * Arena. Rows live in chunks of 2^chunk_shift rows (about 1 MiB each); row id r is
- * row (r & chunk_mask) of chunk (r >> chunk_shift). Growing the arena allocates
- * chunks and reallocs only the array of chunk pointers, so rows never move. A row
- * is row_bytes = 16 + 4 * (dim + slot_floats) bytes:
+ * Arena. Rows live in chunks that never move. Chunk c owns the block of row ids
+ * [c << chunk_shift, (c << chunk_shift) + chunk_rows(c)): a full chunk is rpc rows,
+ * as many as fit in a whole number of 2 MiB pages (one page unless a row is wider
+ * than 256 KiB), and 2^chunk_shift is rpc rounded up to a power of two, so row id r
+ * is row (r & chunk_mask) of chunk (r >> chunk_shift) and the ids in between are
+ * never used. The first N_SMALL chunks hold rpc/64, rpc/32, .. rpc/2 rows, so a small
+ * table costs little. Chunks of 1 MiB or more are 2 MiB-aligned mappings advised
+ * MADV_HUGEPAGE (kv_alloc_huge), so transparent huge pages back them: a random row
+ * costs a cache miss but no 4 KiB TLB miss. Growing the arena allocates chunks and
+ * reallocs only the array of chunk pointers, so rows never move. A row is
+ * row_bytes = 16 + 4 * (dim + slot_floats) bytes:
  *     int64 key | uint32 last_step | uint32 meta | float emb[dim] | float slots[S]
  * The key is read and written with memcpy (a row may start at any multiple of 4).
+ * Rows are not padded to a cache-line or 16-byte boundary: at dim 16 with SGD a row
+ * is 80 bytes, already a multiple of 16 in a 64-byte-aligned chunk, and key + emb
+ * (bytes 0..80) take two lines whatever the alignment; padding only wastes memory.
  * meta: bits 0..29 update count (saturating), bit 30 FREE, bit 31 DIRTY.
- * Rows [0, used) have been handed out; each is live or on the free list. A freed
- * row has meta = FREE and its key field holds the next free row id + 1 (0 ends the
- * list); new rows come from the free list first, then from `used`.
+ * The valid ids below next_id (`used` of them) have been handed out; each is live or
+ * on the free list. A freed row has meta = FREE and its key field holds the next
+ * free row id + 1 (0 ends the list); new rows come from the free list first, then
+ * from next_id, which skips to the next chunk's block past a chunk's last row.
  *
  * Index. n_slots uint32 slots, linear probing, home bucket = fastrange of the low
  * 32 hash bits ((h & 0xffffffff) * n_slots >> 32, so n_slots need not be a power of
@@ -19,21 +30,29 @@
  * min(8, 32 - rbits) hash bits from bit 32 on, which skips nearly every row read on
  * a probe that passes other keys. Deletion shifts later entries of the cluster back
  * (no tombstones). When live rows would exceed 85 % of the slots, or the arena's row
- * ids outgrow rbits, the index is rebuilt at max(1.5 x, needed) slots by walking
- * the arena; rows are not touched.
+ * ids outgrow rbits, the index is rebuilt at max(1.4 x, needed) slots by walking
+ * the arena; rows are not touched. (1.4 x rather than 1.5 x keeps the load between
+ * 0.61 and 0.85, so bytes beyond a row's floats stay under 24 at 1M and 10M rows.)
+ * A large index is 2 MiB-aligned with THP too, and a whole number of 4 KiB pages.
  *
  * Invariants (between calls, under the lock):
  *   - every live row appears in the index exactly once, reachable from its home
  *     bucket without crossing an empty slot; no other slot is non-zero;
- *   - live + n_free == used <= n_chunks << chunk_shift, live <= fill_limit < n_slots;
+ *   - live + n_free == used <= cap_rows (the rows of the n_chunks chunks), and
+ *     next_id is a valid id of an allocated chunk or the first id of chunk n_chunks;
+ *   - every row id + 1 < 2^rbits <= 2^32 (n_chunks <= max_chunks);
+ *     live <= fill_limit < n_slots;
  *   - a batch that changes the table first validates everything and reserves every
  *     row and slot it will need (reserve()); after reserve() succeeds nothing can
  *     fail, so an error return always leaves the table as it was.
  *
- * Lookups are batched and software-pipelined (lookup_ids): hash and prefetch the
+ * Lookups are batched and software-pipelined (lookup_core): hash and prefetch the
  * home slot LK_DA keys ahead, scan the probe run and prefetch the candidate row
- * LK_DB keys ahead, then compare the key. find and find_or_create work in blocks of
- * LK_BLOCK keys: look up the block, then copy its rows while they are in cache.
+ * LK_DB keys ahead, then compare the key and copy the row out right away, while it
+ * is in L1 (find, find_or_create): one pass over the batch, no second pass over row
+ * ids. A find at 10M rows costs three cache misses (an index line, and the two lines
+ * of key + embedding); the pipeline keeps enough of them in flight that memory
+ * bandwidth and latency, not instructions, bound it.
  *
  * Initial values come from a counter-based generator: element e of key k draws
  * kv_mix64(base(seed, table_id, k) + golden * (counter(e, attempt) + 1)), so the
@@ -59,16 +78,24 @@
 #define MAX_SLOTS ((uint64_t)UINT32_MAX)  /* fastrange product must fit in 64 bits */
 #define MAX_BATCH ((int64_t)UINT32_MAX - 1)
 #define MIN_SLOTS 16
-#define CHUNK_TARGET_BYTES ((size_t)1 << 20)
+#define HUGE_PAGE ((size_t)2 << 20)
+#define CHUNK_MIN_ROWS 8 /* rows of a full chunk, at least (very wide rows) */
+#define N_SMALL 6        /* chunks 0 .. N_SMALL-1 hold rpc/64, rpc/32, .. rpc/2 rows */
 #define HDR_BYTES 16
 #define META_COUNT 0x3fffffffu
 #define META_FREE (1u << 30)
 #define META_DIRTY (1u << 31)
 
-#define LK_RING 64   /* power of two, > LK_DA + LK_DB */
+#ifndef LK_DA       /* -D overrides: for tuning runs only */
 #define LK_DA 16
+#endif
+#ifndef LK_DB
 #define LK_DB 16
-#define LK_BLOCK 1024
+#endif
+#define LK_RING (LK_DA + LK_DB < 64 ? 64 : 128) /* power of two, > LK_DA + LK_DB */
+#ifndef LK_PF2
+#define LK_PF2 4
+#endif
 #define PF_ROWS 8    /* rows prefetched ahead in passes over known row ids */
 
 struct kv_table {
@@ -80,8 +107,13 @@ struct kv_table {
     /* arena */
     unsigned char **chunks;
     uint64_t n_chunks, chunks_cap;
-    unsigned chunk_shift;
+    unsigned chunk_shift;    /* row id = (chunk << chunk_shift) + row in chunk */
     uint64_t chunk_mask;
+    uint64_t rpc;            /* rows of a full chunk, <= 2^chunk_shift */
+    uint64_t max_chunks;     /* chunks whose row ids + 1 all fit in 32 bits */
+    uint64_t cap_rows;       /* rows the allocated chunks hold */
+    uint64_t arena_bytes;    /* bytes the allocated chunks hold */
+    uint64_t next_id;        /* the next never-used row id */
     uint64_t used, free_head, n_free, live;
     /* index */
     uint32_t *index;
@@ -91,6 +123,25 @@ struct kv_table {
 };
 
 /* ---- rows ------------------------------------------------------------------------ */
+
+/* Rows chunk c holds: rpc from chunk N_SMALL on, rpc / 2^(N_SMALL - c) before. */
+static inline uint64_t chunk_rows(const kv_table_t *t, uint64_t c) {
+    if (c >= N_SMALL) return t->rpc;
+    uint64_t r = t->rpc >> (N_SMALL - c);
+    return r ? r : 1;
+}
+static inline size_t chunk_bytes(const kv_table_t *t, uint64_t c) {
+    return (size_t)chunk_rows(t, c) * t->row_bytes;
+}
+/* Row ids [0, next_id) of chunk c that have been handed out (live or free). */
+static inline uint64_t chunk_used(const kv_table_t *t, uint64_t c) {
+    uint64_t nc = t->next_id >> t->chunk_shift;
+    return c < nc ? chunk_rows(t, c) : c == nc ? t->next_id & t->chunk_mask : 0;
+}
+/* One past the largest row id the first k chunks can hold. */
+static inline uint64_t id_end(const kv_table_t *t, uint64_t k) {
+    return k ? ((k - 1) << t->chunk_shift) + chunk_rows(t, k - 1) : 0;
+}
 
 static inline unsigned char *row_at(const kv_table_t *t, uint64_t id) {
     return t->chunks[id >> t->chunk_shift] + (size_t)(id & t->chunk_mask) * t->row_bytes;
@@ -132,12 +183,26 @@ static inline uint64_t draw(uint64_t base, uint64_t counter) {
     return kv_mix64(base + GOLDEN * (counter + 1));
 }
 
-/* One standard normal by Box-Muller from the element's attempt-th pair of draws. */
-static double normal_draw(uint64_t base, uint64_t e, uint64_t attempt) {
-    uint64_t c = (e << 24) + 2 * attempt;
-    double u1 = (double)((draw(base, c) >> 11) + 1) * 0x1p-53; /* (0, 1] */
-    double u2 = (double)(draw(base, c + 1) >> 11) * 0x1p-53;   /* [0, 1) */
-    return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+/* Box-Muller: two standard normals from one pair of draws. Pair p of a row uses
+ * counters (2p << 24, +1) for elements 2p and 2p + 1; a truncated-normal redraw of
+ * element e (attempt >= 1) uses ((e << 24) + 2 attempt, +1), which no pair uses.
+ * Float math (glibc's logf/sincosf are correctly rounded or nearly so). */
+static inline void normal_pair(uint64_t base, uint64_t c, float *z0, float *z1) {
+    float u1 = (float)((draw(base, c) >> 40) + 1) * 0x1p-24f; /* (0, 1] */
+    float u2 = (float)(draw(base, c + 1) >> 40) * 0x1p-24f;   /* [0, 1) */
+    float r = sqrtf(-2.0f * logf(u1));
+    float th = 6.28318530717958648f * u2;
+    float sn, cs;
+    sincosf(th, &sn, &cs);
+    *z0 = r * cs;
+    *z1 = r * sn;
+}
+
+static float normal_redraw(uint64_t base, uint64_t e, uint64_t attempt) {
+    float z0, z1;
+    normal_pair(base, (e << 24) + 2 * attempt, &z0, &z1);
+    (void)z1;
+    return z0;
 }
 
 static void initial_row(const kv_table_config_t *c, int64_t key, float *out) {
@@ -164,14 +229,19 @@ static void initial_row(const kv_table_config_t *c, int64_t key, float *out) {
         }
         return;
     }
-    for (int32_t e = 0; e < dim; e++) {
-        double z = normal_draw(base, (uint64_t)e, 0);
-        if (c->init_kind == KV_INIT_TRUNCATED_NORMAL) {
-            uint64_t attempt = 1;
-            while (fabs(z) > 2.0 && attempt < (1u << 20)) z = normal_draw(base, (uint64_t)e, attempt++);
-            if (fabs(z) > 2.0) z = 0.0; /* unreachable in practice; keeps it bounded */
+    for (int32_t e = 0; e < dim; e += 2) {
+        float z[2];
+        normal_pair(base, (uint64_t)e << 24, &z[0], &z[1]);
+        for (int32_t k = 0; k < 2 && e + k < dim; k++) {
+            float v = z[k];
+            if (c->init_kind == KV_INIT_TRUNCATED_NORMAL) {
+                uint64_t attempt = 1;
+                while (fabsf(v) > 2.0f && attempt < (1u << 20))
+                    v = normal_redraw(base, (uint64_t)(e + k), attempt++);
+                if (fabsf(v) > 2.0f) v = 0.0f; /* unreachable in practice; keeps it bounded */
+            }
+            out[e + k] = a + b * v;
         }
-        out[e] = (float)((double)a + (double)b * z);
     }
 }
 
@@ -197,9 +267,9 @@ static uint64_t slots_for(uint64_t rows) {
     if (s < MIN_SLOTS) s = MIN_SLOTS;
     return s > MAX_SLOTS ? MAX_SLOTS : s;
 }
-/* Bits needed to store row id + 1 for an arena of cap rows. */
+/* Bits needed to store row id + 1 for row ids < cap. */
 static unsigned rbits_for(uint64_t cap) {
-    if (cap > MAX_ROWS) cap = MAX_ROWS;
+    if (cap > UINT32_MAX) cap = UINT32_MAX;
     unsigned b = 1;
     while (b < 32 && (cap >> b) != 0) b++;
     return b;
@@ -226,26 +296,57 @@ static inline uint32_t lookup_one(const kv_table_t *t, int64_t key, uint64_t *sl
     return probe_from(t, key, tag_of(t, h), bucket_of(h, t->n_slots), slot_pos);
 }
 
+/* dst[0..d) = src[0..d): constant-size copies for the common widths. */
+static inline void copy_floats(float *restrict dst, const float *restrict src, size_t d) {
+    switch (d) {
+    case 8: memcpy(dst, src, 8 * sizeof(float)); return;
+    case 16: memcpy(dst, src, 16 * sizeof(float)); return;
+    case 32: memcpy(dst, src, 32 * sizeof(float)); return;
+    case 64: memcpy(dst, src, 64 * sizeof(float)); return;
+    case 128: memcpy(dst, src, 128 * sizeof(float)); return;
+    default: memcpy(dst, src, d * sizeof(float)); return;
+    }
+}
+
 /*
- * ids[i] = row id + 1 of keys[i], or 0 if absent. Three stages over a ring of
- * LK_RING keys: (A) hash, prefetch the home slot; (B) LK_DA keys later, scan the
- * run for the first tag match and prefetch that row's first pf bytes; (C) LK_DB
- * keys later, compare the key (on a tag collision, continue probing in place).
+ * The batched lookup. Three stages over a ring of LK_RING keys: (A) hash, prefetch
+ * the home slot (and the next cache line of the index when the home slot is in the
+ * last LK_PF2 slots of its line, as the probe run often crosses into it); (B) LK_DA
+ * keys later, scan the run for the first tag match and prefetch that row's first pf
+ * bytes; (C) LK_DB keys later, compare the key (on a tag collision, continue probing
+ * in place) and hand the row over while it is in L1:
+ *   ids      ids[k] = row id + 1 of keys[k], or 0 if absent (may be NULL);
+ *   out      out[k][dim] = the row's embedding; for an absent key dflt (NULL: zeros)
+ *            if fill_absent, else left alone (may be NULL);
+ *   found    found[k] = 1 or 0 (may be NULL);
+ *   old_step if non-NULL, old_step[k] = the row's last_step, which becomes `step`.
+ * Always inlined into a few callers, so the NULL arguments fold away.
  */
-static void lookup_ids(const kv_table_t *t, const int64_t *keys, int64_t n, uint32_t *ids,
-                       size_t pf) {
+static inline __attribute__((always_inline)) void
+lookup_core(const kv_table_t *t, const int64_t *keys, int64_t n, size_t pf, uint32_t *ids,
+            float *out, int fill_absent, const float *dflt, uint8_t *found,
+            uint32_t *old_step, uint32_t step) {
     const uint32_t *ix = t->index;
     const uint64_t ns = t->n_slots;
     const uint32_t idm = t->id_mask, hi = ~idm;
+    const uint64_t tmask = t->tag_bits ? ((uint64_t)1 << t->tag_bits) - 1 : 0;
+    const unsigned rb = t->rbits;
+    const size_t d = (size_t)t->dim;
     uint64_t pos[LK_RING];
     uint32_t tg[LK_RING], cand[LK_RING];
+    unsigned char *rowp[LK_RING];
     for (int64_t i = 0; i < n + LK_DA + LK_DB; i++) {
         if (i < n) {
             uint64_t h = kv_mix64((uint64_t)keys[i]);
             uint64_t p = bucket_of(h, ns);
-            __builtin_prefetch(&ix[p]);
+            const uint32_t *a = &ix[p];
+            __builtin_prefetch(a);
+#if LK_PF2 > 0
+            if (((uintptr_t)a & 63) >= 64 - 4 * LK_PF2) /* integer math: never a bad pointer */
+                __builtin_prefetch((const void *)(((uintptr_t)a | 63) + 1));
+#endif
             pos[i & (LK_RING - 1)] = p;
-            tg[i & (LK_RING - 1)] = tag_of(t, h);
+            tg[i & (LK_RING - 1)] = (uint32_t)(((h >> 32) & tmask) << rb);
         }
         int64_t j = i - LK_DA;
         if (j >= 0 && j < n) {
@@ -263,18 +364,43 @@ static void lookup_ids(const kv_table_t *t, const int64_t *keys, int64_t n, uint
             }
             cand[r] = c;
             pos[r] = p;
-            if (c) prefetch_bytes(row_at(t, c - 1), pf);
+            rowp[r] = NULL;
+            if (c) {
+                rowp[r] = row_at(t, c - 1);
+                prefetch_bytes(rowp[r], pf);
+            }
         }
         int64_t k = j - LK_DB;
         if (k >= 0) {
             unsigned r = (unsigned)k & (LK_RING - 1);
             uint32_t c = cand[r];
-            if (!c || row_key(row_at(t, c - 1)) == keys[k])
-                ids[k] = c;
-            else
-                ids[k] = probe_from(t, keys[k], tg[r], next_slot(pos[r], ns), NULL);
+            unsigned char *row = rowp[r];
+            if (c && row_key(row) != keys[k]) { /* tag collision: probe on from here */
+                c = probe_from(t, keys[k], tg[r], next_slot(pos[r], ns), NULL);
+                if (c) row = row_at(t, c - 1);
+            }
+            if (ids) ids[k] = c;
+            if (found) found[k] = c != 0;
+            if (c) {
+                if (out) copy_floats(out + (size_t)k * d, row_emb(row), d);
+                if (old_step) {
+                    old_step[k] = *row_step(row);
+                    *row_step(row) = step;
+                }
+            } else if (out && fill_absent) {
+                if (dflt)
+                    copy_floats(out + (size_t)k * d, dflt, d);
+                else
+                    memset(out + (size_t)k * d, 0, d * sizeof(float));
+            }
         }
     }
+}
+
+/* ids[i] = row id + 1 of keys[i], or 0 if absent; prefetches pf bytes of each row. */
+static void lookup_ids(const kv_table_t *t, const int64_t *keys, int64_t n, uint32_t *ids,
+                       size_t pf) {
+    lookup_core(t, keys, n, pf, ids, NULL, 0, NULL, NULL, NULL, 0);
 }
 
 static void index_insert_new(kv_table_t *t, uint64_t h, uint32_t id) {
@@ -300,27 +426,20 @@ static void index_erase_at(kv_table_t *t, uint64_t i) {
     t->index[i] = 0;
 }
 
-static uint32_t *alloc_index(uint64_t slots) {
-    size_t bytes = (size_t)slots * sizeof(uint32_t);
-    uint32_t *ix = kv_malloc(bytes);
-    if (!ix) return NULL;
-#ifdef MADV_HUGEPAGE
-    if (bytes >= (8u << 20)) { /* let the kernel back the interior with 2 MiB pages */
-        uintptr_t lo = ((uintptr_t)ix + (2u << 20) - 1) & ~(uintptr_t)((2u << 20) - 1);
-        uintptr_t hi = ((uintptr_t)ix + bytes) & ~(uintptr_t)((2u << 20) - 1);
-        if (hi > lo) (void)madvise((void *)lo, hi - lo, MADV_HUGEPAGE);
-    }
-#endif
-    memset(ix, 0, bytes);
-    return ix;
+/* A large index is a whole number of 4 KiB pages of slots: the mapping holds them
+ * anyway, so they may as well lower the load. */
+static uint64_t round_slots(uint64_t slots) {
+    if (slots * sizeof(uint32_t) < KV_HUGE_MIN) return slots;
+    uint64_t r = (slots + 1023) & ~(uint64_t)1023;
+    return r > MAX_SLOTS ? slots : r;
 }
 
-/* Replace the index by one of `slots` slots and `rbits` id bits. KV_OK or KV_ENOMEM
- * (then the old index is untouched). */
+/* Replace the index by one of `slots` slots (zeroed, 2 MiB-aligned with THP when
+ * large) and `rbits` id bits. KV_OK or KV_ENOMEM (then the old index is untouched). */
 static int rebuild_index(kv_table_t *t, uint64_t slots, unsigned rbits) {
-    uint32_t *ix = alloc_index(slots);
+    uint32_t *ix = kv_alloc_huge((size_t)slots * sizeof(uint32_t));
     if (!ix) return KV_ENOMEM;
-    kv_free(t->index);
+    kv_free_huge(t->index, (size_t)t->n_slots * sizeof(uint32_t));
     t->index = ix;
     t->n_slots = slots;
     t->fill_limit = fill_limit_of(slots);
@@ -328,14 +447,18 @@ static int rebuild_index(kv_table_t *t, uint64_t slots, unsigned rbits) {
     t->tag_bits = 32 - rbits < 8 ? 32 - rbits : 8;
     t->id_mask = rbits >= 32 ? UINT32_MAX : (1u << rbits) - 1;
     const uint64_t ahead = 16;
-    for (uint64_t id = 0; id < t->used; id++) {
-        if (id + ahead < t->used) {
-            unsigned char *f = row_at(t, id + ahead);
-            __builtin_prefetch(&ix[bucket_of(kv_mix64((uint64_t)row_key(f)), slots)], 1);
+    for (uint64_t c = 0; c < t->n_chunks; c++) {
+        uint64_t nr = chunk_used(t, c), id0 = c << t->chunk_shift;
+        const unsigned char *base = t->chunks[c];
+        for (uint64_t o = 0; o < nr; o++) {
+            if (o + ahead < nr) {
+                const unsigned char *f = base + (size_t)(o + ahead) * t->row_bytes;
+                __builtin_prefetch(&ix[bucket_of(kv_mix64((uint64_t)row_key(f)), slots)], 1);
+            }
+            unsigned char *r = t->chunks[c] + (size_t)o * t->row_bytes;
+            if (*row_meta(r) & META_FREE) continue;
+            index_insert_new(t, kv_mix64((uint64_t)row_key(r)), (uint32_t)(id0 + o));
         }
-        unsigned char *r = row_at(t, id);
-        if (*row_meta(r) & META_FREE) continue;
-        index_insert_new(t, kv_mix64((uint64_t)row_key(r)), (uint32_t)id);
     }
     return KV_OK;
 }
@@ -350,9 +473,12 @@ static int reserve(kv_table_t *t, uint64_t m) {
     if (m > MAX_ROWS || t->live + m > MAX_ROWS) return KV_EFULL;
     uint64_t from_free = m < t->n_free ? m : t->n_free;
     uint64_t need_used = t->used + (m - from_free);
-    uint64_t old_chunks = t->n_chunks;
-    uint64_t rpc = (uint64_t)1 << t->chunk_shift;
-    uint64_t want = (need_used + rpc - 1) >> t->chunk_shift;
+    uint64_t old_chunks = t->n_chunks, old_cap = t->cap_rows, old_bytes = t->arena_bytes;
+    uint64_t want = t->n_chunks;
+    for (uint64_t cap = t->cap_rows; cap < need_used; want++) {
+        if (want >= t->max_chunks) return KV_EFULL; /* row ids would outgrow 32 bits */
+        cap += chunk_rows(t, want);
+    }
     if (want > t->n_chunks) {
         if (want > t->chunks_cap) {
             uint64_t cap = t->chunks_cap ? t->chunks_cap * 2 : 16;
@@ -362,32 +488,40 @@ static int reserve(kv_table_t *t, uint64_t m) {
             t->chunks = c;
             t->chunks_cap = cap;
         }
-        size_t chunk_bytes = (size_t)rpc * t->row_bytes;
         for (uint64_t c = t->n_chunks; c < want; c++) {
-            unsigned char *p = kv_malloc(chunk_bytes);
+            unsigned char *p = kv_alloc_huge(chunk_bytes(t, c));
             if (!p) {
-                for (uint64_t d = old_chunks; d < c; d++) kv_free(t->chunks[d]);
+                for (uint64_t d = old_chunks; d < c; d++) kv_free_huge(t->chunks[d], chunk_bytes(t, d));
+                t->cap_rows = old_cap;
+                t->arena_bytes = old_bytes;
                 return KV_ENOMEM;
             }
             t->chunks[c] = p;
+            t->cap_rows += chunk_rows(t, c);
+            t->arena_bytes += kv_huge_size(chunk_bytes(t, c));
         }
         t->n_chunks = want;
     }
     uint64_t need_live = t->live + m;
-    unsigned rb = rbits_for(t->n_chunks << t->chunk_shift);
+    unsigned rb = rbits_for(id_end(t, t->n_chunks));
     if (need_live > t->fill_limit || rb > t->rbits) {
         uint64_t slots = t->n_slots;
         if (need_live > t->fill_limit) {
-            uint64_t grown = slots + slots / 2;
+            uint64_t grown = slots + slots * 2 / 5; /* x 1.4 */
             slots = slots_for(need_live);
             if (grown > slots) slots = grown > MAX_SLOTS ? MAX_SLOTS : grown;
+            slots = round_slots(slots);
         }
-        uint64_t lim = fill_limit_of(slots);
-        unsigned rb2 = rbits_for(lim > (t->n_chunks << t->chunk_shift) ? lim
-                                                                      : t->n_chunks << t->chunk_shift);
+        /* id bits for as many rows as this index can take, so that growing the arena
+         * alone rarely forces a rebuild */
+        uint64_t lim = fill_limit_of(slots), k = t->n_chunks, cap = t->cap_rows;
+        while (cap < lim && k < t->max_chunks) cap += chunk_rows(t, k++);
+        unsigned rb2 = rbits_for(id_end(t, k));
         if (rebuild_index(t, slots, rb2 > rb ? rb2 : rb) != KV_OK) {
-            for (uint64_t d = old_chunks; d < t->n_chunks; d++) kv_free(t->chunks[d]);
+            for (uint64_t d = old_chunks; d < t->n_chunks; d++) kv_free_huge(t->chunks[d], chunk_bytes(t, d));
             t->n_chunks = old_chunks;
+            t->cap_rows = old_cap;
+            t->arena_bytes = old_bytes;
             return KV_ENOMEM;
         }
     }
@@ -402,7 +536,11 @@ static uint32_t take_row(kv_table_t *t) {
         t->free_head = (uint64_t)row_key(row_at(t, id));
         t->n_free--;
     } else {
-        id = t->used++;
+        id = t->next_id++;
+        t->used++;
+        /* past the last row of its chunk: jump to the next chunk's block */
+        if ((t->next_id & t->chunk_mask) >= chunk_rows(t, t->next_id >> t->chunk_shift))
+            t->next_id = ((id >> t->chunk_shift) + 1) << t->chunk_shift;
     }
     t->live++;
     return (uint32_t)id;
@@ -503,10 +641,16 @@ int kv_table_create(const kv_table_config_t *cfg, kv_table_t **out) {
     t->row_bytes = HDR_BYTES + 4 * ((size_t)t->dim + (size_t)t->nslot);
     t->pf_bytes = HDR_BYTES + 4 * (size_t)t->dim;
     if (t->pf_bytes > 8 * 64) t->pf_bytes = 8 * 64;
+    /* A full chunk: the rows that fit in a whole number of 2 MiB pages (one, unless
+     * a row is wider than 256 KiB), mapped 2 MiB-aligned. */
+    size_t full = HUGE_PAGE;
+    while (full / t->row_bytes < CHUNK_MIN_ROWS) full += HUGE_PAGE;
+    t->rpc = full / t->row_bytes;
     unsigned shift = 0;
-    while (((size_t)2 << shift) * t->row_bytes <= CHUNK_TARGET_BYTES) shift++;
+    while (((uint64_t)1 << shift) < t->rpc) shift++;
     t->chunk_shift = shift;
     t->chunk_mask = ((uint64_t)1 << shift) - 1;
+    t->max_chunks = (uint64_t)UINT32_MAX >> shift; /* then every id + 1 <= UINT32_MAX */
 
     rc = rebuild_index(t, slots_for(0), 1); /* empty index; arena empty */
     if (rc == KV_OK) rc = reserve(t, (uint64_t)cfg->initial_capacity);
@@ -520,9 +664,9 @@ int kv_table_create(const kv_table_config_t *cfg, kv_table_t **out) {
 
 void kv_table_destroy(kv_table_t *t) {
     if (!t) return;
-    for (uint64_t c = 0; c < t->n_chunks; c++) kv_free(t->chunks[c]);
+    for (uint64_t c = 0; c < t->n_chunks; c++) kv_free_huge(t->chunks[c], chunk_bytes(t, c));
     kv_free(t->chunks);
-    kv_free(t->index);
+    kv_free_huge(t->index, (size_t)t->n_slots * sizeof(uint32_t));
     pthread_rwlock_destroy(&t->lock);
     kv_free(t);
 }
@@ -538,24 +682,11 @@ int64_t kv_table_size(kv_table_t *t) {
 int kv_table_find(kv_table_t *t, const int64_t *keys, int64_t n, float *out,
                   uint8_t *found, const float *default_row) {
     if (check_batch(t, keys, n) != KV_OK || (n > 0 && !out)) return KV_EINVAL;
-    size_t d = (size_t)t->dim, bytes = d * sizeof(float);
-    uint32_t ids[LK_BLOCK];
     pthread_rwlock_rdlock(&t->lock);
-    for (int64_t b = 0; b < n; b += LK_BLOCK) {
-        int64_t m = n - b < LK_BLOCK ? n - b : LK_BLOCK;
-        lookup_ids(t, keys + b, m, ids, t->pf_bytes);
-        for (int64_t i = 0; i < m; i++) {
-            float *o = out + (size_t)(b + i) * d;
-            if (ids[i]) {
-                memcpy(o, row_emb(row_at(t, ids[i] - 1)), bytes);
-            } else if (default_row) {
-                memcpy(o, default_row, bytes);
-            } else {
-                memset(o, 0, bytes);
-            }
-            if (found) found[b + i] = ids[i] != 0;
-        }
-    }
+    if (found)
+        lookup_core(t, keys, n, t->pf_bytes, NULL, out, 1, default_row, found, NULL, 0);
+    else
+        lookup_core(t, keys, n, t->pf_bytes, NULL, out, 1, default_row, NULL, NULL, 0);
     pthread_rwlock_unlock(&t->lock);
     return KV_OK;
 }
@@ -565,26 +696,13 @@ int kv_table_find_or_create(kv_table_t *t, const int64_t *keys, int64_t n, float
     if (check_batch(t, keys, n) != KV_OK || (n > 0 && !out)) return KV_EINVAL;
     if (n_created) *n_created = 0;
     if (n == 0) return KV_OK;
-    size_t d = (size_t)t->dim, bytes = d * sizeof(float);
     uint32_t *ids = kv_malloc((size_t)n * 2 * sizeof(uint32_t));
     if (!ids) return KV_ENOMEM;
     uint32_t *old_step = ids + n; /* to undo last_step if creating fails */
     int64_t n_absent = 0;
     pthread_rwlock_wrlock(&t->lock);
-    for (int64_t b = 0; b < n; b += LK_BLOCK) {
-        int64_t m = n - b < LK_BLOCK ? n - b : LK_BLOCK;
-        lookup_ids(t, keys + b, m, ids + b, t->pf_bytes);
-        for (int64_t i = b; i < b + m; i++) {
-            if (!ids[i]) {
-                n_absent++;
-                continue;
-            }
-            unsigned char *r = row_at(t, ids[i] - 1);
-            memcpy(out + (size_t)i * d, row_emb(r), bytes);
-            old_step[i] = *row_step(r);
-            *row_step(r) = step;
-        }
-    }
+    lookup_core(t, keys, n, t->pf_bytes, ids, out, 0, NULL, NULL, old_step, step);
+    for (int64_t i = 0; i < n; i++) n_absent += !ids[i];
     int rc = create_absent(t, keys, n, ids, n_absent, step, 1, out, n_created);
     if (rc != KV_OK) {
         for (int64_t i = n - 1; i >= 0; i--) /* backwards: duplicates restore the first */
@@ -653,7 +771,7 @@ int kv_table_clear(kv_table_t *t) {
     if (!t) return KV_EINVAL;
     pthread_rwlock_wrlock(&t->lock);
     memset(t->index, 0, (size_t)t->n_slots * sizeof(uint32_t));
-    t->used = t->free_head = t->n_free = t->live = 0;
+    t->next_id = t->used = t->free_head = t->n_free = t->live = 0;
     pthread_rwlock_unlock(&t->lock);
     return KV_OK;
 }
@@ -724,7 +842,11 @@ int kv_table_export(kv_table_t *t, int64_t *cursor, int64_t max_n, int32_t flags
         pthread_rwlock_rdlock(&t->lock);
     uint64_t c = (uint64_t)*cursor;
     int64_t k = 0;
-    for (; k < max_n && c < t->used; c++) {
+    for (; k < max_n && c < t->next_id; c++) {
+        if ((c & t->chunk_mask) >= chunk_rows(t, c >> t->chunk_shift)) { /* past a chunk's rows */
+            c = (((c >> t->chunk_shift) + 1) << t->chunk_shift) - 1;
+            continue;
+        }
         unsigned char *r = row_at(t, c);
         uint32_t meta = *row_meta(r);
         if ((meta & META_FREE) || (dirty_only && !(meta & META_DIRTY))) continue;
@@ -779,13 +901,12 @@ int kv_table_import(kv_table_t *t, const int64_t *keys, int64_t n, const float *
 int kv_table_stats(kv_table_t *t, kv_table_stats_t *out) {
     if (!t || !out) return KV_EINVAL;
     pthread_rwlock_rdlock(&t->lock);
-    uint64_t cap = t->n_chunks << t->chunk_shift;
+    uint64_t cap = t->cap_rows;
     out->rows = (int64_t)t->live;
     out->row_capacity = (int64_t)(cap < MAX_ROWS ? cap : MAX_ROWS);
     out->index_slots = (int64_t)t->n_slots;
-    out->bytes = (int64_t)(sizeof(*t) + t->chunks_cap * sizeof(*t->chunks) +
-                           t->n_chunks * (((uint64_t)1 << t->chunk_shift) * t->row_bytes) +
-                           t->n_slots * sizeof(uint32_t));
+    out->bytes = (int64_t)(sizeof(*t) + t->chunks_cap * sizeof(*t->chunks) + t->arena_bytes +
+                           kv_huge_size((size_t)t->n_slots * sizeof(uint32_t)));
     out->row_bytes = (int64_t)t->row_bytes;
     out->dim = t->dim;
     out->slot_floats = t->nslot;

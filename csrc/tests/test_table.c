@@ -350,6 +350,88 @@ static void test_free_list(void) {
     kv_table_destroy(t);
 }
 
+/* ---- arena chunks: many widths, chunk boundaries, holes in the row ids ----------- */
+
+/* Rows live in chunks of a fixed block of row ids, fewer rows than ids (and small
+ * first chunks), so ids skip; widths 8/16/32/64 take the constant-size copy paths,
+ * 3000 and 20000 give chunks of a few rows. Check find (found, default row),
+ * find_or_create, export across the holes, free-row reuse and the byte count. */
+static void test_chunks(void) {
+    const int32_t dims[] = {1, 8, 16, 32, 64, 3000, 20000};
+    for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++) {
+        const int32_t dim = dims[di];
+        kv_table_config_t c = config(dim, KV_INIT_UNIFORM, -1.0f, 1.0f);
+        kv_table_t *t = NULL;
+        CHECK_EQ_INT(kv_table_create(&c, &t), KV_OK);
+        const int64_t N = dim >= 3000 ? 600 : 40000;
+        int64_t *keys = malloc((size_t)N * 8);
+        float *vals = malloc((size_t)N * dim * 4), *out = malloc((size_t)N * dim * 4);
+        float *dflt = malloc((size_t)dim * 4);
+        uint8_t *found = malloc((size_t)N);
+        for (int64_t i = 0; i < N; i++) {
+            keys[i] = key_of((uint64_t)i);
+            for (int32_t e = 0; e < dim; e++) vals[i * dim + e] = (float)i + 0.001f * (float)e;
+        }
+        for (int32_t e = 0; e < dim; e++) dflt[e] = -3.0f - (float)e;
+        /* first half by update in uneven batches, second half absent */
+        int64_t half = N / 2;
+        for (int64_t b = 0; b < half;) {
+            int64_t m = 1 + (b * 7919) % 997;
+            if (m > half - b) m = half - b;
+            CHECK_EQ_INT(kv_table_update(t, keys + b, m, vals + b * dim), KV_OK);
+            b += m;
+        }
+        CHECK_EQ_INT(kv_table_find(t, keys, N, out, found, dflt), KV_OK);
+        int ok = 1;
+        for (int64_t i = 0; i < N; i++) {
+            ok &= found[i] == (i < half);
+            ok &= !memcmp(out + i * dim, i < half ? vals + i * dim : dflt, (size_t)dim * 4);
+        }
+        CHECK(ok);
+        CHECK_EQ_INT(kv_table_find(t, keys + half - 5, 10, out, NULL, NULL), KV_OK);
+        ok = !memcmp(out, vals + (half - 5) * dim, (size_t)5 * dim * 4);
+        for (int64_t e = 5 * dim; e < 10 * dim; e++) ok &= out[e] == 0.0f;
+        CHECK(ok);
+        /* delete a third, then find_or_create everything: reuse plus new chunks */
+        int64_t nd = 0;
+        for (int64_t i = 0; i < half; i += 3) {
+            int64_t one = 0;
+            kv_table_delete(t, &keys[i], 1, &one);
+            nd += one;
+        }
+        CHECK_EQ_INT(nd, (half + 2) / 3);
+        int64_t created = 0;
+        CHECK_EQ_INT(kv_table_find_or_create(t, keys, N, out, 5, &created), KV_OK);
+        CHECK_EQ_INT(created, N - half + nd);
+        float *init = malloc((size_t)dim * 4);
+        ok = 1;
+        for (int64_t i = 0; i < N; i++) {
+            if (i < half && i % 3) {
+                ok &= !memcmp(out + i * dim, vals + i * dim, (size_t)dim * 4);
+            } else {
+                kv_initial_values(&c, &keys[i], 1, init);
+                ok &= !memcmp(out + i * dim, init, (size_t)dim * 4);
+            }
+        }
+        CHECK(ok);
+        free(init);
+        CHECK_EQ_INT(kv_table_size(t), N);
+        CHECK(table_consistent(t)); /* export across every chunk finds each key once */
+        kv_table_stats_t st;
+        CHECK_EQ_INT(kv_table_stats(t, &st), KV_OK);
+        CHECK(st.row_capacity >= N);
+        CHECK(st.bytes >= st.row_capacity * st.row_bytes + st.index_slots * 4);
+        /* a chunk's rows fit in it: at most a few chunks' worth beyond the rows */
+        CHECK(st.bytes < (N * st.row_bytes) * 2 + st.index_slots * 4 + (8 << 20));
+        free(keys);
+        free(vals);
+        free(out);
+        free(dflt);
+        free(found);
+        kv_table_destroy(t);
+    }
+}
+
 /* ---- deterministic initial values ---------------------------------------------- */
 
 enum { IDIM = 7 };
@@ -884,11 +966,12 @@ int main(int argc, char **argv) {
     /* the other tests need more than KV_TEST_MAX_ROWS rows */
     (void)test_random_ops, (void)test_key_patterns, (void)test_free_list;
     (void)test_init_determinism, (void)test_apply_and_dirty, (void)test_export_import;
-    (void)test_errors, (void)test_oom, (void)test_stats;
+    (void)test_errors, (void)test_oom, (void)test_stats, (void)test_chunks;
 #else
     test_random_ops();
     test_key_patterns();
     test_free_list();
+    test_chunks();
     test_init_determinism();
     test_apply_and_dirty();
     test_export_import();
