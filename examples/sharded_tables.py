@@ -8,7 +8,7 @@ a planted vector per id, and pushes the gradients back to the owners, which appl
 Adagrad in C. The loss falls as the tables learn the planted vectors. At the end
 every rank checks that the tables hold exactly the distinct ids of all batches.
 
-    mpirun -np 2 python examples/demo.py --steps 200
+    mpirun -np 2 python examples/sharded_tables.py --steps 200
 """
 
 import argparse

@@ -1,0 +1,95 @@
+"""CTR models for examples/train.py and the benchmarks: DeepFM and Wide & Deep.
+
+The models know nothing of kvcoll. Each categorical field gets its embedding from a
+factory `embed(field_name, width)` that returns a Keras layer mapping the field's int64
+ids [B] to [B, width]:
+
+    embed = lambda f, w: kv.Embedding(f, w, initializer=..., seed=...)   # kvcoll: a table per field
+    embed = lambda f, w: HashedEmbedding(vocab, w)                       # a fixed-size baseline
+
+Inputs: "C1".."C<num_fields>" (int64, shape ()) and "numeric" (float32, [num_numeric]).
+Output: the click logit, [B, 1].
+
+Per field, one embedding row of width dim + 1 carries both kinds of sparse weights:
+column 0 is the field's first-order (linear) weight, columns 1.. its dim-wide vector.
+One table per field, one lookup per field.
+"""
+
+from __future__ import annotations
+
+import keras
+from keras import layers, ops
+
+__all__ = ["build_deepfm", "build_wdl", "field_names", "DEFAULT_HIDDEN"]
+
+# The dense part of one DeepFM step (forward + backward) on 4096 samples, one CPU core:
+# 41 ms with (256, 128), 102 ms with the paper's (400, 400, 400), 31 ms with (128, 64).
+DEFAULT_HIDDEN = (256, 128)
+
+
+def field_names(num_fields: int) -> list[str]:
+    return [f"C{i}" for i in range(1, num_fields + 1)]
+
+
+def _inputs(num_fields: int, num_numeric: int):
+    ids = {f: keras.Input(shape=(), dtype="int64", name=f) for f in field_names(num_fields)}
+    numeric = keras.Input(shape=(num_numeric,), dtype="float32", name="numeric")
+    return ids, numeric
+
+
+def _embed_all(ids: dict, dim: int, embed):
+    """Per field: [B, 1] first-order weight and [B, dim] vector, from one lookup."""
+    first, vecs = [], []
+    for f, x in ids.items():
+        e = embed(f, dim + 1)(x)                       # [B, dim + 1]
+        first.append(e[:, :1])
+        vecs.append(e[:, 1:])
+    return first, vecs
+
+
+def _mlp(x, hidden, name: str):
+    for i, units in enumerate(hidden):
+        x = layers.Dense(units, activation="relu", name=f"{name}_{i}")(x)
+    return layers.Dense(1, name=f"{name}_out")(x)
+
+
+def build_deepfm(num_fields: int, num_numeric: int, dim: int, embed,
+                 hidden=DEFAULT_HIDDEN) -> keras.Model:
+    """DeepFM (Guo et al., 2017): logit = linear + FM second order + deep MLP.
+
+    linear: the sum of the fields' first-order weights plus a dense linear term on the
+        numeric features (with the bias);
+    FM: sum over field pairs of <v_f, v_g> = (|sum_f v_f|^2 - sum_f |v_f|^2) / 2;
+    deep: an MLP (`hidden` units, ReLU) on the concatenated vectors and numerics.
+    """
+    ids, numeric = _inputs(num_fields, num_numeric)
+    first, vecs = _embed_all(ids, dim, embed)
+
+    linear = ops.sum(ops.concatenate(first, axis=1), axis=1, keepdims=True)     # [B, 1]
+    linear = linear + layers.Dense(1, name="numeric_linear")(numeric)
+
+    v = ops.stack(vecs, axis=1)                                                  # [B, F, dim]
+    sum_sq = ops.square(ops.sum(v, axis=1))
+    sq_sum = ops.sum(ops.square(v), axis=1)
+    fm = 0.5 * ops.sum(sum_sq - sq_sum, axis=1, keepdims=True)                  # [B, 1]
+
+    deep = _mlp(ops.concatenate(vecs + [numeric], axis=1), hidden, "deep")      # [B, 1]
+    logit = layers.Add(name="logit")([linear, fm, deep])
+    return keras.Model(inputs={**ids, "numeric": numeric}, outputs=logit, name="deepfm")
+
+
+def build_wdl(num_fields: int, num_numeric: int, dim: int, embed,
+              hidden=DEFAULT_HIDDEN) -> keras.Model:
+    """Wide & Deep (Cheng et al., 2016): logit = wide + deep.
+
+    wide: the sum of the fields' first-order weights plus a linear term on the
+        numeric features (with the bias);
+    deep: an MLP on the concatenated field vectors and numerics.
+    """
+    ids, numeric = _inputs(num_fields, num_numeric)
+    first, vecs = _embed_all(ids, dim, embed)
+    wide = ops.sum(ops.concatenate(first, axis=1), axis=1, keepdims=True)
+    wide = wide + layers.Dense(1, name="numeric_linear")(numeric)
+    deep = _mlp(ops.concatenate(vecs + [numeric], axis=1), hidden, "deep")
+    logit = layers.Add(name="logit")([wide, deep])
+    return keras.Model(inputs={**ids, "numeric": numeric}, outputs=logit, name="wdl")

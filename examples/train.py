@@ -1,0 +1,429 @@
+"""Train DeepFM or Wide & Deep on sharded kvcoll tables over N MPI ranks.
+
+26 categorical fields (one growable table each, sharded over the ranks) and 13 numeric
+ones, on a built-in synthetic CTR data set: Zipf ids over 10^7 per field and labels
+drawn from a planted model, so the best achievable AUC (planted_auc) is known. The
+global batch of step t depends only on --seed and t, never on the world size: each rank
+generates just its own slice. --data PATH reads Criteo TSV files instead; unless
+--eval-data is given, the first --eval-samples lines (rounded up to whole batches) are
+held out for evaluation and not trained on.
+
+    mpirun -np 2 python examples/train.py                      # DeepFM, synthetic data
+    mpirun -np 2 python examples/train.py --model wdl --steps 200 --metrics-out m.json
+    mpirun -np 4 python examples/train.py --data day_0.gz --eval-data day_23.gz
+
+Lines tagged `# kvcoll:` are what a single-process Keras script adds to run here.
+
+At the end rank 0 prints the evaluation AUC (on eval samples never trained on), the
+planted AUC, the throughput and where a step's time goes. --metrics-out writes all of
+it as JSON; --logdir writes TensorBoard scalars.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import kvcoll as kv  # kvcoll:
+from kvcoll import runtime  # kvcoll:
+from kvcoll.data import SyntheticCTR, auc, even_split, read_criteo  # kvcoll: per-rank slices
+
+NUM_FIELDS, NUM_NUMERIC = 26, 13
+
+# Defaults: 2 ranks on an idle 2-core machine train the default run in about 20 s
+# (about a minute when the cores are shared) and reach eval_auc >= 0.5 + 0.8 *
+# (planted_auc - 0.5) with a margin: 0.773 for a planted 0.806 (seed 0; 0.773 vs 0.806
+# for seed 1), the target being first met near step 150. tests/launch/test_train.py
+# holds the README's run to it.
+DEFAULTS = dict(steps=400, batch_size=4096, dim=8, lr=2e-3, sparse_lr=0.2,
+                sparse_init_accum=0.01, init_std=0.01)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", choices=("deepfm", "wdl"), default="deepfm")
+    # Read by kv.init() from sys.argv; declared here for --help and validation.
+    p.add_argument("--step-mode", choices=("bsp", "ssp", "asp"), default=None,
+                   help="how far a rank may run ahead (default: KVCOLL_STEP_MODE or bsp)")
+    p.add_argument("--staleness", type=int, default=None, help="SSP's bound in steps")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"training steps (default {DEFAULTS['steps']} on synthetic data; "
+                        "with --data, until the data ends)")
+    p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"],
+                   help="global batch, split over the ranks as evenly as possible")
+    p.add_argument("--dim", type=int, default=DEFAULTS["dim"],
+                   help="FM vector width (rows are dim + 1 wide: one first-order weight)")
+    p.add_argument("--hidden", default="256,128", help="deep MLP units, comma-separated")
+    p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="Adam, dense weights")
+    p.add_argument("--sparse-lr", type=float, default=DEFAULTS["sparse_lr"],
+                   help="Adagrad, embedding rows (in C, on their owners)")
+    p.add_argument("--sparse-init-accum", type=float, default=DEFAULTS["sparse_init_accum"],
+                   help="Adagrad's initial accumulator for new rows")
+    p.add_argument("--init-std", type=float, default=DEFAULTS["init_std"],
+                   help="new rows start as N(0, init_std^2)")
+    p.add_argument("--seed", type=int, default=0, help="data, planted model and weights")
+    p.add_argument("--vocab", type=int, default=10**7, help="synthetic ids per field")
+    p.add_argument("--data", nargs="+", metavar="PATH", help="Criteo TSV file(s) (.gz ok)")
+    p.add_argument("--eval-data", nargs="+", metavar="PATH",
+                   help="Criteo TSV file(s) to evaluate on (default: hold out the start of --data)")
+    p.add_argument("--eval-samples", type=int, default=100_000)
+    p.add_argument("--eval-chunk", type=int, default=16384, help="predict batch per rank")
+    p.add_argument("--log-every", type=int, default=100,
+                   help="steps between log lines (with a quick AUC on a few eval samples)")
+    p.add_argument("--metrics-out", metavar="PATH", help="write the run's metrics as JSON")
+    p.add_argument("--logdir", metavar="DIR", help="write TensorBoard scalars here")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (the plain --log-every lines remain)")
+    args = p.parse_args(argv)
+    for name in ("batch_size", "dim", "eval_samples", "eval_chunk", "log_every"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.steps is not None and args.steps < 1:
+        p.error("--steps must be >= 1")
+    args.hidden = tuple(int(u) for u in args.hidden.split(",") if u.strip())
+    return args
+
+
+def say(*a):
+    if kv.rank() == 0:  # kvcoll: one voice
+        print(*a, flush=True)
+
+
+# ---- data ------------------------------------------------------------------------------
+
+def features(batch: dict) -> dict:
+    """A data batch (kvcoll.data format) -> the model's named inputs."""
+    cat = batch["categorical"]
+    out = {f"C{i + 1}": np.ascontiguousarray(cat[:, i]) for i in range(cat.shape[1])}
+    out["numeric"] = batch["numeric"]
+    return out
+
+
+class Synthetic:
+    def __init__(self, args, rank, world):
+        self.gen = SyntheticCTR(seed=args.seed, vocab=args.vocab)
+        self.args, self.rank, self.world = args, rank, world
+        self.steps = args.steps or DEFAULTS["steps"]
+
+    def train(self):
+        for step in range(self.steps):
+            # kvcoll: this rank's slice of global batch `step`, generated alone
+            yield self.gen.batch(step, self.args.batch_size, self.rank, self.world)
+
+    def eval_chunks(self, n):
+        """This rank's part of the first n eval samples, in chunks: every rank gets the
+        same number of chunks (predict is a collective), some possibly empty."""
+        ev = self.gen.eval_set(n, self.rank, self.world)  # kvcoll: this rank's part
+        per_rank = -(-n // self.world)
+        chunks = max(1, -(-per_rank // self.args.eval_chunk))
+        size = len(ev["label"])
+        for c in range(chunks):
+            lo, hi = min(size, c * self.args.eval_chunk), min(size, (c + 1) * self.args.eval_chunk)
+            yield {k: v[lo:hi] for k, v in ev.items()}
+
+    def planted(self, batch):
+        return self.gen.planted_logit(batch)
+
+
+class Criteo:
+    def __init__(self, args, rank, world):
+        self.args, self.rank, self.world = args, rank, world
+        self.steps = args.steps
+        self.holdout = 0 if args.eval_data else -(-args.eval_samples // args.batch_size)
+
+    def train(self):
+        # kvcoll: every rank reads its slice of each global batch
+        it = read_criteo(self.args.data, self.args.batch_size, self.rank, self.world)
+        for i, batch in enumerate(it):
+            if i < self.holdout:
+                continue
+            if self.steps is not None and i - self.holdout >= self.steps:
+                return
+            yield batch
+
+    def eval_chunks(self, n):
+        # Same number of batches on every rank (read_criteo's promise), some maybe empty.
+        paths = self.args.eval_data or self.args.data
+        seen = 0
+        for batch in read_criteo(paths, self.args.batch_size, self.rank, self.world):
+            if seen >= n:
+                return
+            seen += self.args.batch_size
+            yield batch
+
+    planted = None
+
+
+# ---- evaluation ------------------------------------------------------------------------
+
+def gather_rows(local: np.ndarray) -> np.ndarray:
+    """Every rank's [n_r, k] float64 rows, concatenated in rank order (on every rank)."""
+    rows, _ = runtime.comm().allgatherv(local, op="eval:gather")  # kvcoll:
+    return rows
+
+
+def evaluate(trainer, data, n: int) -> dict:
+    """AUC and log loss of the model (and of the planted model, on synthetic data) on
+    the first n eval samples, over all ranks."""
+    cols = []
+    for chunk in data.eval_chunks(n):
+        logit = trainer.predict(features(chunk))[:, 0].astype(np.float64)  # kvcoll: collective
+        c = [logit, chunk["label"].astype(np.float64)]
+        if data.planted is not None:
+            c.append(data.planted(chunk) if len(logit) else np.zeros(0))
+        cols.append(np.stack(c, axis=1))
+    allr = gather_rows(np.concatenate(cols) if cols else np.zeros((0, 2)))
+    logit, label = allr[:, 0], allr[:, 1]
+    out = {"eval_samples": int(len(label)), "eval_auc": auc(label, logit),
+           "eval_logloss": logloss(label, logit), "eval_ctr": float(label.mean())}
+    if data.planted is not None:
+        out["planted_auc"] = auc(label, allr[:, 2])
+        out["planted_logloss"] = logloss(label, allr[:, 2])
+    return out
+
+
+def logloss(label, logit) -> float:
+    # -[y log s(x) + (1-y) log(1-s(x))] = softplus(x) - y x
+    return float(np.mean(np.logaddexp(0.0, logit) - label * logit))
+
+
+def summary_scalar(tag: str, value: float) -> None:
+    """tf.summary.scalar without the tensorboard package (which tf.summary.scalar needs
+    and requirements.txt does not pin): the same event, with the scalars plugin's
+    metadata, written by TensorFlow's own summary op into the default writer."""
+    import tensorflow as tf
+    from tensorflow.core.framework import summary_pb2
+
+    meta = summary_pb2.SummaryMetadata(data_class=summary_pb2.DATA_CLASS_SCALAR)
+    meta.plugin_data.plugin_name = "scalars"
+    tf.summary.write(tag, tf.constant(float(value), tf.float32), metadata=meta)
+
+
+# ---- progress --------------------------------------------------------------------------
+
+class Progress:
+    """Rank 0's progress: a rich bar on a terminal, plus a plain line every --log-every
+    steps (readable in CI logs)."""
+
+    def __init__(self, total, rank, bar):
+        self.rank0 = rank == 0  # kvcoll: one voice
+        self.bar = None
+        # Under mpirun a rank's stdout is a pty even when mpirun's output goes to a file:
+        # CI (CI=...) and ./dev (when not on a terminal) turn the bar off; so does
+        # --no-progress.
+        if bar and self.rank0 and total and sys.stdout.isatty() and not os.environ.get("CI") \
+                and os.environ.get("TERM", "dumb") != "dumb":
+            try:
+                from rich.progress import (BarColumn, MofNCompleteColumn, Progress as P,
+                                           TextColumn, TimeRemainingColumn)
+                self.bar = P(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                             TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+                             transient=True)
+                self.task = self.bar.add_task("train", total=total, info="")
+                self.bar.start()
+            except ImportError:
+                self.bar = None
+
+    def update(self, step, loss):
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step, info=f"loss {loss:.4f}")
+
+    def line(self, text):
+        if not self.rank0:
+            return
+        if self.bar is not None:
+            self.bar.console.print(text, markup=False, highlight=False)
+        else:
+            print(text, flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.stop()
+
+
+# ---- main ------------------------------------------------------------------------------
+
+def main(argv=None):
+    args = parse_args(argv)
+    kv.init()  # kvcoll: MPI up; --step-mode / --staleness parsed from sys.argv
+    cfg = runtime.config()  # kvcoll:
+    rank, world = kv.rank(), kv.size()  # kvcoll:
+    if cfg.step_mode != "bsp":
+        if rank == 0:
+            print(f"error: --step-mode {cfg.step_mode} is not available yet; use bsp",
+                  file=sys.stderr, flush=True)
+        kv.shutdown()
+        return 2
+
+    import tensorflow as tf
+
+    # kvcoll: the ranks on this host share its cores; set before any TensorFlow op runs
+    here = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or os.environ.get("MPI_LOCALNRANKS")
+               or world)
+    tf.config.threading.set_intra_op_parallelism_threads(max(1, (os.cpu_count() or 1) // here))
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    import keras
+
+    from models import build_deepfm, build_wdl
+
+    keras.utils.set_random_seed(args.seed)
+    build = {"deepfm": build_deepfm, "wdl": build_wdl}[args.model]
+
+    def embed(field, width):  # kvcoll: one sharded, growable table per field
+        return kv.Embedding(field, width, initializer=("normal", 0.0, args.init_std),
+                            seed=args.seed)
+
+    model = build(NUM_FIELDS, NUM_NUMERIC, args.dim, embed, hidden=args.hidden)
+    opt = kv.DistributedOptimizer(  # kvcoll: dense: allreduce + Adam; rows: Adagrad in C
+        keras.optimizers.Adam(args.lr),
+        sparse=kv.optimizers.Adagrad(args.sparse_lr,
+                                     initial_accumulator_value=args.sparse_init_accum))
+    trainer = kv.Trainer(model, keras.losses.BinaryCrossentropy(from_logits=True), opt)  # kvcoll:
+    kv.broadcast_variables(model.variables, root_rank=0)  # kvcoll: same start everywhere
+
+    data = (Criteo if args.data else Synthetic)(args, rank, world)
+    quick_n = min(args.eval_samples, 16384)
+    say(f"{args.model} on {world} rank(s): {NUM_FIELDS} tables of width {args.dim + 1}, "
+        f"global batch {args.batch_size} ({even_split(args.batch_size, 0, world)[1]} on "
+        f"rank 0), {data.steps or 'all'} steps, "
+        f"{'data ' + ' '.join(args.data) if args.data else f'synthetic data (seed {args.seed})'}")
+
+    writer = tf.summary.create_file_writer(args.logdir) if args.logdir and rank == 0 else None
+    progress = Progress(data.steps, rank, bar=not args.no_progress)
+    losses = []
+    train_time = first_step = eval_time = data_time = 0.0
+    timings0 = None
+    last_log = (1, 0.0)            # (step, train_time) at the previous log line
+    # Uneven data: a rank whose data ends calls trainer.finish() and serves the others'
+    # steps. Until the first rank runs out, all ranks agree each step that all have a
+    # batch; only then may they run collectives of their own (the periodic evaluation).
+    all_have_data = True
+    comm = runtime.comm()  # kvcoll:
+    t_step = time.perf_counter()
+    batches = data.train()
+    while True:
+        t0 = time.perf_counter()
+        batch = next(batches, None)
+        t1 = time.perf_counter()
+        if all_have_data:  # kvcoll: one tiny allreduce per step
+            have = comm.allreduce(np.array([batch is not None], np.int32), op="train:have_data")
+            all_have_data = int(have[0]) == world
+        if batch is None:
+            break
+        loss = trainer.train_step(features(batch), batch["label"])  # kvcoll: one BSP step
+        now = time.perf_counter()
+        step = trainer.step
+        losses.append((step, loss))
+        if step == 1:
+            first_step = now - t_step
+            timings0 = dict(trainer.timings)
+        else:
+            train_time += now - t_step
+            data_time += t1 - t0
+        t_step = now
+        if writer is not None:
+            with writer.as_default(step=step):
+                summary_scalar("loss", loss)
+        progress.update(step, loss)
+
+        if step % args.log_every == 0 and step != data.steps and all_have_data:
+            te = time.perf_counter()
+            quick = evaluate(trainer, data, quick_n)  # kvcoll: collective
+            stats = trainer.table_stats()  # kvcoll: collective
+            rows = sum(s["rows"] for s in stats.values())
+            sps = (step - last_log[0]) * args.batch_size / max(1e-9, train_time - last_log[1])
+            last_log = (step, train_time)
+            recent = np.mean([l for _, l in losses[-args.log_every:]])
+            progress.line(f"step {step:5d}  loss {recent:.4f}  auc {quick['eval_auc']:.4f}  "
+                          f"{sps:,.0f} samples/s  {rows:,} rows")
+            if writer is not None:
+                with writer.as_default(step=step):
+                    summary_scalar("eval_auc", quick["eval_auc"])
+                    summary_scalar("samples_per_sec", sps)
+                    summary_scalar("table_rows", rows)
+            eval_time += time.perf_counter() - te
+            t_step = time.perf_counter()       # evaluation is not training time
+    served = trainer.finish()  # kvcoll: uneven data: serve the other ranks until all are done
+    if trainer.step > 1:
+        train_time += time.perf_counter() - t_step    # the steps served count as training
+    progress.close()
+    steps = trainer.step
+    if steps == 0:
+        say("error: no training data")
+        kv.shutdown()
+        return 1
+
+    te = time.perf_counter()
+    result = evaluate(trainer, data, args.eval_samples)  # kvcoll: collective
+    eval_time += time.perf_counter() - te
+    stats = trainer.table_stats()  # kvcoll: rows and bytes summed over all ranks
+    timed = max(1, steps - 1)
+    per_step = {k: (v - (timings0 or {}).get(k, 0.0)) / timed * 1e3
+                for k, v in trainer.timings.items()}
+    per_step["data"] = data_time / timed * 1e3
+    per_step["total"] = train_time / timed * 1e3
+    per_step["other"] = per_step["total"] - sum(v for k, v in per_step.items() if k != "total")
+    sps = (steps - 1) * args.batch_size / train_time if steps > 1 and train_time > 0 else 0.0
+
+    metrics = {
+        "model": args.model, "world_size": world, "step_mode": cfg.step_mode,
+        "staleness": cfg.mode.staleness, "steps": steps, "served_steps": served,
+        "global_batch_size": args.batch_size, "dim": args.dim, "hidden": list(args.hidden),
+        "lr": args.lr, "sparse_lr": args.sparse_lr, "seed": args.seed,
+        "data": args.data or "synthetic",
+        "samples_per_sec": sps,
+        "train_seconds": train_time, "first_step_seconds": first_step,
+        "eval_seconds": eval_time,
+        "timings_ms_per_step": per_step,
+        "final_loss": float(np.mean([l for _, l in losses[-10:]])) if losses else None,
+        "loss_curve": [[s, float(l)] for s, l in losses],
+        **result,
+        "tables": stats,
+        "table_rows": sum(s["rows"] for s in stats.values()),
+        "table_bytes": sum(s["bytes"] for s in stats.values()),
+    }
+    target = None
+    if "planted_auc" in result:
+        target = 0.5 + 0.8 * (result["planted_auc"] - 0.5)
+        metrics["target_auc"] = target
+    if rank == 0:
+        if args.metrics_out:
+            Path(args.metrics_out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.metrics_out).write_text(json.dumps(metrics, indent=1) + "\n")
+        if writer is not None:
+            with writer.as_default(step=steps):
+                summary_scalar("eval_auc", result["eval_auc"])
+                summary_scalar("samples_per_sec", sps)
+                summary_scalar("table_rows", metrics["table_rows"])
+            writer.close()
+        print(f"\n{steps} steps of {args.batch_size} on {world} rank(s): "
+              f"{sps:,.0f} samples/s ({train_time:.1f}s, first step {first_step:.1f}s)")
+        print("per step: " + "  ".join(f"{k} {v:.1f} ms" for k, v in per_step.items()))
+        print(f"final loss {metrics['final_loss']:.4f}   eval logloss {result['eval_logloss']:.4f}"
+              f" on {result['eval_samples']:,} held-out samples")
+        line = f"eval AUC {result['eval_auc']:.4f}"
+        if target is not None:
+            reached = "reached" if result["eval_auc"] >= target else "NOT reached"
+            line += (f"   planted AUC {result['planted_auc']:.4f} (the best possible)   "
+                     f"target >= {target:.4f}: {reached}")
+        print(line)
+        print(f"tables: {metrics['table_rows']:,} rows, {metrics['table_bytes'] / 2**20:,.0f} MiB "
+              f"over all ranks")
+        if args.metrics_out:
+            print(f"metrics: {args.metrics_out}")
+    trainer.close()
+    kv.shutdown()  # kvcoll:
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
