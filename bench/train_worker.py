@@ -7,6 +7,10 @@
                  --baseline-vocab rows per field, sparse Adagrad on the rows a batch
                  touches, gradients exchanged as Horovod does: one fused allreduce of the
                  dense gradients, allgather of the embeddings' sparse gradients
+--impl baseline-gather   the same, but each embedding reads its rows with a
+                 ResourceGather on the underlying tf.Variable (tf.nn.embedding_lookup)
+                 instead of keras.layers.Embedding's call, which on TensorFlow 2.21 / Keras
+                 3 converts the whole table to a tensor every step
 --impl limit     (one process) kvcoll's compiled dense step alone, fed ready-made rows
                  of each batch's unique ids: no table, no exchange
 
@@ -36,7 +40,8 @@ NUM_FIELDS, NUM_NUMERIC = 26, 13
 
 def parse(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("--impl", choices=("kvcoll", "baseline", "limit"), required=True)
+    p.add_argument("--impl", choices=("kvcoll", "baseline", "baseline-gather", "limit"),
+                   required=True)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=4096, help="global batch")
@@ -82,8 +87,9 @@ def main(argv=None):
     loss = keras.losses.BinaryCrossentropy(from_logits=True)
     adam = keras.optimizers.Adam(DEFAULTS["lr"])
 
-    if args.impl == "baseline":
-        step_fn, predict = baseline(args, comm, tf, keras, build_deepfm, loss, adam)
+    if args.impl.startswith("baseline"):
+        step_fn, predict = baseline(args, comm, tf, keras, build_deepfm, loss, adam,
+                                    gather=args.impl == "baseline-gather")
         timings = None
     else:
         model = build_deepfm(NUM_FIELDS, NUM_NUMERIC, args.dim, lambda f, w: kv.Embedding(
@@ -149,8 +155,8 @@ def limit(args, trainer, data, tf):
 
     def one(i):
         inputs, rows, labels = batches[i % len(batches)]
-        loss_sum, dense, row_grads = trainer._train_fn(inputs, rows, labels)
-        [np.asarray(g) for g in dense], [np.asarray(g) for g in row_grads.values()]
+        loss_sum, dense_flat, row_grads = trainer._train_fn(inputs, rows, labels)
+        dense_flat.numpy(), [g.numpy() for g in row_grads.values()]
         trainer._apply_dense(flat)
 
     for i in range(5):
@@ -166,7 +172,7 @@ def limit(args, trainer, data, tf):
     Path(args.out).write_text(json.dumps(record))
 
 
-def baseline(args, comm, tf, keras, build_deepfm, loss_obj, adam):
+def baseline(args, comm, tf, keras, build_deepfm, loss_obj, adam, gather=False):
     """Fixed-vocabulary DeepFM trained the Horovod way. Returns (train_step, predict)."""
     from train import DEFAULTS
 
@@ -180,7 +186,12 @@ def baseline(args, comm, tf, keras, build_deepfm, loss_obj, adam):
                     0.0, DEFAULTS["init_std"]))
 
         def call(self, ids):
-            return self.emb(tf.math.floormod(ids, vocab))
+            ids = tf.math.floormod(ids, vocab)
+            if gather:  # ResourceGather: reads only the batch's rows
+                if not self.emb.built:
+                    self.emb.build(ids.shape)
+                return tf.nn.embedding_lookup(self.emb.embeddings.value, ids)
+            return self.emb(ids)
 
         def compute_output_spec(self, ids):
             return keras.KerasTensor(tuple(ids.shape) + (self.emb.output_dim,), "float32")
