@@ -11,16 +11,14 @@
 
 import json
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from mpirun import run
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 TRAIN = ROOT / "examples" / "train.py"
-MPIRUN = Path(sys.executable).parent / "mpirun"
 TIMEOUT = float(os.environ.get("KVCOLL_TEST_TRAIN_TIMEOUT", "400"))
 
 # The README's command is `./dev demo` = `mpirun -np 2 python examples/train.py` with the
@@ -33,23 +31,8 @@ REQUIRED = ("world_size", "step_mode", "staleness", "steps", "global_batch_size"
 
 
 def run_train(world: int, args, timeout: float = TIMEOUT, script=None):
-    script = ["-c", script] if script else [str(TRAIN)]
-    cmd = [str(MPIRUN), "--oversubscribe", "--bind-to", "none", "-np", str(world),
-           sys.executable, *script, "--no-progress", *map(str, args)]
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1", TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=str(ROOT))
-    env.pop("KVCOLL_STEP_MODE", None)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True, cwd=ROOT)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"train.py on {world} ranks did not finish in {timeout:.0f}s "
-                    f"(deadlock?)\n{out[-6000:]}")
-    return proc.returncode, out
+    script = ["-c", script] if script else [TRAIN]
+    return run(world, [*script, "--no-progress", *args], timeout, "train.py")
 
 
 def check_metrics(m: dict, world: int, synthetic: bool = True):

@@ -1,0 +1,34 @@
+"""Start a command under mpirun from a test, with a timeout: a deadlock fails the test
+(the whole process group is killed), it never hangs the suite."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+MPIRUN = Path(sys.executable).parent / "mpirun"
+
+
+def run(world: int, argv: list, timeout: float, what: str, env_extra=None):
+    """Run `python argv...` on `world` ranks; return (exit code, combined output)."""
+    cmd = [str(MPIRUN), "--oversubscribe", "--bind-to", "none", "-np", str(world),
+           sys.executable, *map(str, argv)]
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1", TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=str(ROOT))
+    env.pop("KVCOLL_STEP_MODE", None)
+    env.update(env_extra or {})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True, cwd=ROOT)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{what} on {world} ranks did not finish in {timeout:.0f}s "
+                    f"(deadlock?)\n{out[-6000:]}")
+    return proc.returncode, out
