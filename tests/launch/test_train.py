@@ -11,6 +11,7 @@
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -125,3 +126,19 @@ def test_uneven_data(tmp_path):
     assert m["steps"] == 5 and m["served_steps"] == 2          # rank 0 ran 3, served 2
     assert [s for s, _ in m["loss_curve"]] == [1, 2, 3]         # rank 0's own steps
     assert "step     2  loss" in out and "step     4" not in out, out[-3000:]
+
+
+def test_kvcollrun_launches_ranks():
+    """launch/kvcollrun wraps mpirun (root, oversubscribe, tagged output, job timeout)."""
+    import subprocess
+
+    env = dict(os.environ, KVCOLLRUN_TIMEOUT="120", PYTHONPATH=str(ROOT))
+    env.pop("KVCOLL_STEP_MODE", None)
+    proc = subprocess.run(
+        [str(ROOT / "launch" / "kvcollrun"), "-np", "3", sys.executable, "-c",
+         "import kvcoll; kvcoll.init(); print('size', kvcoll.size(), 'rank', kvcoll.rank()); "
+         "kvcoll.shutdown()"], env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for r in range(3):
+        assert f"size 3 rank {r}" in proc.stdout
+    assert "[1," in proc.stdout  # --tag-output prefixes each line with its rank

@@ -38,8 +38,10 @@ def batch(step):
             (g.random(B) < 0.5).astype(np.float32))
 
 
-@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
-def test_trainer_matches_plain_keras(combiner):
+@pytest.mark.parametrize("combiner,jit", [("sum", True), ("mean", True), ("sqrtn", True),
+                                          ("mean", False)])
+def test_trainer_matches_plain_keras(combiner, jit):
+    """jit=False runs the dense step eagerly (no tf.function)."""
     kv.init(argv=[])
     lr = 0.5
     kvm = model(lambda u: kv.Embedding("u", DIM, initializer=("uniform", -0.3, 0.3))(u),
@@ -48,7 +50,7 @@ def test_trainer_matches_plain_keras(combiner):
     tr = kv.Trainer(kvm, keras.losses.BinaryCrossentropy(from_logits=True),
                     kv.DistributedOptimizer(keras.optimizers.SGD(lr),
                                             sparse=kv.optimizers.SGD(lr)),
-                    comm=Comm.local())
+                    comm=Comm.local(), jit=jit)
     ids = np.arange(VOCAB)
     init_u = tr.tables["u"].initial_values(ids)
     init_h = tr.tables["h"].initial_values(ids)
