@@ -14,6 +14,15 @@ held out for evaluation and not trained on.
 
 Lines tagged `# kvcoll:` are what a single-process Keras script adds to run here.
 
+Checkpoints: --checkpoint-dir DIR with --checkpoint-every N (full saves) and
+--incremental-every N (deltas of the rows changed since the previous save) saves during
+training and once more at the end; --restore continues from DIR's latest checkpoint, on
+any number of ranks (--steps is the total, counted from step 0). --export-dir DIR writes
+a SavedModel that serves with TensorFlow alone, plus the embedding dictionary.
+
+    mpirun -np 2 python examples/train.py --steps 200 --checkpoint-dir ck --checkpoint-every 100
+    mpirun -np 3 python examples/train.py --steps 400 --checkpoint-dir ck --restore --export-dir ex
+
 At the end rank 0 prints the evaluation AUC (on eval samples never trained on), the
 planted AUC, the throughput and where a step's time goes. --metrics-out writes all of
 it as JSON; --logdir writes TensorBoard scalars.
@@ -83,7 +92,22 @@ def parse_args(argv=None):
     p.add_argument("--logdir", metavar="DIR", help="write TensorBoard scalars here")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar (the plain --log-every lines remain)")
+    g = p.add_argument_group("checkpoints and export")
+    g.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here (and at the end)")
+    g.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help="a full checkpoint every N steps (0: only at the end)")
+    g.add_argument("--incremental-every", type=int, default=0, metavar="N",
+                   help="an incremental checkpoint every N steps, between full ones")
+    g.add_argument("--restore", action="store_true",
+                   help="continue from --checkpoint-dir's latest checkpoint (any world size)")
+    g.add_argument("--export-dir", metavar="DIR",
+                   help="at the end, write a SavedModel for serving and the embedding dictionary")
     args = p.parse_args(argv)
+    if (args.checkpoint_every or args.incremental_every or args.restore) \
+            and not args.checkpoint_dir:
+        p.error("--checkpoint-every, --incremental-every and --restore need --checkpoint-dir")
+    if args.checkpoint_every < 0 or args.incremental_every < 0:
+        p.error("--checkpoint-every and --incremental-every must be >= 0")
     for name in ("batch_size", "dim", "eval_samples", "eval_chunk", "log_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -114,8 +138,8 @@ class Synthetic:
         self.args, self.rank, self.world = args, rank, world
         self.steps = args.steps or DEFAULTS["steps"]
 
-    def train(self):
-        for step in range(self.steps):
+    def train(self, start=0):
+        for step in range(start, self.steps):
             # kvcoll: this rank's slice of global batch `step`, generated alone
             yield self.gen.batch(step, self.args.batch_size, self.rank, self.world)
 
@@ -140,11 +164,11 @@ class Criteo:
         self.steps = args.steps
         self.holdout = 0 if args.eval_data else -(-args.eval_samples // args.batch_size)
 
-    def train(self):
+    def train(self, start=0):
         # kvcoll: every rank reads its slice of each global batch
         it = read_criteo(self.args.data, self.args.batch_size, self.rank, self.world)
         for i, batch in enumerate(it):
-            if i < self.holdout:
+            if i < self.holdout + start:  # held out, or trained on before a --restore
                 continue
             if self.steps is not None and i - self.holdout >= self.steps:
                 return
@@ -291,6 +315,12 @@ def main(argv=None):
     kv.broadcast_variables(model.variables, root_rank=0)  # kvcoll: same start everywhere
 
     data = (Criteo if args.data else Synthetic)(args, rank, world)
+    if args.restore:  # kvcoll: tables, dense model, optimizer and step, on any world size
+        info = kv.restore(args.checkpoint_dir, trainer)
+        say(f"restored {info.name} (step {info.step}; a full checkpoint and "
+            f"{len(info.chain) - 1} incremental one(s)) from {args.checkpoint_dir} "
+            f"in {info.seconds:.1f}s")
+    start = trainer.step
     quick_n = min(args.eval_samples, 16384)
     say(f"{args.model} on {world} rank(s): {NUM_FIELDS} tables of width {args.dim + 1}, "
         f"global batch {args.batch_size} ({even_split(args.batch_size, 0, world)[1]} on "
@@ -299,6 +329,7 @@ def main(argv=None):
 
     writer = tf.summary.create_file_writer(args.logdir) if args.logdir and rank == 0 else None
     progress = Progress(data.steps, rank, bar=not args.no_progress)
+    saved_at = start if args.restore else None
     losses = []
     train_time = first_step = eval_time = data_time = 0.0
     timings0 = None
@@ -309,7 +340,7 @@ def main(argv=None):
     all_have_data = True
     comm = runtime.comm()  # kvcoll:
     t_step = time.perf_counter()
-    batches = data.train()
+    batches = data.train(start)
     while True:
         t0 = time.perf_counter()
         batch = next(batches, None)
@@ -323,7 +354,7 @@ def main(argv=None):
         now = time.perf_counter()
         step = trainer.step
         losses.append((step, loss))
-        if step == 1:
+        if step == start + 1:
             first_step = now - t_step
             timings0 = dict(trainer.timings)
         else:
@@ -334,6 +365,19 @@ def main(argv=None):
             with writer.as_default(step=step):
                 summary_scalar("loss", loss)
         progress.update(step, loss)
+
+        every = args.checkpoint_every
+        inc = args.incremental_every
+        if args.checkpoint_dir and all_have_data and ((every and step % every == 0)
+                                                      or (inc and step % inc == 0)):
+            te = time.perf_counter()
+            full = bool(every and step % every == 0)
+            info = kv.save(args.checkpoint_dir, trainer, incremental=not full)  # kvcoll: collective
+            saved_at = step
+            progress.line(f"step {step:5d}  saved {info.kind} checkpoint {info.name}: "
+                          f"{info.rows:,} rows, {info.bytes / 2**20:,.1f} MiB, {info.seconds:.2f}s")
+            eval_time += time.perf_counter() - te
+            t_step = time.perf_counter()       # saving is not training time
 
         if step % args.log_every == 0 and step != data.steps and all_have_data:
             te = time.perf_counter()
@@ -353,10 +397,15 @@ def main(argv=None):
             eval_time += time.perf_counter() - te
             t_step = time.perf_counter()       # evaluation is not training time
     served = trainer.finish()  # kvcoll: uneven data: serve the other ranks until all are done
-    if trainer.step > 1:
+    if trainer.step > start + 1:
         train_time += time.perf_counter() - t_step    # the steps served count as training
     progress.close()
     steps = trainer.step
+    if args.checkpoint_dir and saved_at != steps and steps > 0:
+        info = kv.save(args.checkpoint_dir, trainer,  # kvcoll: a collective
+                       incremental=bool(args.incremental_every))
+        say(f"saved {info.kind} checkpoint {info.name} at step {steps}: {info.rows:,} rows, "
+            f"{info.bytes / 2**20:,.1f} MiB in {info.seconds:.2f}s")
     if steps == 0:
         say("error: no training data")
         kv.shutdown()
@@ -366,13 +415,13 @@ def main(argv=None):
     result = evaluate(trainer, data, args.eval_samples)  # kvcoll: collective
     eval_time += time.perf_counter() - te
     stats = trainer.table_stats()  # kvcoll: rows and bytes summed over all ranks
-    timed = max(1, steps - 1)
+    timed = max(1, steps - start - 1)
     per_step = {k: (v - (timings0 or {}).get(k, 0.0)) / timed * 1e3
                 for k, v in trainer.timings.items()}
     per_step["data"] = data_time / timed * 1e3
     per_step["total"] = train_time / timed * 1e3
     per_step["other"] = per_step["total"] - sum(v for k, v in per_step.items() if k != "total")
-    sps = (steps - 1) * args.batch_size / train_time if steps > 1 and train_time > 0 else 0.0
+    sps = (timed * args.batch_size / train_time) if steps > start + 1 and train_time > 0 else 0.0
 
     metrics = {
         "model": args.model, "world_size": world, "step_mode": cfg.step_mode,
@@ -391,6 +440,13 @@ def main(argv=None):
         "table_rows": sum(s["rows"] for s in stats.values()),
         "table_bytes": sum(s["bytes"] for s in stats.values()),
     }
+    if args.restore:
+        metrics["restored_from_step"] = start
+    if args.export_dir:  # kvcoll: a collective; rank 0 writes
+        ex = kv.export(args.export_dir, trainer)
+        metrics["export_seconds"] = ex["seconds"]
+        say(f"exported a SavedModel and the embedding dictionary to {args.export_dir} "
+            f"in {ex['seconds']:.1f}s")
     target = None
     if "planted_auc" in result:
         target = 0.5 + 0.8 * (result["planted_auc"] - 0.5)

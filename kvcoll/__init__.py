@@ -1,34 +1,43 @@
 """kvcoll: growable, sharded embedding tables for TensorFlow, trained over plain MPI.
 
 The engine (tables, routing, exchange) imports no TensorFlow; `Embedding`,
-`DistributedOptimizer`, `Trainer` and `broadcast_variables` load it on first use.
+`DistributedOptimizer`, `Trainer`, `broadcast_variables`, `save`, `restore` and
+`export` load it on first use.
 """
 
 from . import data, errors, optimizers
 from .config import ASP, BSP, Config, StepMode, ssp
-from .errors import (CapacityError, ClosedError, CommError, CommTimeoutError, DimensionError,
-                     InvalidArgumentError, KvcollError, NonFiniteError, TableFullError)
+from .errors import (CapacityError, CheckpointError, ClosedError, CommError, CommTimeoutError,
+                     DimensionError, InvalidArgumentError, KvcollError, NonFiniteError,
+                     TableFullError)
 from .runtime import init, is_initialized, rank, shutdown, size
 from .table import Initializer, KvTable, TableStats
 
 __version__ = "0.1.0"
 
-_KERAS_NAMES = ("Embedding", "DistributedOptimizer", "Trainer", "broadcast_variables")
+# Public names that load TensorFlow, and the module each comes from. (The export
+# function lives in serving.py: a submodule named `export` would shadow it.)
+_LAZY = {
+    "Embedding": "keras", "DistributedOptimizer": "keras", "Trainer": "keras",
+    "broadcast_variables": "keras", "save": "checkpoint", "restore": "checkpoint",
+    "export": "serving",
+}
 
 __all__ = [
     "init", "shutdown", "rank", "size", "is_initialized",
     "Config", "StepMode", "BSP", "ASP", "ssp",
     "KvTable", "Initializer", "TableStats",
-    *_KERAS_NAMES,
+    *_LAZY,
     "optimizers", "errors", "data",
     "KvcollError", "InvalidArgumentError", "DimensionError", "NonFiniteError",
     "CapacityError", "TableFullError", "ClosedError", "CommError", "CommTimeoutError",
+    "CheckpointError",
 ]
 
 
 def __getattr__(name):
-    if name in _KERAS_NAMES:
-        from . import keras as _keras
+    if name in _LAZY:
+        import importlib
 
-        return getattr(_keras, name)
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'kvcoll' has no attribute {name!r}")

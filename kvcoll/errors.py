@@ -14,6 +14,7 @@ __all__ = [
     "ClosedError",
     "CommTimeoutError",
     "CommError",
+    "CheckpointError",
 ]
 
 
@@ -51,3 +52,8 @@ class CommError(RuntimeError, KvcollError):
 
 class CommTimeoutError(TimeoutError, KvcollError):
     """A collective or a peer did not answer in time."""
+
+
+class CheckpointError(ValueError, KvcollError):
+    """A checkpoint is missing, corrupt, newer than this kvcoll, or does not match the
+    model; raised on every rank before anything was changed."""

@@ -1,0 +1,206 @@
+"""Checkpoint test driver: trains, saves, restores and dumps state under mpirun.
+
+Not a test module (tests/launch/test_checkpoint_reshard.py runs it, and
+tests/unit/test_checkpoint.py imports its model and helpers).
+
+    python ckpt_driver.py train  --steps 10 --dir D --full-at 4 --incremental-at 5,6,7
+                                 [--full-dir D2 --full-dir-at 7] [--dump-at 7 --dump X.npz]
+                                 [--losses L.json] [--kill-rank 1 --kill-at 4 --kill-after-files 1]
+    python ckpt_driver.py resume --dir D --steps 10 --dump X.npz --losses L.json
+                                 [--also-dir D2 --also-dump Y.npz]
+
+Every rank takes its slice of global batch `step`, which depends on the step alone,
+so runs at different world sizes see the same global batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import kvcoll as kv  # noqa: E402
+
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(1)
+
+B = 48  # global batch
+
+
+def build():
+    keras.utils.set_random_seed(3)
+    u = keras.Input(shape=(), dtype="int64", name="user")
+    i = keras.Input(shape=(), dtype="int64", name="item")
+    h = keras.Input(shape=(None,), dtype="int64", name="history")
+    t = keras.Input(shape=(None,), dtype="int64", name="tags")
+    x = keras.Input(shape=(3,), dtype="float32", name="x")
+    parts = [
+        kv.Embedding("user", 4, initializer=("normal", 0, 0.1), seed=1)(u),
+        kv.Embedding("item", 3, initializer=("uniform", -0.1, 0.1))(i),
+        kv.Embedding("item", 3, combiner="mean", initializer=("uniform", -0.1, 0.1),
+                     name="history_emb")(h),
+        kv.Embedding("tag", 2, combiner="sqrtn", optimizer=kv.optimizers.Adam(0.01))(t),
+        x,
+    ]
+    z = keras.layers.Dense(6, activation="tanh")(keras.layers.Concatenate()(parts))
+    return keras.Model({"user": u, "item": i, "history": h, "tags": t, "x": x},
+                       keras.layers.Dense(1)(z))
+
+
+def make_trainer(comm=None, lr=0.02):
+    model = build()
+    opt = kv.DistributedOptimizer(keras.optimizers.Adam(lr), sparse=kv.optimizers.Adagrad(0.2))
+    return kv.Trainer(model, keras.losses.BinaryCrossentropy(from_logits=True), opt, comm=comm)
+
+
+def global_batch(step, vocab=60):
+    g = np.random.default_rng([11, step])
+    lens = g.integers(0, 4, B)
+    tag_lens = g.integers(1, 3, B)
+    return {
+        "user": g.integers(0, vocab, B).astype(np.int64),
+        "item": g.integers(0, vocab // 2, B).astype(np.int64),
+        "history": (g.integers(0, vocab // 2, lens.sum()).astype(np.int64), lens),
+        "tags": (g.integers(-5, 5, tag_lens.sum()).astype(np.int64), tag_lens),
+        "x": g.normal(size=(B, 3)).astype(np.float32),
+        "label": (g.random(B) < 0.4).astype(np.float32),
+    }
+
+
+def take(batch, lo, hi):
+    """Samples lo..hi-1 of a global batch, ragged features as (values, row_splits)."""
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, tuple):
+            vals, lens = v
+            splits = np.concatenate([[0], np.cumsum(lens)])
+            out[k] = (vals[splits[lo]:splits[hi]], splits[lo:hi + 1] - splits[lo])
+        else:
+            out[k] = v[lo:hi]
+    return out
+
+
+def my_slice(comm):
+    return B * comm.rank // comm.size, B * (comm.rank + 1) // comm.size
+
+
+def train_step(trainer, step):
+    """Global step `step` (1-based) on this rank's slice."""
+    b = take(global_batch(step), *my_slice(trainer.comm))
+    label = b.pop("label")
+    return trainer.train_step(b, label)
+
+
+def state(trainer) -> dict:
+    """Every row (sorted by key), slot and header of every table over all ranks, the
+    dense and optimizer variables and the step: the same on every rank."""
+    out = {"step": np.array(trainer.step)}
+    for name, t in trainer.tables.items():
+        e = t.export()
+        cols = {}
+        for k in ("keys", "values", "slots", "last_step", "counts"):
+            v = e[k].astype(np.int64) if e[k].dtype == np.uint32 else e[k]
+            cols[k], _ = trainer.comm.allgatherv(v, op="test:state")
+        order = np.argsort(cols["keys"])
+        for k, v in cols.items():
+            out[f"{name}/{k}"] = v[order]
+    for i, v in enumerate(trainer.model.variables):
+        out[f"model/{i}"] = v.numpy()
+    for i, v in enumerate(trainer.opt.optimizer.variables):
+        out[f"opt/{i}"] = v.numpy()
+    return out
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def _ints(text):
+    return [int(s) for s in text.split(",") if s] if text else []
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=("train", "resume"))
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--dir", required=True)
+    p.add_argument("--full-at", default="")
+    p.add_argument("--incremental-at", default="")
+    p.add_argument("--full-dir")
+    p.add_argument("--full-dir-at", type=int)
+    p.add_argument("--dump-at", type=int)
+    p.add_argument("--dump")
+    p.add_argument("--losses")
+    p.add_argument("--kill-rank", type=int)
+    p.add_argument("--kill-at", type=int)
+    p.add_argument("--kill-after-files", type=int, default=1)
+    p.add_argument("--also-dir")
+    p.add_argument("--also-dump")
+    args = p.parse_args(argv)
+    kv.init(argv=[])
+    trainer = make_trainer()
+    kv.broadcast_variables(trainer.model.variables, root_rank=0)
+    comm = trainer.comm
+    losses = {}
+    if args.mode == "resume":
+        if args.also_dir:  # a second checkpoint first, dumped, then the main one
+            kv.restore(args.also_dir, trainer)
+            if comm.rank == 0:
+                np.savez(args.also_dump, **state(trainer))
+            else:
+                state(trainer)
+        info = kv.restore(args.dir, trainer)
+        snap = state(trainer)
+        if comm.rank == 0:
+            np.savez(args.dump, **snap)
+            print(f"restored {info.name} (chain {list(info.chain)}) at step {info.step} on "
+                  f"{comm.size} rank(s)", flush=True)
+    full_at, inc_at = _ints(args.full_at), _ints(args.incremental_at)
+    while trainer.step < args.steps:
+        step = trainer.step + 1
+        losses[step] = train_step(trainer, step)
+        assert trainer.step == step
+        if args.kill_at == step:
+            import kvcoll.checkpoint as ck
+
+            real, written = ck._write_shard, []
+
+            def dying(path, arrays):
+                if comm.rank == args.kill_rank and len(written) >= args.kill_after_files:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                written.append(path)
+                return real(path, arrays)
+            ck._write_shard = dying
+            kv.save(args.dir, trainer)
+            raise AssertionError("the save should have been killed")
+        if step in full_at:
+            kv.save(args.dir, trainer)
+        if step in inc_at:
+            info = kv.save(args.dir, trainer, incremental=True)
+            assert info.kind == "delta", info
+        if args.full_dir and step == args.full_dir_at:
+            kv.save(args.full_dir, trainer)
+        if step == args.dump_at:
+            snap = state(trainer)
+            if comm.rank == 0:
+                np.savez(args.dump, **snap)
+    if comm.rank == 0 and args.losses:
+        with open(args.losses, "w") as f:
+            json.dump({str(k): v for k, v in losses.items()}, f)
+    trainer.close()
+    kv.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Table checkpoints at any world size (kvcoll.checkpoint.Checkpointer, no TensorFlow).
+
+Every rank builds the whole table state from one seed, keeps its own keys, saves a
+full checkpoint and a delta; the checkpoint then restores on the same ranks and, on
+every rank, into one-rank tables holding every key (another world size); a file
+corrupted on one rank makes every rank raise the same error with nothing changed.
+"""
+
+import os
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+
+import kvcoll as kv
+from kvcoll.checkpoint import Checkpointer
+from kvcoll.comm import Comm
+from kvcoll.table import owner_of
+
+DIMS = {"a": 4, "b": 3}
+
+
+def make_tables():
+    return {"a": kv.KvTable(4, name="a", seed=1, initializer=("normal", 0, 0.1),
+                            optimizer=kv.optimizers.Adagrad(0.1)),
+            "b": kv.KvTable(3, name="b", optimizer=kv.optimizers.Adam(0.01))}
+
+
+def play(tables, world, rank, step):
+    """Global updates of `step`, restricted to this rank's keys."""
+    g = np.random.default_rng([5, step])
+    for name, t in tables.items():
+        keys = np.unique(g.integers(0, 500, 200))
+        grads = g.normal(size=(keys.size, t.dim)).astype(np.float32)
+        mine = owner_of(keys, world) == rank
+        t.apply_gradients(keys[mine], grads[mine], step=step, create_missing=True)
+
+
+def dump(tables):
+    out = {}
+    for name, t in tables.items():
+        e = t.export()
+        order = np.argsort(e["keys"])
+        out[name] = {k: e[k][order] for k in ("keys", "values", "slots", "last_step", "counts")}
+    return out
+
+
+def same(a, b):
+    for name in a:
+        for k in a[name]:
+            np.testing.assert_array_equal(a[name][k], b[name][k], err_msg=f"{name}/{k}")
+
+
+@pytest.fixture()
+def shared_dir(comm):
+    path = tempfile.mkdtemp(prefix="kvckpt-") if comm.rank == 0 else None
+    path = comm.bcast_bytes(path.encode() if path else None).decode()
+    yield path
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_full_and_delta_restore_on_same_and_one_rank(comm, shared_dir):
+    world, rank = comm.size, comm.rank
+    tables = make_tables()
+    ck = Checkpointer(tables, comm)
+    for step in (1, 2):
+        play(tables, world, rank, step)
+    assert ck.save(shared_dir, 2).kind == "full"
+    play(tables, world, rank, 3)
+    info = ck.save(shared_dir, 3, incremental=True)
+    assert info.kind == "delta"
+    ref = dump(tables)
+
+    fresh = make_tables()
+    r = Checkpointer(fresh, comm).restore(shared_dir)
+    assert r.step == 3 and r.chain == ("ckpt-0000000002", "ckpt-0000000003")
+    same(dump(fresh), ref)
+
+    # every rank alone: a one-rank world holding every key
+    local = make_tables()
+    Checkpointer(local, Comm.local()).restore(shared_dir)
+    everything = make_tables()
+    for step in (1, 2, 3):
+        play(everything, 1, 0, step)
+    same(dump(local), dump(everything))
+    for ts in (tables, fresh, local, everything):
+        for t in ts.values():
+            t.close()
+
+
+def test_corrupt_file_on_one_rank_fails_everywhere(comm, shared_dir):
+    world, rank = comm.size, comm.rank
+    tables = make_tables()
+    play(tables, world, rank, 1)
+    Checkpointer(tables, comm).save(shared_dir, 1)
+    comm.barrier()
+    bad = world - 1
+    if rank == bad:
+        ckdir = os.path.join(shared_dir, "ckpt-0000000001")
+        path = os.path.join(ckdir, next(f for f in sorted(os.listdir(ckdir))
+                                        if f.endswith(f".r{bad}-of-{world}.kvs")))
+        data = bytearray(open(path, "rb").read())
+        data[-1] ^= 1
+        open(path, "wb").write(bytes(data))
+    comm.barrier()
+    other = make_tables()
+    play(other, world, rank, 7)
+    before = dump(other)
+    with pytest.raises(kv.CheckpointError, match=rf"rank {bad}: .*fails its sha256 check"):
+        Checkpointer(other, comm).restore(shared_dir)
+    same(dump(other), before)
+    for ts in (tables, other):
+        for t in ts.values():
+            t.close()
