@@ -315,12 +315,12 @@ def table_child(spec: dict) -> None:
     reps = 3 if n <= spec["insert_reps_upto"] else 2
     times, mem, t, grew = [], None, None, 0
     for _ in range(reps):
+        if times and common.mem_available() < 1.5 * grew:
+            break  # another fill might not fit: keep the table we have for the finds
         if t is not None:
             c.close(t)
             t = None
         gc.collect()
-        if times and common.mem_available() < 1.5 * grew:
-            break  # another fill might not fit next to what the last one left behind
         rss0 = common.rss_bytes()
         t = c.create()
         ins = c.inserter(t, mode)
