@@ -33,6 +33,74 @@ int kv_hash_batch(const int64_t *keys, int64_t n, uint64_t *out) {
     return KV_OK;
 }
 
+/* ---- XXH64 ------------------------------------------------------------------------- */
+
+#define XP1 0x9E3779B185EBCA87ULL
+#define XP2 0xC2B2AE3D27D4EB4FULL
+#define XP3 0x165667B19E3779F9ULL
+#define XP4 0x85EBCA77C2B2AE63ULL
+#define XP5 0x27D4EB2F165667C5ULL
+
+static inline uint64_t rotl64(uint64_t x, unsigned r) { return (x << r) | (x >> (64 - r)); }
+static inline uint64_t rd64(const uint8_t *p) { /* little-endian */
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) v = (v << 8) | p[i];
+    return v;
+}
+static inline uint64_t rd32(const uint8_t *p) {
+    return (uint64_t)p[0] | (uint64_t)p[1] << 8 | (uint64_t)p[2] << 16 | (uint64_t)p[3] << 24;
+}
+static inline uint64_t xround(uint64_t acc, uint64_t in) {
+    acc += in * XP2;
+    return rotl64(acc, 31) * XP1;
+}
+static inline uint64_t xmerge(uint64_t acc, uint64_t v) {
+    acc ^= xround(0, v);
+    return acc * XP1 + XP4;
+}
+
+static uint64_t xxh64(const uint8_t *p, uint64_t len, uint64_t seed) {
+    const uint8_t *end = p + len;
+    uint64_t h;
+    if (len >= 32) {
+        uint64_t v1 = seed + XP1 + XP2, v2 = seed + XP2, v3 = seed, v4 = seed - XP1;
+        for (; p + 32 <= end; p += 32) {
+            v1 = xround(v1, rd64(p));
+            v2 = xround(v2, rd64(p + 8));
+            v3 = xround(v3, rd64(p + 16));
+            v4 = xround(v4, rd64(p + 24));
+        }
+        h = rotl64(v1, 1) + rotl64(v2, 7) + rotl64(v3, 12) + rotl64(v4, 18);
+        h = xmerge(xmerge(xmerge(xmerge(h, v1), v2), v3), v4);
+    } else {
+        h = seed + XP5;
+    }
+    h += len;
+    for (; p + 8 <= end; p += 8) h = rotl64(h ^ xround(0, rd64(p)), 27) * XP1 + XP4;
+    if (p + 4 <= end) {
+        h = rotl64(h ^ (rd32(p) * XP1), 23) * XP2 + XP3;
+        p += 4;
+    }
+    for (; p < end; p++) h = rotl64(h ^ (*p * XP5), 11) * XP1;
+    h ^= h >> 33;
+    h *= XP2;
+    h ^= h >> 29;
+    h *= XP3;
+    h ^= h >> 32;
+    return h;
+}
+
+int kv_hash_strings(const uint8_t *bytes, const int64_t *starts, const int64_t *lens,
+                    int64_t n, uint64_t seed, int64_t *out) {
+    if (n < 0 || (n > 0 && (!starts || !lens || !out))) return KV_EINVAL;
+    for (int64_t i = 0; i < n; i++)
+        if (starts[i] < 0 || lens[i] < 0 || (lens[i] > 0 && !bytes)) return KV_EINVAL;
+    for (int64_t i = 0; i < n; i++)
+        out[i] = (int64_t)xxh64(lens[i] ? bytes + starts[i] : (const uint8_t *)"",
+                                (uint64_t)lens[i], seed);
+    return KV_OK;
+}
+
 int kv_owner_batch(const int64_t *keys, int64_t n, int32_t world, int32_t *owner) {
     if (n < 0 || world < 1 || (n > 0 && (!keys || !owner))) return KV_EINVAL;
     for (int64_t i = 0; i < n; i++) owner[i] = kv_owner_of_hash(kv_mix64((uint64_t)keys[i]), world);

@@ -54,6 +54,25 @@
  * of key + embedding); the pipeline keeps enough of them in flight that memory
  * bandwidth and latency, not instructions, bound it.
  *
+ * Admission. Unadmitted keys never get a row. KV_ADMIT_EXACT keeps them in a pending
+ * map: a power-of-two array of {key, count, last seen step} (16 bytes), linear
+ * probing from kv_mix64(key ^ PEND_SALT), at most half full, backward-shift delete;
+ * count 0 marks an empty slot. KV_ADMIT_BLOOM keeps bloom_counters 4-bit counters
+ * (two per byte); a key's estimate is the minimum of its 3 counters (positions from
+ * two kv_mix64 words, fastrange), a sighting raises each of them to estimate + 1
+ * (conservative update, saturating at 15), and after bloom_counters sightings every
+ * counter is halved (TinyLFU's reset), so old keys fade and the filter never fills.
+ * Both are updated per distinct absent key of a call, after reserve(), so a failed
+ * call changes no count.
+ *
+ * Eviction (kv_table_evict) orders rows by a primary field (LRU: last_step, LFU:
+ * count), then the other one, then the key. A first pass over the arena counts TTL
+ * rows and histograms the top 16 bits of the primary field; a second pass histograms
+ * the low 16 bits inside the bucket where the cut-off falls; rows equal to the
+ * cut-off value are sorted only if some of them must stay. Then one pass frees the
+ * rows. All memory (histogram, tie list, log growth, the purged pending map) is
+ * allocated before the first row is freed.
+ *
  * Initial values come from a counter-based generator: element e of key k draws
  * kv_mix64(base(seed, table_id, k) + golden * (counter(e, attempt) + 1)), so the
  * value depends on (seed, table_id, key, initializer) only.
@@ -65,6 +84,7 @@
 
 #include <math.h>
 #include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 
@@ -120,7 +140,25 @@ struct kv_table {
     uint64_t n_slots, fill_limit;
     unsigned rbits, tag_bits;
     uint32_t id_mask;
+    /* admission */
+    uint32_t admit_k;        /* >= 2: admission on */
+    struct pend *pend;       /* KV_ADMIT_EXACT: pend_cap slots, pend_n used */
+    uint64_t pend_cap, pend_n;
+    uint8_t *bloom;          /* KV_ADMIT_BLOOM: bloom_n 4-bit counters */
+    uint64_t bloom_n, bloom_adds;
+    /* removed-keys log */
+    int log_on;
+    int64_t *log;
+    uint64_t log_n, log_cap;
+    /* lifecycle counters */
+    int64_t n_admitted, n_rejected, n_dropped, n_evicted;
 };
+
+typedef struct pend {
+    int64_t key;
+    uint32_t cnt;  /* sightings; 0 = empty slot */
+    uint32_t step; /* last sighting */
+} pend_t;
 
 /* ---- rows ------------------------------------------------------------------------ */
 
@@ -560,6 +598,147 @@ static uint32_t create_row(kv_table_t *t, int64_t key, uint32_t step, int init_e
     return id;
 }
 
+/* ---- admission state ------------------------------------------------------------- */
+
+#define PEND_SALT 0x2545f4914f6cdd1dULL
+#define BLOOM_SALT 0x9fb21c651e98df25ULL
+
+static inline uint64_t pend_home(int64_t key, uint64_t cap) {
+    return kv_mix64((uint64_t)key ^ PEND_SALT) & (cap - 1);
+}
+
+static pend_t *pend_find(const kv_table_t *t, int64_t key) {
+    if (!t->pend_n) return NULL;
+    uint64_t p = pend_home(key, t->pend_cap);
+    for (;;) {
+        pend_t *e = &t->pend[p];
+        if (!e->cnt) return NULL;
+        if (e->key == key) return e;
+        p = (p + 1) & (t->pend_cap - 1);
+    }
+}
+
+static void pend_put(pend_t *tab, uint64_t cap, int64_t key, uint32_t cnt, uint32_t step) {
+    uint64_t p = pend_home(key, cap);
+    while (tab[p].cnt) p = (p + 1) & (cap - 1);
+    tab[p].key = key;
+    tab[p].cnt = cnt;
+    tab[p].step = step;
+}
+
+/* A pending map with room for `want` entries at most half full, holding the entries
+ * of t->pend that keep(e) accepts (all if min_step == 0). NULL on KV_ENOMEM. */
+static pend_t *pend_rebuilt(const kv_table_t *t, uint64_t want, uint32_t min_step,
+                            uint64_t *cap_out) {
+    uint64_t cap = 64;
+    while (cap < 2 * want) cap <<= 1;
+    pend_t *tab = kv_calloc(cap, sizeof(pend_t));
+    if (!tab) return NULL;
+    for (uint64_t i = 0; i < t->pend_cap; i++) {
+        const pend_t *e = &t->pend[i];
+        if (e->cnt && e->step >= min_step) pend_put(tab, cap, e->key, e->cnt, e->step);
+    }
+    *cap_out = cap;
+    return tab;
+}
+
+/* Room for `extra` more pending keys. KV_OK or KV_ENOMEM (map unchanged). */
+static int pend_reserve(kv_table_t *t, uint64_t extra) {
+    if (2 * (t->pend_n + extra) <= t->pend_cap) return KV_OK;
+    uint64_t cap;
+    pend_t *tab = pend_rebuilt(t, t->pend_n + extra, 0, &cap);
+    if (!tab) return KV_ENOMEM;
+    kv_free(t->pend);
+    t->pend = tab;
+    t->pend_cap = cap;
+    return KV_OK;
+}
+
+/* Remove entry e (backward shift, as index_erase_at). */
+static void pend_erase(kv_table_t *t, pend_t *e) {
+    uint64_t mask = t->pend_cap - 1, i = (uint64_t)(e - t->pend), j = i;
+    for (;;) {
+        j = (j + 1) & mask;
+        pend_t *s = &t->pend[j];
+        if (!s->cnt) break;
+        uint64_t home = pend_home(s->key, t->pend_cap);
+        int stays = i <= j ? (i < home && home <= j) : (i < home || home <= j);
+        if (!stays) {
+            t->pend[i] = *s;
+            i = j;
+        }
+    }
+    t->pend[i].cnt = 0;
+    t->pend_n--;
+}
+
+static inline void bloom_pos(const kv_table_t *t, int64_t key, uint64_t pos[3]) {
+    uint64_t h1 = kv_mix64((uint64_t)key ^ BLOOM_SALT), h2 = kv_mix64(h1);
+    pos[0] = ((h1 & 0xffffffffULL) * t->bloom_n) >> 32;
+    pos[1] = ((h1 >> 32) * t->bloom_n) >> 32;
+    pos[2] = ((h2 & 0xffffffffULL) * t->bloom_n) >> 32;
+}
+static inline uint32_t bloom_get(const uint8_t *b, uint64_t i) {
+    return (b[i >> 1] >> ((i & 1) * 4)) & 15u;
+}
+static inline void bloom_raise(uint8_t *b, uint64_t i, uint32_t v) {
+    if (bloom_get(b, i) >= v) return;
+    unsigned sh = (unsigned)(i & 1) * 4;
+    b[i >> 1] = (uint8_t)((b[i >> 1] & ~(15u << sh)) | (v << sh));
+}
+static uint32_t bloom_estimate(const kv_table_t *t, int64_t key) {
+    uint64_t p[3];
+    bloom_pos(t, key, p);
+    uint32_t m = bloom_get(t->bloom, p[0]), c;
+    if ((c = bloom_get(t->bloom, p[1])) < m) m = c;
+    if ((c = bloom_get(t->bloom, p[2])) < m) m = c;
+    return m;
+}
+static void bloom_sight(kv_table_t *t, int64_t key) {
+    uint64_t p[3];
+    bloom_pos(t, key, p);
+    uint32_t v = bloom_estimate(t, key) + 1;
+    if (v > KV_BLOOM_MAX_COUNT) v = KV_BLOOM_MAX_COUNT;
+    for (int j = 0; j < 3; j++) bloom_raise(t->bloom, p[j], v);
+    if (++t->bloom_adds >= t->bloom_n) { /* age: halve every counter */
+        for (uint64_t i = 0; i < (t->bloom_n + 1) / 2; i++) t->bloom[i] = (uint8_t)((t->bloom[i] >> 1) & 0x77u);
+        t->bloom_adds = 0;
+    }
+}
+static inline size_t bloom_bytes(uint64_t n) { return (size_t)((n + 1) / 2); }
+
+/* Sightings of an absent key before this one. */
+static inline uint32_t seen_before(const kv_table_t *t, int64_t key) {
+    if (t->bloom) return bloom_estimate(t, key);
+    const pend_t *e = pend_find(t, key);
+    return e ? e->cnt : 0;
+}
+
+/* ---- removed-keys log -------------------------------------------------------------- */
+
+static int log_reserve(kv_table_t *t, uint64_t extra) {
+    if (!t->log_on || t->log_n + extra <= t->log_cap) return KV_OK;
+    uint64_t cap = t->log_cap ? t->log_cap : 1024;
+    while (cap < t->log_n + extra) cap *= 2;
+    int64_t *l = kv_realloc(t->log, (size_t)cap * sizeof(int64_t));
+    if (!l) return KV_ENOMEM;
+    t->log = l;
+    t->log_cap = cap;
+    return KV_OK;
+}
+
+/* Put live row id on the free list (its index entry is already gone) and log it. */
+static void free_row(kv_table_t *t, uint32_t id) {
+    unsigned char *r = row_at(t, id);
+    if (t->log_on) t->log[t->log_n++] = row_key(r); /* log_reserve() came first */
+    row_set_key(r, (int64_t)t->free_head);
+    *row_meta(r) = META_FREE;
+    *row_step(r) = 0;
+    t->free_head = (uint64_t)id + 1;
+    t->n_free++;
+    t->live--;
+}
+
 /*
  * ids[i] == 0 marks keys[i] (n_absent of them) as absent. Reserve and create one row
  * per distinct absent key, set ids[i] for every absent i and, if out != NULL, copy
@@ -567,17 +746,31 @@ static uint32_t create_row(kv_table_t *t, int64_t key, uint32_t step, int init_e
  */
 static int create_absent(kv_table_t *t, const int64_t *keys, int64_t n, uint32_t *ids,
                          int64_t n_absent, uint32_t step, int init_emb, float *out,
-                         int64_t *n_created) {
+                         int64_t *n_created, int admit) {
     if (n_created) *n_created = 0;
     if (n_absent == 0) return KV_OK;
-    int64_t *scratch = kv_malloc((size_t)n_absent * 3 * sizeof(int64_t));
+    admit = admit && t->admit_k >= 2;
+    /* absent | uniq | inv (int64 each), then one admission flag per unique key */
+    int64_t *scratch = kv_malloc((size_t)n_absent * (3 * sizeof(int64_t) + 1));
     if (!scratch) return KV_ENOMEM;
     int64_t *absent = scratch, *uniq = scratch + n_absent, *inv = scratch + 2 * n_absent;
+    uint8_t *take = (uint8_t *)(scratch + 3 * n_absent);
     int64_t m = 0, count, nu;
     for (int64_t i = 0; i < n; i++)
         if (!ids[i]) absent[m++] = keys[i];
     int rc = kv_unique_partition(absent, n_absent, 1, uniq, inv, &count, &nu);
-    if (rc == KV_OK) rc = reserve(t, (uint64_t)nu);
+    uint64_t n_take = (uint64_t)nu, n_new_pend = 0;
+    if (rc == KV_OK && admit) {
+        n_take = 0;
+        for (int64_t u = 0; u < nu; u++) {
+            uint32_t before = seen_before(t, uniq[u]);
+            take[u] = before + 1 >= t->admit_k;
+            n_take += take[u];
+            n_new_pend += !take[u] && !t->bloom && before == 0;
+        }
+    }
+    if (rc == KV_OK) rc = reserve(t, n_take);
+    if (rc == KV_OK && n_new_pend) rc = pend_reserve(t, n_new_pend);
     if (rc != KV_OK) {
         kv_free(scratch);
         return rc;
@@ -586,17 +779,42 @@ static int create_absent(kv_table_t *t, const int64_t *keys, int64_t n, uint32_t
     for (int64_t u = 0; u < nu; u++) {
         if (u + LK_DA < nu)
             __builtin_prefetch(&t->index[bucket_of(kv_mix64((uint64_t)uniq[u + LK_DA]), t->n_slots)], 1);
-        new_ids[u] = create_row(t, uniq[u], step, init_emb);
+        if (!admit || take[u]) {
+            new_ids[u] = create_row(t, uniq[u], step, init_emb) + 1;
+            if (admit && !t->bloom) {
+                pend_t *e = pend_find(t, uniq[u]);
+                if (e) pend_erase(t, e);
+            }
+        } else {
+            new_ids[u] = 0;
+            if (t->bloom) {
+                bloom_sight(t, uniq[u]);
+            } else {
+                pend_t *e = pend_find(t, uniq[u]);
+                if (e) {
+                    e->cnt++;
+                    e->step = step;
+                } else {
+                    pend_put(t->pend, t->pend_cap, uniq[u], 1, step);
+                    t->pend_n++;
+                }
+            }
+        }
     }
     size_t d = (size_t)t->dim;
     m = 0;
     for (int64_t i = 0; i < n; i++) {
         if (ids[i]) continue;
-        uint32_t id = new_ids[inv[m++]];
-        ids[i] = id + 1;
-        if (out) memcpy(out + (size_t)i * d, row_emb(row_at(t, id)), d * sizeof(float));
+        uint32_t c = new_ids[inv[m++]];
+        ids[i] = c;
+        if (!c) t->n_rejected++;
+        if (!out) continue;
+        if (c)
+            memcpy(out + (size_t)i * d, row_emb(row_at(t, c - 1)), d * sizeof(float));
+        else
+            memset(out + (size_t)i * d, 0, d * sizeof(float));
     }
-    if (n_created) *n_created = nu;
+    if (n_created) *n_created = (int64_t)n_take;
     kv_free(scratch);
     return KV_OK;
 }
@@ -628,6 +846,11 @@ int kv_table_create(const kv_table_config_t *cfg, kv_table_t **out) {
     int rc = check_init(cfg);
     if (rc != KV_OK) return rc;
     if (kv_optim_check(&cfg->optim) != KV_OK) return KV_EOPTIM;
+    if (cfg->admit_mode != KV_ADMIT_EXACT && cfg->admit_mode != KV_ADMIT_BLOOM) return KV_EINVAL;
+    int bloom = cfg->admit_mode == KV_ADMIT_BLOOM && cfg->admit_min_count >= 2;
+    if (bloom && (cfg->admit_min_count > KV_BLOOM_MAX_COUNT || cfg->bloom_counters < 0 ||
+                  cfg->bloom_counters > ((int64_t)1 << 32)))
+        return KV_EINVAL;
 
     kv_table_t *t = kv_calloc(1, sizeof(*t));
     if (!t) return KV_ENOMEM;
@@ -652,7 +875,13 @@ int kv_table_create(const kv_table_config_t *cfg, kv_table_t **out) {
     t->chunk_mask = ((uint64_t)1 << shift) - 1;
     t->max_chunks = (uint64_t)UINT32_MAX >> shift; /* then every id + 1 <= UINT32_MAX */
 
-    rc = rebuild_index(t, slots_for(0), 1); /* empty index; arena empty */
+    t->admit_k = cfg->admit_min_count;
+    if (bloom) {
+        t->bloom_n = cfg->bloom_counters ? (uint64_t)cfg->bloom_counters
+                                         : (uint64_t)KV_BLOOM_DEFAULT_COUNTERS;
+        t->bloom = kv_calloc(bloom_bytes(t->bloom_n), 1);
+    }
+    rc = bloom && !t->bloom ? KV_ENOMEM : rebuild_index(t, slots_for(0), 1); /* empty index */
     if (rc == KV_OK) rc = reserve(t, (uint64_t)cfg->initial_capacity);
     if (rc != KV_OK) {
         kv_table_destroy(t);
@@ -667,6 +896,9 @@ void kv_table_destroy(kv_table_t *t) {
     for (uint64_t c = 0; c < t->n_chunks; c++) kv_free_huge(t->chunks[c], chunk_bytes(t, c));
     kv_free(t->chunks);
     kv_free_huge(t->index, (size_t)t->n_slots * sizeof(uint32_t));
+    kv_free(t->pend);
+    kv_free(t->bloom);
+    kv_free(t->log);
     pthread_rwlock_destroy(&t->lock);
     kv_free(t);
 }
@@ -692,21 +924,26 @@ int kv_table_find(kv_table_t *t, const int64_t *keys, int64_t n, float *out,
 }
 
 int kv_table_find_or_create(kv_table_t *t, const int64_t *keys, int64_t n, float *out,
-                            uint32_t step, int64_t *n_created) {
+                            uint32_t step, int64_t *n_created, uint8_t *has_row) {
     if (check_batch(t, keys, n) != KV_OK || (n > 0 && !out)) return KV_EINVAL;
     if (n_created) *n_created = 0;
     if (n == 0) return KV_OK;
     uint32_t *ids = kv_malloc((size_t)n * 2 * sizeof(uint32_t));
     if (!ids) return KV_ENOMEM;
     uint32_t *old_step = ids + n; /* to undo last_step if creating fails */
-    int64_t n_absent = 0;
+    int64_t n_absent = 0, nc = 0;
     pthread_rwlock_wrlock(&t->lock);
     lookup_core(t, keys, n, t->pf_bytes, ids, out, 0, NULL, NULL, old_step, step);
     for (int64_t i = 0; i < n; i++) n_absent += !ids[i];
-    int rc = create_absent(t, keys, n, ids, n_absent, step, 1, out, n_created);
+    int rc = create_absent(t, keys, n, ids, n_absent, step, 1, out, &nc, 1);
     if (rc != KV_OK) {
         for (int64_t i = n - 1; i >= 0; i--) /* backwards: duplicates restore the first */
             if (ids[i]) *row_step(row_at(t, ids[i] - 1)) = old_step[i];
+    } else {
+        t->n_admitted += nc;
+        if (n_created) *n_created = nc;
+        if (has_row)
+            for (int64_t i = 0; i < n; i++) has_row[i] = ids[i] != 0;
     }
     pthread_rwlock_unlock(&t->lock);
     kv_free(ids);
@@ -730,7 +967,7 @@ int kv_table_update(kv_table_t *t, const int64_t *keys, int64_t n, const float *
     if (!ids) return KV_ENOMEM;
     pthread_rwlock_wrlock(&t->lock);
     int64_t n_absent = lookup_all(t, keys, n, ids);
-    int rc = create_absent(t, keys, n, ids, n_absent, 0, 0, NULL, NULL);
+    int rc = create_absent(t, keys, n, ids, n_absent, 0, 0, NULL, NULL, 0);
     if (rc == KV_OK) {
         for (int64_t i = 0; i < n; i++) {
             if (i + PF_ROWS < n) prefetch_bytes(row_at(t, ids[i + PF_ROWS] - 1), t->pf_bytes);
@@ -748,23 +985,18 @@ int kv_table_delete(kv_table_t *t, const int64_t *keys, int64_t n, int64_t *n_de
     if (check_batch(t, keys, n) != KV_OK) return KV_EINVAL;
     int64_t nd = 0;
     pthread_rwlock_wrlock(&t->lock);
-    for (int64_t i = 0; i < n; i++) {
+    int rc = log_reserve(t, (uint64_t)(n < (int64_t)t->live ? n : (int64_t)t->live));
+    for (int64_t i = 0; rc == KV_OK && i < n; i++) {
         uint64_t slot;
         uint32_t c = lookup_one(t, keys[i], &slot);
         if (!c) continue;
         index_erase_at(t, slot);
-        unsigned char *r = row_at(t, c - 1);
-        row_set_key(r, (int64_t)t->free_head);
-        *row_meta(r) = META_FREE;
-        *row_step(r) = 0;
-        t->free_head = c;
-        t->n_free++;
-        t->live--;
+        free_row(t, c - 1);
         nd++;
     }
     pthread_rwlock_unlock(&t->lock);
     if (n_deleted) *n_deleted = nd;
-    return KV_OK;
+    return rc;
 }
 
 int kv_table_clear(kv_table_t *t) {
@@ -772,6 +1004,11 @@ int kv_table_clear(kv_table_t *t) {
     pthread_rwlock_wrlock(&t->lock);
     memset(t->index, 0, (size_t)t->n_slots * sizeof(uint32_t));
     t->next_id = t->used = t->free_head = t->n_free = t->live = 0;
+    if (t->pend) memset(t->pend, 0, (size_t)t->pend_cap * sizeof(pend_t));
+    t->pend_n = 0;
+    if (t->bloom) memset(t->bloom, 0, bloom_bytes(t->bloom_n));
+    t->bloom_adds = 0;
+    t->log_n = 0;
     pthread_rwlock_unlock(&t->lock);
     return KV_OK;
 }
@@ -804,11 +1041,14 @@ int kv_table_apply_gradients(kv_table_t *t, const int64_t *keys, int64_t n,
     }
     pthread_rwlock_wrlock(&t->lock);
     int64_t n_absent = lookup_all(t, uniq, nu, ids);
-    if (flags & KV_APPLY_CREATE_MISSING)
-        rc = create_absent(t, uniq, nu, ids, n_absent, (uint32_t)step, 1, NULL, NULL);
-    else if (n_missing)
-        *n_missing = n_absent;
+    int create = (flags & KV_APPLY_CREATE_MISSING) && t->admit_k < 2;
+    if (create)
+        rc = create_absent(t, uniq, nu, ids, n_absent, (uint32_t)step, 1, NULL, NULL, 0);
     if (rc == KV_OK) {
+        if (!create) {
+            t->n_dropped += n_absent;
+            if (n_missing) *n_missing = n_absent;
+        }
         for (int64_t u = 0; u < nu; u++) {
             if (u + PF_ROWS < nu && ids[u + PF_ROWS])
                 prefetch_bytes(row_at(t, ids[u + PF_ROWS] - 1), t->row_bytes > 512 ? 512 : t->row_bytes);
@@ -876,7 +1116,7 @@ int kv_table_import(kv_table_t *t, const int64_t *keys, int64_t n, const float *
     if (!ids) return KV_ENOMEM;
     pthread_rwlock_wrlock(&t->lock);
     int64_t n_absent = lookup_all(t, keys, n, ids);
-    int rc = create_absent(t, keys, n, ids, n_absent, 0, 0, NULL, NULL);
+    int rc = create_absent(t, keys, n, ids, n_absent, 0, 0, NULL, NULL, 0);
     if (rc == KV_OK) {
         for (int64_t i = 0; i < n; i++) {
             if (i + PF_ROWS < n) prefetch_bytes(row_at(t, ids[i + PF_ROWS] - 1), t->pf_bytes);
@@ -911,6 +1151,224 @@ int kv_table_stats(kv_table_t *t, kv_table_stats_t *out) {
     out->dim = t->dim;
     out->slot_floats = t->nslot;
     out->load_factor = t->n_slots ? (double)t->live / (double)t->n_slots : 0.0;
+    out->admitted = t->n_admitted;
+    out->rejected = t->n_rejected;
+    out->dropped_grads = t->n_dropped;
+    out->evicted = t->n_evicted;
+    out->pending = (int64_t)t->pend_n;
+    out->admission_bytes = (int64_t)(t->pend_cap * sizeof(pend_t) + (t->bloom ? bloom_bytes(t->bloom_n) : 0));
+    out->removed_logged = (int64_t)t->log_n;
+    out->bytes += out->admission_bytes + (int64_t)(t->log_cap * sizeof(int64_t));
+    pthread_rwlock_unlock(&t->lock);
+    return KV_OK;
+}
+
+/* ---- eviction -------------------------------------------------------------------- */
+
+typedef struct {
+    uint32_t second; /* the policy's secondary field */
+    uint32_t id;
+    int64_t key;
+} ev_tie_t;
+
+static int ev_tie_cmp(const void *a, const void *b) {
+    const ev_tie_t *x = a, *y = b;
+    if (x->second != y->second) return x->second < y->second ? -1 : 1;
+    return x->key < y->key ? -1 : x->key > y->key;
+}
+
+/* Every live row of the arena, in arena order: `id` and `r` are set in BODY. */
+#define FOR_LIVE_ROWS(t, id, r, ...)                                                    \
+    for (uint64_t c_ = 0; c_ < (t)->n_chunks; c_++) {                                  \
+        uint64_t nr_ = chunk_used((t), c_);                                            \
+        for (uint64_t o_ = 0; o_ < nr_; o_++) {                                        \
+            uint32_t id = (uint32_t)((c_ << (t)->chunk_shift) + o_);                   \
+            unsigned char *r = (t)->chunks[c_] + (size_t)o_ * (t)->row_bytes;          \
+            if (*row_meta(r) & META_FREE) continue;                                    \
+            __VA_ARGS__                                                                \
+        }                                                                              \
+    }
+
+static inline uint32_t ev_first(unsigned char *r, int lfu) {
+    return lfu ? *row_meta(r) & META_COUNT : *row_step(r);
+}
+static inline uint32_t ev_second(unsigned char *r, int lfu) {
+    return lfu ? *row_step(r) : *row_meta(r) & META_COUNT;
+}
+
+/* Remove row id from the index (find its slot from its home bucket). */
+static void index_erase_id(kv_table_t *t, uint32_t id) {
+    uint64_t p = bucket_of(kv_mix64((uint64_t)row_key(row_at(t, id))), t->n_slots);
+    while ((t->index[p] & t->id_mask) != id + 1) p = next_slot(p, t->n_slots);
+    index_erase_at(t, p);
+}
+
+/* Refill the index in place from the arena (after many rows were freed). */
+static void index_refill(kv_table_t *t) {
+    memset(t->index, 0, (size_t)t->n_slots * sizeof(uint32_t));
+    FOR_LIVE_ROWS(t, id, r, {
+        index_insert_new(t, kv_mix64((uint64_t)row_key(r)), id);
+    })
+}
+
+int kv_table_evict(kv_table_t *t, uint32_t min_last_step, int64_t max_rows, int32_t policy,
+                   int64_t *n_evicted) {
+    if (!t || (policy != KV_EVICT_LRU && policy != KV_EVICT_LFU)) return KV_EINVAL;
+    if (n_evicted) *n_evicted = 0;
+    const int lfu = policy == KV_EVICT_LFU;
+    uint32_t *hist = NULL;
+    ev_tie_t *ties = NULL;
+    pend_t *new_pend = NULL;
+    uint64_t new_pend_cap = 0, new_pend_n = 0, n_ttl = 0, e_b = 0, n_tie = 0, need_t = 0;
+    uint32_t cut = 0;
+    int cut_incl = 0, rc = KV_OK, purge = 0;
+    pthread_rwlock_wrlock(&t->lock);
+    const uint64_t live = t->live;
+    const int over = max_rows >= 0 && live > (uint64_t)max_rows;
+    /* Pass 1: TTL rows; histogram of the top 16 bits of the primary field of the rest. */
+    if (over) {
+        hist = kv_calloc(65536, sizeof(uint32_t));
+        if (!hist) rc = KV_ENOMEM;
+    }
+    if (rc == KV_OK && (min_last_step || over)) {
+        FOR_LIVE_ROWS(t, id, r, {
+            (void)id;
+            if (*row_step(r) < min_last_step)
+                n_ttl++;
+            else if (hist)
+                hist[ev_first(r, lfu) >> 16]++;
+        })
+    }
+    uint64_t keep = live - n_ttl;
+    if (rc == KV_OK && max_rows >= 0 && keep > (uint64_t)max_rows) {
+        e_b = keep - (uint64_t)max_rows;
+        uint64_t cum = 0;
+        uint32_t hi = 0, lo = 0;
+        while (cum + hist[hi] < e_b) cum += hist[hi++];
+        /* Pass 2: the low 16 bits inside bucket hi. */
+        memset(hist, 0, 65536 * sizeof(uint32_t));
+        FOR_LIVE_ROWS(t, id, r, {
+            (void)id;
+            uint32_t v = ev_first(r, lfu);
+            if (*row_step(r) >= min_last_step && (v >> 16) == hi) hist[v & 0xffffu]++;
+        })
+        while (cum + hist[lo] < e_b) cum += hist[lo++];
+        cut = (hi << 16) | lo;
+        need_t = e_b - cum; /* rows equal to cut that go: 1 .. hist[lo] */
+        if (need_t == hist[lo]) {
+            cut_incl = 1;
+            need_t = 0;
+        } else {
+            /* Pass 3: the rows tied at the cut-off, sorted by (second, key). */
+            n_tie = hist[lo];
+            ties = kv_malloc((size_t)n_tie * sizeof(ev_tie_t));
+            if (!ties) {
+                rc = KV_ENOMEM;
+            } else {
+                uint64_t k = 0;
+                FOR_LIVE_ROWS(t, id, r, {
+                    if (*row_step(r) >= min_last_step && ev_first(r, lfu) == cut) {
+                        ties[k].second = ev_second(r, lfu);
+                        ties[k].id = id;
+                        ties[k].key = row_key(r);
+                        k++;
+                    }
+                })
+                qsort(ties, (size_t)n_tie, sizeof(ev_tie_t), ev_tie_cmp);
+            }
+        }
+    }
+    /* Exact admission: pending keys last seen before the TTL cut-off go (below). When
+     * the map would end up under 1/8 full it is rebuilt smaller (allocated here). */
+    if (rc == KV_OK && min_last_step && t->pend_n) {
+        uint64_t stay = 0;
+        for (uint64_t i = 0; i < t->pend_cap; i++)
+            stay += t->pend[i].cnt && t->pend[i].step >= min_last_step;
+        if (stay < t->pend_n) {
+            purge = 1;
+            if (stay * 8 < t->pend_cap && t->pend_cap > 64) {
+                purge = 2;
+                if (stay) {
+                    new_pend = pend_rebuilt(t, stay, min_last_step, &new_pend_cap);
+                    if (!new_pend) rc = KV_ENOMEM;
+                }
+                new_pend_n = stay;
+            }
+        }
+    }
+    uint64_t total = n_ttl + e_b;
+    if (rc == KV_OK) rc = log_reserve(t, total);
+    if (rc != KV_OK) { /* nothing has changed */
+        kv_free(hist);
+        kv_free(ties);
+        kv_free(new_pend);
+        pthread_rwlock_unlock(&t->lock);
+        return rc;
+    }
+    /* From here nothing can fail. */
+    if (total) {
+        const int refill = total * 8 > live;
+        FOR_LIVE_ROWS(t, id, r, {
+            uint32_t v;
+            if (*row_step(r) < min_last_step ||
+                (e_b && ((v = ev_first(r, lfu)) < cut || (cut_incl && v == cut)))) {
+                if (!refill) index_erase_id(t, id);
+                free_row(t, id);
+            }
+        })
+        for (uint64_t i = 0; i < need_t; i++) {
+            if (!refill) index_erase_id(t, ties[i].id);
+            free_row(t, ties[i].id);
+        }
+        if (refill) index_refill(t);
+        t->n_evicted += (int64_t)total;
+    }
+    if (purge == 2) {
+        kv_free(t->pend);
+        t->pend = new_pend;
+        t->pend_cap = new_pend_cap;
+        t->pend_n = new_pend_n;
+    } else if (purge) { /* in place: erase and look at the same slot again */
+        for (uint64_t i = 0; i < t->pend_cap;) {
+            pend_t *e = &t->pend[i];
+            if (e->cnt && e->step < min_last_step)
+                pend_erase(t, e);
+            else
+                i++;
+        }
+    }
+    pthread_rwlock_unlock(&t->lock);
+    kv_free(hist);
+    kv_free(ties);
+    if (n_evicted) *n_evicted = (int64_t)total;
+    return KV_OK;
+}
+
+int kv_table_track_removed(kv_table_t *t, int32_t on) {
+    if (!t) return KV_EINVAL;
+    pthread_rwlock_wrlock(&t->lock);
+    t->log_on = on != 0;
+    if (!on) {
+        kv_free(t->log);
+        t->log = NULL;
+        t->log_n = t->log_cap = 0;
+    }
+    pthread_rwlock_unlock(&t->lock);
+    return KV_OK;
+}
+
+int kv_table_take_removed(kv_table_t *t, int64_t *out, int64_t max_n, int64_t *n_out) {
+    if (!t || !n_out || max_n < 0 || (max_n > 0 && !out)) return KV_EINVAL;
+    pthread_rwlock_wrlock(&t->lock);
+    uint64_t m = (uint64_t)max_n < t->log_n ? (uint64_t)max_n : t->log_n;
+    if (m) memcpy(out, t->log + (t->log_n - m), (size_t)m * sizeof(int64_t));
+    t->log_n -= m;
+    if (!t->log_n && t->log_cap > 1024) { /* give a large log's memory back */
+        kv_free(t->log);
+        t->log = NULL;
+        t->log_cap = 0;
+    }
+    *n_out = (int64_t)m;
     pthread_rwlock_unlock(&t->lock);
     return KV_OK;
 }

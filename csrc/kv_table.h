@@ -13,6 +13,24 @@
  * meta = update count in bits 0..29 (saturating), bit 31 = dirty (created or changed
  * since the last export with KV_EXPORT_CLEAR_DIRTY; import_ leaves rows clean).
  *
+ * Feature lifecycle.
+ *   Admission (cfg.admit_min_count = K >= 2): find_or_create gives a key a row only
+ *   once it has been seen in K calls (a key repeated inside one call counts once, so
+ *   the count does not depend on how a global batch is split over ranks). Until then
+ *   the key reads zeros, has_row[i] = 0, and no row exists. KV_ADMIT_EXACT counts in
+ *   a "pending" map (16 bytes per unadmitted key, purged by kv_table_evict's TTL);
+ *   KV_ADMIT_BLOOM counts in a counting Bloom filter of bloom_counters 4-bit counters
+ *   (3 hashes, conservative update, all counters halved after bloom_counters
+ *   increments): bounded memory, but a key may be admitted early when it collides
+ *   with frequent ones (never late). apply_gradients never creates a row for an
+ *   unadmitted key: its gradient is dropped and counted (stats.dropped_grads).
+ *   Eviction (kv_table_evict): rows whose last_step is below a cut-off (TTL) and,
+ *   beyond a row budget, the least recently (LRU) or least frequently (LFU) used
+ *   rows. Freed rows go on the free list and are reused first, so memory stays flat.
+ *   Removed-keys log (kv_table_track_removed): while on, every key removed by
+ *   kv_table_evict or kv_table_delete is appended to a log that kv_table_take_removed
+ *   drains, so incremental checkpoints can record removals.
+ *
  * Initial values of a new key depend only on (seed, table_id, key, initializer):
  * never on insertion order, batch split, rank or world size.
  *
@@ -23,7 +41,8 @@
  * Locking. Each table has a readers-writer lock.
  *   read lock  (any number at once): kv_table_find, kv_table_stats, kv_table_export
  *              without KV_EXPORT_CLEAR_DIRTY, kv_table_size
- *   write lock (exclusive): every other kv_table_* call
+ *   write lock (exclusive): every other kv_table_* call (find_or_create, evict,
+ *              take_removed, track_removed included)
  * So any two calls may run on one table from two threads at once, except
  * kv_table_destroy, which must be the last call on a table.
  */
@@ -50,6 +69,16 @@
 #define KV_APPLY_CREATE_MISSING 1 /* create missing keys (initial value) then update;
                                      without it missing keys are skipped and counted */
 
+/* kv_table_config_t.admit_mode */
+#define KV_ADMIT_EXACT 0 /* exact counts of unadmitted keys (pending map) */
+#define KV_ADMIT_BLOOM 1 /* counting Bloom filter: bounded memory, K <= KV_BLOOM_MAX_COUNT */
+#define KV_BLOOM_MAX_COUNT 15
+#define KV_BLOOM_DEFAULT_COUNTERS ((int64_t)1 << 22) /* 2 MiB */
+
+/* kv_table_evict policies for the row budget */
+#define KV_EVICT_LRU 0 /* smallest last_step first; ties: smaller count, then smaller key */
+#define KV_EVICT_LFU 1 /* smallest count first; ties: smaller last_step, then smaller key */
+
 typedef struct kv_table kv_table_t;
 
 typedef struct kv_table_config {
@@ -61,6 +90,9 @@ typedef struct kv_table_config {
     uint64_t table_id;  /* e.g. a hash of the table's name */
     int64_t initial_capacity; /* rows to reserve up front, >= 0 */
     kv_optim_t optim;
+    uint32_t admit_min_count; /* 0 or 1: a row at first sight; K >= 2: after K sightings */
+    int32_t admit_mode;       /* KV_ADMIT_EXACT or KV_ADMIT_BLOOM */
+    int64_t bloom_counters;   /* KV_ADMIT_BLOOM: 4-bit counters, 0 = default; <= 2^32 */
 } kv_table_config_t;
 
 typedef struct kv_table_stats {
@@ -72,10 +104,19 @@ typedef struct kv_table_stats {
     int32_t dim;
     int32_t slot_floats;
     double load_factor;       /* rows / index_slots */
+    /* lifecycle counters, cumulative since create */
+    int64_t admitted;         /* rows created by find_or_create (training lookups) */
+    int64_t rejected;         /* find_or_create lookups of keys not (yet) admitted */
+    int64_t dropped_grads;    /* apply_gradients keys skipped: no row (unadmitted, evicted) */
+    int64_t evicted;          /* rows removed by kv_table_evict */
+    int64_t pending;          /* KV_ADMIT_EXACT: unadmitted keys being counted now */
+    int64_t admission_bytes;  /* pending map or Bloom filter (part of bytes) */
+    int64_t removed_logged;   /* keys in the removed-keys log now */
 } kv_table_stats_t;
 
 /* Create an empty table. *out is set only on KV_OK.
- * Returns KV_OK, KV_EINVAL (dim, capacity), KV_EINIT, KV_EOPTIM, KV_ENOMEM. */
+ * Returns KV_OK, KV_EINVAL (dim, capacity, admission settings), KV_EINIT, KV_EOPTIM,
+ * KV_ENOMEM. */
 int kv_table_create(const kv_table_config_t *cfg, kv_table_t **out);
 
 /* Free everything. t may be NULL. Must be the last call on t. */
@@ -91,21 +132,24 @@ int kv_table_find(kv_table_t *t, const int64_t *keys, int64_t n, float *out,
 
 /* Lookup, creating missing keys with their initial value; out[i][dim] as above.
  * Sets last_step = step on every row it returns. n_created (may be NULL) gets the
- * number of keys created (duplicates in keys create one row).
+ * number of keys created (duplicates in keys create one row). With admission on, a
+ * missing key that is not admitted by this call gets no row: out[i] = zeros.
+ * has_row[i] (may be NULL) = 1 if keys[i] has a row after the call, else 0.
  * Write lock. KV_OK, KV_EINVAL, KV_ENOMEM, KV_EFULL. */
 int kv_table_find_or_create(kv_table_t *t, const int64_t *keys, int64_t n, float *out,
-                            uint32_t step, int64_t *n_created);
+                            uint32_t step, int64_t *n_created, uint8_t *has_row);
 
 /* Assign embedding values: values[i][dim] becomes the row of keys[i], creating the
  * row (slots initialised) if absent. Duplicate keys: the last one wins. Marks rows
  * dirty. Write lock. KV_OK, KV_EINVAL, KV_ENONFINITE, KV_ENOMEM, KV_EFULL. */
 int kv_table_update(kv_table_t *t, const int64_t *keys, int64_t n, const float *values);
 
-/* Remove keys (absent ones are ignored). n_deleted may be NULL.
- * Write lock. KV_OK or KV_EINVAL. */
+/* Remove keys (absent ones are ignored). n_deleted may be NULL. Removed keys go to
+ * the removed-keys log while it is on. Write lock. KV_OK, KV_EINVAL, KV_ENOMEM (log). */
 int kv_table_delete(kv_table_t *t, const int64_t *keys, int64_t n, int64_t *n_deleted);
 
-/* Remove every key; keeps the allocated memory. Write lock. */
+/* Remove every key; keeps the allocated memory. Also forgets admission counts and
+ * empties the removed-keys log (a clear is not logged key by key). Write lock. */
 int kv_table_clear(kv_table_t *t);
 
 /*
@@ -113,8 +157,9 @@ int kv_table_clear(kv_table_t *t);
  * duplicate keys are summed first and applied once. The whole batch is checked for
  * NaN/Inf before anything changes (KV_ENONFINITE). `step` (>= 1) feeds Adam's bias
  * correction; every updated row gets last_step = step, count += 1, dirty = 1.
- * Missing keys are skipped and counted in n_missing (may be NULL) unless flags has
- * KV_APPLY_CREATE_MISSING. Write lock.
+ * Missing keys are skipped and counted in n_missing (may be NULL) and in
+ * stats.dropped_grads, unless flags has KV_APPLY_CREATE_MISSING and admission is off
+ * (with admission on, rows are only ever created by find_or_create). Write lock.
  * Returns KV_OK, KV_EINVAL, KV_ENONFINITE, KV_ENOMEM, KV_EFULL.
  */
 int kv_table_apply_gradients(kv_table_t *t, const int64_t *keys, int64_t n,
@@ -143,6 +188,28 @@ int kv_table_export(kv_table_t *t, int64_t *cursor, int64_t max_n, int32_t flags
  */
 int kv_table_import(kv_table_t *t, const int64_t *keys, int64_t n, const float *values,
                     const float *slots, const uint32_t *last_step, const uint32_t *counts);
+
+/*
+ * Evict rows. Removes every row with last_step < min_last_step (TTL; 0 = none), then,
+ * if more than max_rows (>= 0; negative = no budget) rows remain, the rows beyond
+ * max_rows in `policy` order (KV_EVICT_LRU / KV_EVICT_LFU, ties broken as documented
+ * there, so the removed set is exactly defined). Exact admission entries last seen
+ * before min_last_step are dropped too. The cut-off is found by a two-level radix
+ * histogram over the policy's field (O(rows), no sort; only rows tied at the cut-off
+ * value are sorted). Freed rows go on the free list; the index is rebuilt in place
+ * when more than 1/8 of the rows go, else entries are erased one by one.
+ * n_evicted may be NULL. Write lock for the whole call.
+ * Returns KV_OK, KV_EINVAL (policy), KV_ENOMEM (nothing changed).
+ */
+int kv_table_evict(kv_table_t *t, uint32_t min_last_step, int64_t max_rows, int32_t policy,
+                   int64_t *n_evicted);
+
+/* Turn the removed-keys log on (on != 0) or off (off also empties it). Write lock. */
+int kv_table_track_removed(kv_table_t *t, int32_t on);
+
+/* Move up to max_n keys out of the removed-keys log into out[max_n]; *n_out < max_n
+ * means the log is now empty. A key removed twice may appear twice. Write lock. */
+int kv_table_take_removed(kv_table_t *t, int64_t *out, int64_t max_n, int64_t *n_out);
 
 /* Fill *out. Read lock. */
 int kv_table_stats(kv_table_t *t, kv_table_stats_t *out);

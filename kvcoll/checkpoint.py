@@ -19,8 +19,8 @@ Layout of a checkpoint directory:
 A shard file (`.kvs`) is a sequence of six NumPy `.npy` records, one after the other,
 for the rows a rank owned: keys int64 [n], values float32 [n, dim], slots float32
 [n, slot_floats] (the row optimizer's state), last_step uint32 [n], counts uint32 [n]
-(the row headers), and removed int64 [m] (keys removed since the parent checkpoint;
-always empty in a full checkpoint, and empty until eviction exists). Read it with
+(the row headers), and removed int64 [m] (keys evicted or deleted since the parent
+checkpoint, unique; always empty in a full checkpoint). Read it with
 `read_shard(path)` or any .npy reader that reads several arrays from one file.
 
 Atomicity. Every rank writes its files under the temporary directory and fsyncs them;
@@ -39,6 +39,14 @@ the full checkpoint, then each delta in order. If a save fails after the dirty b
 were cleared, the next save is a full one, so no change is ever lost. A delta needs
 its parent in the same directory and written or restored by this process; otherwise
 `incremental=True` writes a full checkpoint (`SaveInfo.kind` says which).
+
+Removals. From its first save on, a Checkpointer keeps each table's removed-keys log
+on (KvTable.track_removed): every key evicted or deleted is logged in C, and each save
+drains the log (KvTable.take_removed) into the shard's `removed` array (a full save
+drains and drops it). Replay applies a delta's removals before its rows, so a key
+evicted and then created again before the save ends up present, and one evicted for
+good ends up absent. A save must not run concurrently with table changes (BSP saves
+run between steps).
 
 Restore on any world size. A shard written by rank s of W holds the keys with
 owner_of(key, W) == s. On M ranks, each rank reads its own file when M == W and every
@@ -356,10 +364,13 @@ class Checkpointer:
         files, err = {}, None
         try:
             for i, (name, t) in enumerate(self.tables.items()):
+                t.track_removed(True)  # from now on removals are logged for the next delta
+                logged = t.take_removed()  # a full save holds every live row: drop it
+                removed = np.unique(logged) if delta else np.zeros(0, np.int64)
                 rows = t.export(dirty_only=delta, clear_dirty=True)
                 fname = f"{i:03d}-{_safe(name)}.r{comm.rank}-of-{comm.size}.kvs"
                 arrays = [rows["keys"], rows["values"], rows["slots"], rows["last_step"],
-                          rows["counts"], np.zeros(0, np.int64)]
+                          rows["counts"], removed]
                 sha, nbytes = _write_shard(os.path.join(tmp, fname), arrays)
                 files[fname] = {"sha256": sha, "bytes": nbytes, "table": name,
                                 "rank": comm.rank, "world": comm.size,
@@ -481,11 +492,13 @@ class Checkpointer:
             t.clear()
             for rows in per_ckpt:
                 r = rows[name]
+                if r["removed"].size:  # removals first: a re-created key stays
+                    t.delete(r["removed"])
                 if r["keys"].size:
                     t.import_(r["keys"], r["values"], slots=r["slots"],
                               last_step=r["last_step"], counts=r["counts"])
-                if r["removed"].size:
-                    t.delete(r["removed"])
+            t.track_removed(True)  # the next delta's removals are relative to this one
+            t.take_removed()
         last = chain[-1]
         if self.dense is not None:
             self.dense.read(os.path.join(directory, last["_name"]))

@@ -10,6 +10,18 @@ exceptions in one place, `_check`.
     >>> rows = t.find_or_create(np.array([7, 42, 7]))     # (3, 4) float32
     >>> t.apply_gradients(np.array([7, 42]), np.ones((2, 4), np.float32), step=1)
     >>> len(t), t.stats().bytes_per_row_overhead
+
+Feature lifecycle (per table): `admit_min_count=K` gives a key a row only once it has
+been seen in K find_or_create calls (exactly, or with `admit="bloom"` through a
+counting Bloom filter of bounded size); until then it reads zeros and its gradients
+are dropped (and counted). `evict()` removes rows not touched for `evict_after_steps`
+steps and, beyond `max_rows`, the least recently (or frequently) used ones. String
+ids are hashed to int64 with XXH64 (seed 0): see `hash_strings`.
+
+    >>> t = KvTable(8, name="item", admit_min_count=3, max_rows=1_000_000,
+    ...             evict_after_steps=10_000)
+    >>> t.evict(step)                     # at a cadence, and before saves
+    >>> t.find_or_create(np.array(["68fd1e64", "80e26c9b"]), step=step)
 """
 
 from __future__ import annotations
@@ -31,7 +43,12 @@ except ImportError as exc:  # pragma: no cover - exercised only without a build
     ) from exc
 
 __all__ = ["KvTable", "Initializer", "TableStats", "owner_of", "unique_partition",
-           "segment_sum", "hash64"]
+           "segment_sum", "hash64", "hash_strings", "STRING_HASH_SEED", "slot_floats", "init_slots", "apply_rows"]
+
+# XXH64's seed for string ids. Fixed forever: changing it would move every string key.
+STRING_HASH_SEED = 0
+_ADMIT = {"exact": lib.KV_ADMIT_EXACT, "bloom": lib.KV_ADMIT_BLOOM}
+_POLICY = {"lru": lib.KV_EVICT_LRU, "lfu": lib.KV_EVICT_LFU}
 
 _OPT_KINDS = {
     "sgd": lib.KV_OPT_SGD,
@@ -118,6 +135,13 @@ class TableStats:
     dim: int
     slot_floats: int
     load_factor: float
+    admitted: int = 0        # rows created by training lookups (find_or_create)
+    rejected: int = 0        # lookups of keys not yet admitted (they read zeros)
+    dropped_grads: int = 0   # gradient rows skipped because their key had no row
+    evicted: int = 0         # rows removed by evict()
+    pending: int = 0         # exact admission: unadmitted keys being counted now
+    admission_bytes: int = 0  # memory of the pending map or Bloom filter (in `bytes`)
+    removed_logged: int = 0  # removed keys waiting for the next checkpoint
 
     @property
     def bytes_per_row_overhead(self) -> float:
@@ -148,7 +172,16 @@ class KvTable:
 
     def __init__(self, dim: int, *, name: str = "table", seed: int = 0,
                  initializer="zeros", optimizer=None,
-                 initial_capacity: int = 0):
+                 initial_capacity: int = 0, admit_min_count: int = 0, admit: str = "exact",
+                 bloom_counters: int = 0, max_rows: int | None = None,
+                 evict_after_steps: int | None = None, evict_policy: str = "lru"):
+        """admit_min_count: 0 or 1 gives every key a row at once; K >= 2 only once it
+        has been seen in K find_or_create calls (duplicates in a call count once).
+        admit: "exact" (counts every unadmitted key: 16 bytes each until admitted or
+        purged by evict's TTL) or "bloom" (a counting Bloom filter of bloom_counters
+        4-bit counters, default 2^22 = 2 MiB; K <= 15; may admit a key early, never
+        late). max_rows, evict_after_steps, evict_policy ("lru" or "lfu"): what
+        evict(step) enforces on this shard (None: no budget / no TTL)."""
         if not isinstance(dim, (int, np.integer)) or isinstance(dim, bool) \
                 or not 1 <= dim <= lib.KV_MAX_DIM:
             raise errors.InvalidArgumentError(
@@ -156,6 +189,27 @@ class KvTable:
         if not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**64:
             raise errors.InvalidArgumentError(
                 f"table {name!r}: seed must be an integer in [0, 2**64), got {seed!r}")
+        if admit not in _ADMIT:
+            raise errors.InvalidArgumentError(
+                f"table {name!r}: admit must be 'exact' or 'bloom', got {admit!r}")
+        if not isinstance(admit_min_count, (int, np.integer)) or admit_min_count < 0 or \
+                (admit == "bloom" and admit_min_count > lib.KV_BLOOM_MAX_COUNT):
+            raise errors.InvalidArgumentError(
+                f"table {name!r}: admit_min_count must be an integer >= 0 (<= "
+                f"{lib.KV_BLOOM_MAX_COUNT} with admit='bloom'), got {admit_min_count!r}")
+        if not 0 <= bloom_counters <= 2**32:
+            raise errors.InvalidArgumentError(
+                f"table {name!r}: bloom_counters must be in [0, 2**32], got {bloom_counters}")
+        if max_rows is not None and max_rows < 0:
+            raise errors.InvalidArgumentError(
+                f"table {name!r}: max_rows must be >= 0 or None, got {max_rows}")
+        if evict_after_steps is not None and evict_after_steps < 1:
+            raise errors.InvalidArgumentError(
+                f"table {name!r}: evict_after_steps must be >= 1 or None, got "
+                f"{evict_after_steps}")
+        if evict_policy not in _POLICY:
+            raise errors.InvalidArgumentError(
+                f"table {name!r}: evict_policy must be 'lru' or 'lfu', got {evict_policy!r}")
         if initial_capacity < 0:
             raise errors.InvalidArgumentError(
                 f"table {name!r}: initial_capacity must be >= 0, got {initial_capacity}")
@@ -176,6 +230,13 @@ class KvTable:
         self._cfg.seed = self.seed
         self._cfg.table_id = _table_id(name)
         self._cfg.initial_capacity = int(initial_capacity)
+        self._cfg.admit_min_count = int(admit_min_count)
+        self._cfg.admit_mode = _ADMIT[admit]
+        self._cfg.bloom_counters = int(bloom_counters)
+        self.admit_min_count, self.admit = int(admit_min_count), admit
+        self.max_rows = None if max_rows is None else int(max_rows)
+        self.evict_after_steps = None if evict_after_steps is None else int(evict_after_steps)
+        self.evict_policy = evict_policy
         fill_optim(self._cfg.optim, self.optimizer)
         self.slot_floats = int(lib.kv_optim_slot_floats(ffi.addressof(self._cfg.optim), self.dim))
         out = ffi.new("kv_table_t **")
@@ -224,14 +285,16 @@ class KvTable:
 
     def _keys(self, keys, what: str = "ids") -> np.ndarray:
         arr = np.asarray(keys)
+        if arr.dtype.kind in "USO" and arr.size:
+            arr = hash_strings(arr)  # string ids: XXH64 keys (the 1-D check still applies)
         if arr.dtype == np.int32 or (arr.dtype == np.int64):
             pass
         elif arr.size == 0 and arr.dtype == np.float64:  # np.asarray([]) is float64
             arr = arr.astype(np.int64)
         else:
             raise errors.InvalidArgumentError(
-                f"table {self.name!r}: {what} must be int64 or int32, got {arr.dtype}; "
-                "hash string ids to int64 first")
+                f"table {self.name!r}: {what} must be int64 or int32, got {arr.dtype} "
+                "(string ids are accepted too: they are hashed with hash_strings)")
         if arr.ndim != 1:
             raise errors.InvalidArgumentError(
                 f"table {self.name!r}: {what} must be 1-D, got shape {arr.shape}; "
@@ -286,16 +349,20 @@ class KvTable:
                f"table {self.name!r}: find")
         return (out, found.astype(bool)) if return_found else out
 
-    def find_or_create(self, keys, *, step: int = 0) -> np.ndarray:
-        """Rows of `keys`, creating absent keys with their initial value; marks every
-        returned row as touched at `step`."""
+    def find_or_create(self, keys, *, step: int = 0, return_has_row: bool = False):
+        """Rows of `keys`, creating absent (admitted) keys with their initial value;
+        marks every returned row as touched at `step`. With admission, keys not yet
+        admitted read zeros and get no row; return_has_row adds a bool mask of the
+        keys that have a row."""
         k = self._keys(keys)
         out = np.empty((k.size, self.dim), np.float32)
+        has = np.empty(k.size, np.uint8) if return_has_row else None
         created = ffi.new("int64_t *")
         _check(lib.kv_table_find_or_create(self._handle(), _ptr("int64_t *", k), k.size,
-                                           _ptr("float *", out), _step32(step), created),
+                                           _ptr("float *", out), _step32(step), created,
+                                           ffi.NULL if has is None else _ptr("uint8_t *", has)),
                f"table {self.name!r}: find_or_create")
-        return out
+        return (out, has.astype(bool)) if return_has_row else out
 
     def update(self, keys, values) -> None:
         """Assign rows (creating absent keys). Duplicate keys: the last row wins."""
@@ -390,12 +457,65 @@ class KvTable:
         return out
 
     def stats(self) -> TableStats:
-        """Rows, capacity, bytes held and load factor of this shard."""
+        """Rows, capacity, bytes held, load factor and lifecycle counters of this shard."""
         s = ffi.new("kv_table_stats_t *")
         _check(lib.kv_table_stats(self._handle(), s), f"table {self.name!r}: stats")
         return TableStats(int(s.rows), int(s.row_capacity), int(s.index_slots), int(s.bytes),
                           int(s.row_bytes), int(s.dim), int(s.slot_floats),
-                          float(s.load_factor))
+                          float(s.load_factor), int(s.admitted), int(s.rejected),
+                          int(s.dropped_grads), int(s.evicted), int(s.pending),
+                          int(s.admission_bytes), int(s.removed_logged))
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def evict(self, step: int | None = None, *, min_last_step: int | None = None,
+              max_rows: int | None = -1, policy: str | None = None) -> int:
+        """Remove rows; returns how many. By default applies the table's own policy at
+        `step`: rows not touched in the last evict_after_steps steps (last_step <=
+        step - evict_after_steps), then the rows beyond max_rows in evict_policy order
+        (LRU: oldest last_step first, ties by smaller update count, then smaller key;
+        LFU: smaller count first, then older, then smaller key). min_last_step (rows
+        with last_step below it go), max_rows (None: no budget) and policy override the
+        table's. Evicted keys that reappear start again from their initial value (and
+        must be admitted again). One C call under the table's write lock."""
+        if min_last_step is None:
+            ttl = self.evict_after_steps
+            min_last_step = 0 if ttl is None or step is None else max(0, int(step) - ttl + 1)
+        if max_rows == -1:
+            max_rows = self.max_rows
+        policy = self.evict_policy if policy is None else policy
+        if policy not in _POLICY:
+            raise errors.InvalidArgumentError(
+                f"table {self.name!r}: policy must be 'lru' or 'lfu', got {policy!r}")
+        if not 0 <= min_last_step < 2**32:
+            raise errors.InvalidArgumentError(
+                f"table {self.name!r}: min_last_step must be in [0, 2**32), got {min_last_step}")
+        n = ffi.new("int64_t *")
+        _check(lib.kv_table_evict(self._handle(), int(min_last_step),
+                                  -1 if max_rows is None else int(max_rows), _POLICY[policy], n),
+               f"table {self.name!r}: evict")
+        return int(n[0])
+
+    def track_removed(self, on: bool = True) -> None:
+        """Start (or stop, discarding it) the log of removed keys that take_removed()
+        drains; checkpoints turn it on to record evictions in incremental saves."""
+        _check(lib.kv_table_track_removed(self._handle(), 1 if on else 0),
+               f"table {self.name!r}: track_removed")
+
+    def take_removed(self, batch: int = 1 << 20) -> np.ndarray:
+        """Keys removed (evicted or deleted) since the last call, as int64; empties the
+        log. A key removed twice may appear twice."""
+        t = self._handle()
+        n = ffi.new("int64_t *")
+        parts = []
+        while True:
+            buf = np.empty(batch, np.int64)
+            _check(lib.kv_table_take_removed(t, _ptr("int64_t *", buf), batch, n),
+                   f"table {self.name!r}: take_removed")
+            parts.append(buf[:int(n[0])])
+            if int(n[0]) < batch:
+                break
+        return np.concatenate(parts)
 
 
 def fill_optim(c_optim, optimizer) -> None:
@@ -403,6 +523,75 @@ def fill_optim(c_optim, optimizer) -> None:
     for field, value in optimizer._c_fields().items():
         setattr(c_optim, field, _OPT_KINDS[value] if field == "kind" else value)
     _check(lib.kv_optim_check(ffi.addressof(c_optim)), f"optimizer {optimizer!r}")
+
+
+def _c_optim(optimizer):
+    if not hasattr(optimizer, "_c_fields"):
+        raise errors.InvalidArgumentError(
+            f"optimizer must be a kvcoll.optimizers row optimizer, got {optimizer!r}")
+    o = ffi.new("kv_optim_t *")
+    fill_optim(o[0], optimizer)
+    return o
+
+
+def _dim_ok(dim) -> int:
+    if not isinstance(dim, (int, np.integer)) or not 1 <= dim <= (2**31 - 2) // 3:
+        raise errors.InvalidArgumentError(
+            f"row width must be an integer in [1, {(2**31 - 2) // 3}], got {dim!r}")
+    return int(dim)
+
+
+def slot_floats(optimizer, dim: int) -> int:
+    """Floats of optimizer state per row of width dim (0 for SGD)."""
+    return int(lib.kv_optim_slot_floats(_c_optim(optimizer), _dim_ok(dim)))
+
+
+def init_slots(optimizer, dim: int, nrows: int = 1) -> np.ndarray:
+    """The initial optimizer state of `nrows` rows of width dim: (nrows, slot_floats)."""
+    o = _c_optim(optimizer)
+    dim = _dim_ok(dim)
+    out = np.zeros((int(nrows), int(lib.kv_optim_slot_floats(o, dim))), np.float32)
+    if out.shape[1]:
+        for r in range(out.shape[0]):
+            lib.kv_optim_init_slots(o, dim, ffi.cast("float *", ffi.from_buffer(out[r])))
+    return out
+
+
+def apply_rows(optimizer, w: np.ndarray, slots: np.ndarray, g: np.ndarray, step: int) -> None:
+    """Apply a row optimizer in place to any float32 rows outside a table (the dense
+    slices of SSP/ASP): w (nrows, dim) and slots (nrows, slot_floats) are updated with
+    the gradient g (nrows, dim); `step` (>= 1) drives Adam's bias correction. Checks
+    every argument and that g is finite before changing anything.
+
+    Not locked: the caller makes sure no other thread touches w and slots meanwhile.
+    """
+    o = _c_optim(optimizer)
+    if not (isinstance(w, np.ndarray) and w.dtype == np.float32 and w.ndim == 2
+            and w.flags.c_contiguous and w.flags.writeable):
+        raise errors.InvalidArgumentError(
+            "apply_rows: w must be a writable C-contiguous float32 (nrows, dim) array, got "
+            f"{getattr(w, 'dtype', type(w))} {getattr(w, 'shape', '')}")
+    nrows, dim = w.shape
+    dim = _dim_ok(dim)
+    ns = int(lib.kv_optim_slot_floats(o, dim))
+    if not (isinstance(slots, np.ndarray) and slots.dtype == np.float32
+            and slots.shape == (nrows, ns) and slots.flags.c_contiguous
+            and slots.flags.writeable):
+        raise errors.InvalidArgumentError(
+            f"apply_rows: slots must be a writable C-contiguous float32 ({nrows}, {ns}) array, "
+            f"got {getattr(slots, 'dtype', type(slots))} {getattr(slots, 'shape', '')}")
+    g = np.ascontiguousarray(g, np.float32)
+    if g.shape != w.shape:
+        raise errors.DimensionError(f"apply_rows: gradient shape {g.shape}, expected {w.shape}")
+    if not np.isfinite(g).all():
+        raise errors.NonFiniteError("apply_rows: the gradient holds NaN or Inf; nothing changed")
+    if not isinstance(step, (int, np.integer)) or step < 1:
+        raise errors.InvalidArgumentError(f"apply_rows: step must be an integer >= 1, got {step!r}")
+    if nrows == 0:
+        return
+    lib.kv_optim_apply_rows(o, dim, nrows, _ptr("float *", w),
+                            _ptr("float *", slots) if ns else ffi.NULL,
+                            _ptr("float *", g), int(step))
 
 
 def _step32(step) -> int:
@@ -417,6 +606,55 @@ def _ids(keys) -> np.ndarray:
         raise errors.InvalidArgumentError(
             f"ids must be a 1-D int64 or int32 array, got {arr.dtype} {arr.shape}")
     return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def hash_strings(values) -> np.ndarray:
+    """int64 keys of string ids: XXH64 (the published xxHash64, seed STRING_HASH_SEED
+    = 0) of each id's UTF-8 bytes (bytes are hashed as they are).
+
+    Equal strings get equal keys on every rank, in every run and process (unlike
+    Python's salted hash()), so they meet the same row. Distinct strings may collide:
+    among n distinct ids the probability of any collision is at most n(n-1)/2^65
+    (about 2.7e-4 for 10^8 ids, 2.7 % for 10^9); a collision makes two ids share a
+    row, it never loses one. Keys are not stored: export and checkpoints hold the
+    hashes. Accepts str, bytes, or any array/list of them (numpy 'U', 'S' or object);
+    numpy 'S' arrays drop trailing NUL bytes, as numpy itself does. Output has the
+    input's shape.
+    """
+    arr = np.asarray(values)
+    shape = arr.shape
+    flat = arr.reshape(-1)
+    n = flat.size
+    if arr.dtype.kind == "S" and arr.dtype.itemsize:
+        buf = np.ascontiguousarray(flat)
+        lens = np.char.str_len(buf).astype(np.int64)
+        starts = np.arange(n, dtype=np.int64) * arr.dtype.itemsize
+        raw = buf.view(np.uint8)
+    elif arr.dtype.kind in "USO":
+        try:
+            parts = [v.encode("utf-8") if isinstance(v, str) else bytes(v)
+                     if isinstance(v, (bytes, bytearray, memoryview)) else None
+                     for v in flat.tolist()]
+        except UnicodeEncodeError as exc:
+            raise errors.InvalidArgumentError(f"string ids must be valid text: {exc}") from None
+        bad = [v for v, p in zip(flat.tolist(), parts) if p is None]
+        if bad:
+            raise errors.InvalidArgumentError(
+                f"string ids must all be str or bytes, got {type(bad[0]).__name__} "
+                f"{bad[0]!r}; convert mixed ids with str() first")
+        lens = np.fromiter((len(p) for p in parts), np.int64, n)
+        starts = np.zeros(n, np.int64)
+        if n > 1:
+            np.cumsum(lens[:-1], out=starts[1:])
+        raw = np.frombuffer(b"".join(parts) or b"\0", np.uint8)
+    else:
+        raise errors.InvalidArgumentError(
+            f"hash_strings takes strings or bytes, got {arr.dtype}")
+    out = np.empty(n, np.int64)
+    _check(lib.kv_hash_strings(ffi.cast("uint8_t *", ffi.from_buffer(raw if raw.size else _EMPTY)),
+                               _ptr("int64_t *", starts), _ptr("int64_t *", lens), n,
+                               STRING_HASH_SEED, _ptr("int64_t *", out)), "hash_strings")
+    return out.reshape(shape)
 
 
 def hash64(keys) -> np.ndarray:

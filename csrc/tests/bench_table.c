@@ -78,7 +78,7 @@ static int bench(int64_t rows, int32_t dim, int32_t init_kind, double seconds) {
     double t0 = now();
     for (int64_t b = 0; b < rows; b += BATCH) {
         int64_t m = rows - b < BATCH ? rows - b : BATCH;
-        if (kv_table_find_or_create(t, keys + b, m, out, 1, NULL) != KV_OK) return 1;
+        if (kv_table_find_or_create(t, keys + b, m, out, 1, NULL, NULL) != KV_OK) return 1;
     }
     double ins = (double)rows / (now() - t0);
     kv_table_stats_t st;
@@ -95,7 +95,7 @@ static int bench(int64_t rows, int32_t dim, int32_t init_kind, double seconds) {
             double a = now();
             int rc = (op ^ (round & 1)) == 0
                          ? kv_table_find(t, q, BATCH, out, NULL, NULL)
-                         : kv_table_find_or_create(t, q, BATCH, out, 2, NULL);
+                         : kv_table_find_or_create(t, q, BATCH, out, 2, NULL, NULL);
             double b = now();
             if (rc != KV_OK) return 1;
             *((op ^ (round & 1)) == 0 ? &tf : &tfc) += b - a;

@@ -200,7 +200,7 @@ static void test_random_ops(void) {
                     expect++;
                 }
             free(mark);
-            CHECK_EQ_INT(kv_table_find_or_create(t, keys, n, out, (uint32_t)round, &created), KV_OK);
+            CHECK_EQ_INT(kv_table_find_or_create(t, keys, n, out, (uint32_t)round, &created, NULL), KV_OK);
             ok_created &= created == expect;
             float init[dim];
             for (int64_t i = 0; i < n; i++) {
@@ -319,7 +319,7 @@ static void test_free_list(void) {
     float out[N * 3];
     for (int i = 0; i < N; i++) keys[i] = key_of((uint64_t)i);
     int64_t created = 0;
-    CHECK_EQ_INT(kv_table_find_or_create(t, keys, N, out, 1, &created), KV_OK);
+    CHECK_EQ_INT(kv_table_find_or_create(t, keys, N, out, 1, &created, NULL), KV_OK);
     CHECK_EQ_INT(created, N);
     CHECK(out[0] == 2.5f && out[3 * N - 1] == 2.5f);
     kv_table_stats_t s0, s1;
@@ -334,7 +334,7 @@ static void test_free_list(void) {
     snap_free(&s);
     int64_t fresh[N / 2];
     for (int i = 0; i < N / 2; i++) fresh[i] = key_of((uint64_t)(N + i));
-    CHECK_EQ_INT(kv_table_find_or_create(t, fresh, N / 2, out, 2, &created), KV_OK);
+    CHECK_EQ_INT(kv_table_find_or_create(t, fresh, N / 2, out, 2, &created, NULL), KV_OK);
     CHECK_EQ_INT(created, N / 2);
     kv_table_stats(t, &s1);
     CHECK_EQ_INT(s1.row_capacity, s0.row_capacity); /* the freed rows were reused */
@@ -344,7 +344,7 @@ static void test_free_list(void) {
     float upd[3] = {9, 9, 9};
     CHECK_EQ_INT(kv_table_update(t, &keys[N / 2], 1, upd), KV_OK);
     CHECK_EQ_INT(kv_table_delete(t, &keys[N / 2], 1, &nd), KV_OK);
-    CHECK_EQ_INT(kv_table_find_or_create(t, &keys[N / 2], 1, out, 3, &created), KV_OK);
+    CHECK_EQ_INT(kv_table_find_or_create(t, &keys[N / 2], 1, out, 3, &created, NULL), KV_OK);
     CHECK(created == 1 && out[0] == 2.5f);
     CHECK(table_consistent(t));
     kv_table_destroy(t);
@@ -401,7 +401,7 @@ static void test_chunks(void) {
         }
         CHECK_EQ_INT(nd, (half + 2) / 3);
         int64_t created = 0;
-        CHECK_EQ_INT(kv_table_find_or_create(t, keys, N, out, 5, &created), KV_OK);
+        CHECK_EQ_INT(kv_table_find_or_create(t, keys, N, out, 5, &created, NULL), KV_OK);
         CHECK_EQ_INT(created, N - half + nd);
         float *init = malloc((size_t)dim * 4);
         ok = 1;
@@ -453,10 +453,10 @@ static void test_init_determinism(void) {
         c.initial_capacity = 100000; /* a different layout must not matter */
         CHECK_EQ_INT(kv_table_create(&c, &t2), KV_OK);
         c.initial_capacity = 0;
-        CHECK_EQ_INT(kv_table_find_or_create(t1, keys, N, a, 0, NULL), KV_OK);
+        CHECK_EQ_INT(kv_table_find_or_create(t1, keys, N, a, 0, NULL, NULL), KV_OK);
         for (int i = 0; i < N; i += 37) /* odd batch split, reversed order */
             CHECK_EQ_INT(kv_table_find_or_create(t2, rev + i, N - i < 37 ? N - i : 37,
-                                                 b + (size_t)i * dim, 0, NULL), KV_OK);
+                                                 b + (size_t)i * dim, 0, NULL, NULL), KV_OK);
         CHECK_EQ_INT(kv_initial_values(&c, keys, N, ref), KV_OK);
         CHECK(!memcmp(a, ref, sizeof a));
         int same = 1;
@@ -500,7 +500,7 @@ static void test_apply_and_dirty(void) {
     CHECK_EQ_INT(kv_table_create(&c, &t), KV_OK);
     int64_t keys[3] = {10, 20, 30};
     float out[3 * dim];
-    CHECK_EQ_INT(kv_table_find_or_create(t, keys, 2, out, 5, NULL), KV_OK);
+    CHECK_EQ_INT(kv_table_find_or_create(t, keys, 2, out, 5, NULL, NULL), KV_OK);
     /* duplicate 10 twice, 30 is missing */
     int64_t gk[4] = {10, 30, 10, 20};
     float g[4 * dim];
@@ -544,7 +544,7 @@ static void test_apply_and_dirty(void) {
                  KV_OK);
     CHECK(n == 1 && ek[0] == 20 && ev[0] == 3.0f);
     /* find_or_create sets last_step but not dirty */
-    CHECK_EQ_INT(kv_table_find_or_create(t, keys, 1, out, 77, NULL), KV_OK);
+    CHECK_EQ_INT(kv_table_find_or_create(t, keys, 1, out, 77, NULL, NULL), KV_OK);
     s = snapshot(t);
     for (int64_t i = 0; i < s.n; i++) {
         if (s.keys[i] == 10) CHECK(s.steps[i] == 77 && s.dirty[i] == 0);
@@ -572,7 +572,7 @@ static void test_export_import(void) {
     float *buf = malloc(N * dim * 4), *g = malloc(N * dim * 4);
     for (int i = 0; i < N; i++) keys[i] = key_of((uint64_t)i * 13);
     for (int i = 0; i < N * dim; i++) g[i] = 0.01f * (float)(i % 17);
-    CHECK_EQ_INT(kv_table_find_or_create(a, keys, N, buf, 3, NULL), KV_OK);
+    CHECK_EQ_INT(kv_table_find_or_create(a, keys, N, buf, 3, NULL, NULL), KV_OK);
     CHECK_EQ_INT(kv_table_apply_gradients(a, keys, N / 2, g, 4, 0, NULL), KV_OK);
     CHECK_EQ_INT(kv_table_apply_gradients(a, keys, N / 3, g, 6, 0, NULL), KV_OK);
     int64_t nd;
@@ -655,9 +655,9 @@ static void test_errors(void) {
         kv_table_find(t, keys, -1, out, NULL, NULL),
         kv_table_find(t, NULL, 2, out, NULL, NULL),
         kv_table_find(t, keys, 2, NULL, NULL, NULL),
-        kv_table_find_or_create(t, keys, -1, out, 0, NULL),
-        kv_table_find_or_create(t, NULL, 4, out, 0, NULL),
-        kv_table_find_or_create(t, keys, 4, NULL, 0, NULL),
+        kv_table_find_or_create(t, keys, -1, out, 0, NULL, NULL),
+        kv_table_find_or_create(t, NULL, 4, out, 0, NULL, NULL),
+        kv_table_find_or_create(t, keys, 4, NULL, 0, NULL, NULL),
         kv_table_update(t, keys, -2, v),
         kv_table_update(t, NULL, 4, v),
         kv_table_update(t, keys, 4, NULL),
@@ -704,7 +704,7 @@ static void test_errors(void) {
     }
     /* n == 0 with NULL pointers is a no-op */
     CHECK_EQ_INT(kv_table_find(t, NULL, 0, NULL, NULL, NULL), KV_OK);
-    CHECK_EQ_INT(kv_table_find_or_create(t, NULL, 0, NULL, 0, NULL), KV_OK);
+    CHECK_EQ_INT(kv_table_find_or_create(t, NULL, 0, NULL, 0, NULL, NULL), KV_OK);
     CHECK_EQ_INT(kv_table_update(t, NULL, 0, NULL), KV_OK);
     CHECK_EQ_INT(kv_table_apply_gradients(t, NULL, 0, NULL, 1, 0, NULL), KV_OK);
     snap_t s1 = snapshot(t);
@@ -758,7 +758,7 @@ enum { OP_FOC, OP_UPDATE, OP_IMPORT, OP_APPLY_CREATE, OP_APPLY, OP_FIND, OP_N };
 
 static int run_op(kv_table_t *t, int op, const int64_t *keys, int64_t n, float *buf, float *vals) {
     switch (op) {
-    case OP_FOC: return kv_table_find_or_create(t, keys, n, buf, 99, NULL);
+    case OP_FOC: return kv_table_find_or_create(t, keys, n, buf, 99, NULL, NULL);
     case OP_UPDATE: return kv_table_update(t, keys, n, vals);
     case OP_IMPORT: return kv_table_import(t, keys, n, vals, NULL, NULL, NULL);
     case OP_APPLY_CREATE: return kv_table_apply_gradients(t, keys, n, vals, 3, KV_APPLY_CREATE_MISSING, NULL);
@@ -835,6 +835,244 @@ static void test_oom(void) {
     free(buf);
 }
 
+
+/* ---- feature lifecycle: admission, eviction, removed-keys log -------------------- */
+
+static void test_admission(void) {
+    const int32_t dim = 3;
+    for (int mode = KV_ADMIT_EXACT; mode <= KV_ADMIT_BLOOM; mode++) {
+        kv_table_config_t c = config(dim, KV_INIT_CONSTANT, 0.5f, 0);
+        c.admit_min_count = 3;
+        c.admit_mode = mode;
+        c.bloom_counters = 1 << 16;
+        kv_table_t *t = NULL;
+        CHECK_EQ_INT(kv_table_create(&c, &t), KV_OK);
+        int64_t keys[4] = {10, 20, 10, 30}; /* 10 twice in one call: counts once */
+        float out[4 * 3], g[4 * 3];
+        uint8_t has[4];
+        int64_t created = -1, missing = -1;
+        for (int i = 0; i < 12; i++) g[i] = 1.0f;
+        for (int call = 1; call <= 2; call++) {
+            CHECK_EQ_INT(kv_table_find_or_create(t, keys, 4, out, (uint32_t)call, &created, has), KV_OK);
+            CHECK_EQ_INT(created, 0);
+            CHECK(!has[0] && !has[1] && !has[2] && !has[3]);
+            CHECK(out[0] == 0.0f && out[11] == 0.0f); /* the default row */
+            CHECK_EQ_INT(kv_table_apply_gradients(t, keys, 4, g, call, KV_APPLY_CREATE_MISSING, &missing), KV_OK);
+            CHECK_EQ_INT(missing, 3);
+            CHECK_EQ_INT(kv_table_size(t), 0);
+        }
+        kv_table_stats_t st;
+        kv_table_stats(t, &st);
+        CHECK_EQ_INT(st.rejected, 8);
+        CHECK_EQ_INT(st.dropped_grads, 6);
+        CHECK_EQ_INT(st.pending, mode == KV_ADMIT_EXACT ? 3 : 0);
+        CHECK(st.admission_bytes > 0);
+        /* third sighting of 10 and 20 (not 30): admitted with the initial value */
+        CHECK_EQ_INT(kv_table_find_or_create(t, keys, 3, out, 3, &created, has), KV_OK);
+        CHECK_EQ_INT(created, 2);
+        CHECK(has[0] && has[1] && has[2] && out[0] == 0.5f && out[3] == 0.5f);
+        CHECK_EQ_INT(kv_table_apply_gradients(t, keys, 4, g, 3, KV_APPLY_CREATE_MISSING, &missing), KV_OK);
+        CHECK_EQ_INT(missing, 1); /* 30 */
+        kv_table_stats(t, &st);
+        CHECK_EQ_INT(st.admitted, 2);
+        CHECK_EQ_INT(st.pending, mode == KV_ADMIT_EXACT ? 1 : 0);
+        /* TTL eviction purges exact pending keys last seen before the cut-off */
+        int64_t ne = -1;
+        CHECK_EQ_INT(kv_table_evict(t, 3, -1, KV_EVICT_LRU, &ne), KV_OK);
+        CHECK_EQ_INT(ne, 0);
+        kv_table_stats(t, &st);
+        CHECK_EQ_INT(st.pending, 0);
+        CHECK_EQ_INT(kv_table_size(t), 2);
+        CHECK(table_consistent(t));
+        kv_table_destroy(t);
+    }
+    /* settings out of range */
+    kv_table_config_t c = config(dim, KV_INIT_ZEROS, 0, 0);
+    kv_table_t *x = NULL;
+    c.admit_mode = 7;
+    CHECK_EQ_INT(kv_table_create(&c, &x), KV_EINVAL);
+    c.admit_mode = KV_ADMIT_BLOOM;
+    c.admit_min_count = 16;
+    CHECK_EQ_INT(kv_table_create(&c, &x), KV_EINVAL);
+    CHECK(x == NULL);
+}
+
+/* Brute force: sort (primary, secondary, key) and keep the last max_rows non-TTL rows. */
+typedef struct {
+    uint32_t a, b;
+    int64_t key;
+} bf_t;
+static int bf_cmp(const void *x, const void *y) {
+    const bf_t *p = x, *q = y;
+    if (p->a != q->a) return p->a < q->a ? -1 : 1;
+    if (p->b != q->b) return p->b < q->b ? -1 : 1;
+    return p->key < q->key ? -1 : p->key > q->key;
+}
+static int cmp_i64(const void *x, const void *y) {
+    int64_t a = *(const int64_t *)x, b = *(const int64_t *)y;
+    return a < b ? -1 : a > b;
+}
+
+static void test_evict_exact(void) {
+    const int32_t dim = 2;
+    enum { N = 5000 };
+    uint64_t seed = 99;
+    int64_t *keys = malloc(N * 8), *want = malloc(N * 8);
+    uint32_t *steps = malloc(N * 4), *counts = malloc(N * 4);
+    float *vals = calloc((size_t)N * dim, 4);
+    bf_t *bf = malloc(N * sizeof(bf_t));
+    int all_ok = 1;
+    for (int trial = 0; trial < 40; trial++) {
+        int policy = trial & 1;
+        uint32_t span = trial % 4 == 0 ? 4u : trial % 4 == 1 ? 300u : trial % 4 == 2 ? 1u << 20 : 0xffffffffu;
+        for (int i = 0; i < N; i++) {
+            keys[i] = (int64_t)test_rand(&seed);
+            steps[i] = (uint32_t)(test_rand(&seed) % span);
+            counts[i] = (uint32_t)(test_rand(&seed) % (span < 8 ? 3 : span > 65536 ? 65536 : span));
+        }
+        kv_table_config_t c = config(dim, KV_INIT_ZEROS, 0, 0);
+        kv_table_t *t = NULL;
+        CHECK_EQ_INT(kv_table_create(&c, &t), KV_OK);
+        CHECK_EQ_INT(kv_table_import(t, keys, N, vals, NULL, steps, counts), KV_OK);
+        uint32_t ttl = trial % 3 == 0 ? 0 : steps[trial] ; /* a cut-off that exists */
+        int64_t max_rows = trial % 5 == 4 ? -1 : (int64_t)(test_rand(&seed) % N);
+        int64_t nb = 0, nkeep = 0;
+        for (int i = 0; i < N; i++) {
+            if (steps[i] < ttl) continue;
+            bf[nb].a = policy ? counts[i] : steps[i];
+            bf[nb].b = policy ? steps[i] : counts[i];
+            bf[nb].key = keys[i];
+            nb++;
+        }
+        qsort(bf, (size_t)nb, sizeof(bf_t), bf_cmp);
+        int64_t first = max_rows >= 0 && nb > max_rows ? nb - max_rows : 0;
+        for (int64_t i = first; i < nb; i++) want[nkeep++] = bf[i].key;
+        qsort(want, (size_t)nkeep, 8, cmp_i64);
+        int64_t ne = -1;
+        CHECK_EQ_INT(kv_table_evict(t, ttl, max_rows, policy, &ne), KV_OK);
+        CHECK_EQ_INT(ne, N - nkeep);
+        snap_t sn = snapshot(t);
+        qsort(sn.keys, (size_t)sn.n, 8, cmp_i64);
+        int ok = sn.n == nkeep && !memcmp(sn.keys, want, (size_t)nkeep * 8);
+        snap_free(&sn);
+        ok = ok && table_consistent(t);
+        if (!ok) fprintf(stderr, "evict trial %d (policy %d, ttl %u, max %lld) differs\n",
+                         trial, policy, ttl, (long long)max_rows);
+        all_ok &= ok;
+        kv_table_stats_t st;
+        kv_table_stats(t, &st);
+        CHECK_EQ_INT(st.evicted, N - nkeep);
+        /* evicted rows are reused: re-inserting the keys allocates no new memory */
+        int64_t bytes = st.bytes;
+        CHECK_EQ_INT(kv_table_import(t, keys, N, vals, NULL, steps, counts), KV_OK);
+        kv_table_stats(t, &st);
+        CHECK_EQ_INT(st.bytes, bytes);
+        CHECK(table_consistent(t));
+        kv_table_destroy(t);
+    }
+    CHECK(all_ok);
+    free(keys), free(want), free(steps), free(counts), free(vals), free(bf);
+}
+
+static void test_removed_log(void) {
+    kv_table_config_t c = config(2, KV_INIT_ZEROS, 0, 0);
+    kv_table_t *t = NULL;
+    CHECK_EQ_INT(kv_table_create(&c, &t), KV_OK);
+    int64_t keys[6] = {1, 2, 3, 4, 5, 6}, got[8], n = -1;
+    float out[12];
+    CHECK_EQ_INT(kv_table_find_or_create(t, keys, 3, out, 1, NULL, NULL), KV_OK);
+    CHECK_EQ_INT(kv_table_find_or_create(t, keys + 3, 3, out, 5, NULL, NULL), KV_OK);
+    CHECK_EQ_INT(kv_table_delete(t, keys, 1, NULL), KV_OK); /* not logged: log off */
+    CHECK_EQ_INT(kv_table_track_removed(t, 1), KV_OK);
+    CHECK_EQ_INT(kv_table_delete(t, keys + 1, 1, NULL), KV_OK);
+    CHECK_EQ_INT(kv_table_evict(t, 5, -1, KV_EVICT_LRU, &n), KV_OK); /* key 3 */
+    CHECK_EQ_INT(n, 1);
+    kv_table_stats_t st;
+    kv_table_stats(t, &st);
+    CHECK_EQ_INT(st.removed_logged, 2);
+    CHECK_EQ_INT(kv_table_take_removed(t, got, 1, &n), KV_OK);
+    CHECK_EQ_INT(n, 1);
+    CHECK_EQ_INT(kv_table_take_removed(t, got + 1, 8, &n), KV_OK);
+    CHECK_EQ_INT(n, 1);
+    qsort(got, 2, 8, cmp_i64);
+    CHECK(got[0] == 2 && got[1] == 3);
+    CHECK_EQ_INT(kv_table_take_removed(t, got, 8, &n), KV_OK);
+    CHECK_EQ_INT(n, 0);
+    CHECK_EQ_INT(kv_table_evict(t, 0, 1, KV_EVICT_LRU, &n), KV_OK); /* budget: keeps 6 */
+    CHECK_EQ_INT(n, 2);
+    CHECK_EQ_INT(kv_table_take_removed(t, got, 8, &n), KV_OK);
+    qsort(got, 2, 8, cmp_i64);
+    CHECK(n == 2 && got[0] == 4 && got[1] == 5);
+    CHECK_EQ_INT(kv_table_track_removed(t, 0), KV_OK);
+    CHECK_EQ_INT(kv_table_evict(t, 0, 0, KV_EVICT_LRU, &n), KV_OK);
+    CHECK_EQ_INT(kv_table_take_removed(t, got, 8, &n), KV_OK);
+    CHECK_EQ_INT(n, 0);
+    CHECK_EQ_INT(kv_table_size(t), 0);
+    CHECK_EQ_INT(kv_table_evict(t, 0, 0, 9, &n), KV_EINVAL);
+    CHECK_EQ_INT(kv_table_take_removed(t, NULL, 1, &n), KV_EINVAL);
+    kv_table_destroy(t);
+}
+
+/* kv_table_evict and admission with a failing k-th allocation: unchanged on error. */
+static void test_lifecycle_oom(void) {
+    enum { N = 20000 };
+    int64_t *keys = malloc(N * 8);
+    uint32_t *steps = malloc(N * 4);
+    float *vals = calloc((size_t)N * 2, 4);
+    uint64_t seed = 5;
+    for (int i = 0; i < N; i++) {
+        keys[i] = (int64_t)test_rand(&seed);
+        steps[i] = (uint32_t)(i % 7);
+    }
+    fail_alloc_install();
+    for (int variant = 0; variant < 3; variant++) {
+        int done = 0, unchanged = 1;
+        for (long k = 1; k <= 50 && !done; k++) {
+            kv_table_config_t c = config(2, KV_INIT_ZEROS, 0, 0);
+            c.admit_min_count = variant == 2 ? 2 : 0;
+            kv_table_t *t = NULL;
+            fail_alloc_arm(0);
+            if (kv_table_create(&c, &t) != KV_OK) break;
+            kv_table_import(t, keys, N / 2, vals, NULL, steps, NULL);
+            kv_table_track_removed(t, 1);
+            if (variant == 2) { /* pending keys */
+                float out[2 * 1000];
+                kv_table_find_or_create(t, keys + N / 2, 1000, out, 3, NULL, NULL);
+            }
+            snap_t s0 = snapshot(t);
+            kv_table_stats_t a, b;
+            kv_table_stats(t, &a);
+            fail_alloc_arm(k);
+            int rc;
+            if (variant == 2) {
+                float out[2 * 2000];
+                rc = kv_table_find_or_create(t, keys + N / 2 + 500, 2000, out, 4, NULL, NULL);
+                if (rc == KV_OK) rc = kv_table_evict(t, 4, -1, KV_EVICT_LRU, NULL);
+            } else {
+                rc = kv_table_evict(t, 2, variant ? 1234 : -1, variant, NULL);
+            }
+            fail_alloc_arm(0);
+            if (rc == KV_OK) {
+                done = 1;
+            } else {
+                CHECK_EQ_INT(rc, KV_ENOMEM);
+                snap_t s1 = snapshot(t);
+                kv_table_stats(t, &b);
+                if (variant < 2) unchanged &= snap_equal(&s0, &s1) && a.pending == b.pending &&
+                                              a.removed_logged == b.removed_logged;
+                unchanged &= table_consistent(t);
+                snap_free(&s1);
+            }
+            snap_free(&s0);
+            kv_table_destroy(t);
+        }
+        CHECK(done);
+        CHECK(unchanged);
+    }
+    kv_set_allocator(NULL, NULL, NULL);
+    free(keys), free(steps), free(vals);
+}
+
 /* ---- stats and memory ----------------------------------------------------------- */
 
 static void test_stats(void) {
@@ -851,7 +1089,7 @@ static void test_stats(void) {
     int64_t *keys = malloc(N * 8);
     float *out = malloc((size_t)N * 16 * 4);
     for (int i = 0; i < N; i++) keys[i] = key_of((uint64_t)i);
-    CHECK_EQ_INT(kv_table_find_or_create(t, keys, N, out, 1, NULL), KV_OK);
+    CHECK_EQ_INT(kv_table_find_or_create(t, keys, N, out, 1, NULL, NULL), KV_OK);
     CHECK_EQ_INT(kv_table_stats(t, &s), KV_OK);
     CHECK(s.rows == N && s.load_factor <= 0.85 && s.load_factor > 0.3);
     double overhead = (double)(s.bytes - (int64_t)N * 4 * (16 + s.slot_floats)) / N;
@@ -933,9 +1171,9 @@ static void test_full(void) {
     float out[1200 * 2];
     memset(out, 0, sizeof out);
     for (int i = 0; i < 1200; i++) keys[i] = i;
-    CHECK_EQ_INT(kv_table_find_or_create(t, keys, 990, out, 0, NULL), KV_OK);
+    CHECK_EQ_INT(kv_table_find_or_create(t, keys, 990, out, 0, NULL, NULL), KV_OK);
     snap_t s0 = snapshot(t);
-    CHECK_EQ_INT(kv_table_find_or_create(t, keys, 1001, out, 0, NULL), KV_EFULL);
+    CHECK_EQ_INT(kv_table_find_or_create(t, keys, 1001, out, 0, NULL, NULL), KV_EFULL);
     CHECK_EQ_INT(kv_table_update(t, keys, 1200, out), KV_EFULL);
     CHECK_EQ_INT(kv_table_import(t, keys + 500, 700, out, NULL, NULL, NULL), KV_EFULL);
     CHECK_EQ_INT(kv_table_apply_gradients(t, keys, 1200, out, 1, KV_APPLY_CREATE_MISSING, NULL),
@@ -945,11 +1183,11 @@ static void test_full(void) {
     snap_free(&s0);
     snap_free(&s1);
     /* exactly at the limit is fine, and deleting makes room again */
-    CHECK_EQ_INT(kv_table_find_or_create(t, keys, 1000, out, 0, NULL), KV_OK);
+    CHECK_EQ_INT(kv_table_find_or_create(t, keys, 1000, out, 0, NULL, NULL), KV_OK);
     CHECK_EQ_INT(kv_table_size(t), 1000);
-    CHECK_EQ_INT(kv_table_find_or_create(t, keys + 1000, 1, out, 0, NULL), KV_EFULL);
+    CHECK_EQ_INT(kv_table_find_or_create(t, keys + 1000, 1, out, 0, NULL, NULL), KV_EFULL);
     CHECK_EQ_INT(kv_table_delete(t, keys, 1, NULL), KV_OK);
-    CHECK_EQ_INT(kv_table_find_or_create(t, keys + 1000, 1, out, 0, NULL), KV_OK);
+    CHECK_EQ_INT(kv_table_find_or_create(t, keys + 1000, 1, out, 0, NULL, NULL), KV_OK);
     CHECK(table_consistent(t));
     kv_table_destroy(t);
 }
@@ -967,6 +1205,7 @@ int main(int argc, char **argv) {
     (void)test_random_ops, (void)test_key_patterns, (void)test_free_list;
     (void)test_init_determinism, (void)test_apply_and_dirty, (void)test_export_import;
     (void)test_errors, (void)test_oom, (void)test_stats, (void)test_chunks;
+    (void)test_admission, (void)test_evict_exact, (void)test_removed_log, (void)test_lifecycle_oom;
 #else
     test_random_ops();
     test_key_patterns();
@@ -978,6 +1217,10 @@ int main(int argc, char **argv) {
     test_errors();
     test_oom();
     test_stats();
+    test_admission();
+    test_evict_exact();
+    test_removed_log();
+    test_lifecycle_oom();
     test_threads();
 #endif
     return test_summary();
