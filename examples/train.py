@@ -63,7 +63,13 @@ def parse_args(argv=None):
     # Read by kv.init() from sys.argv; declared here for --help and validation.
     p.add_argument("--step-mode", choices=("bsp", "ssp", "asp"), default=None,
                    help="how far a rank may run ahead (default: KVCOLL_STEP_MODE or bsp)")
-    p.add_argument("--staleness", type=int, default=None, help="SSP's bound in steps")
+    p.add_argument("--staleness", type=int, default=None,
+                   help="SSP's bound in steps (default: KVCOLL_STALENESS or 4)")
+    p.add_argument("--slow-rank", type=int, default=None, metavar="R",
+                   help="debug: rank R sleeps --slow-ms per step (a straggler, for tests and "
+                        "benchmarks)")
+    p.add_argument("--slow-ms", type=float, default=0.0, metavar="M",
+                   help="milliseconds --slow-rank sleeps per step")
     p.add_argument("--steps", type=int, default=None,
                    help=f"training steps (default {DEFAULTS['steps']} on synthetic data; "
                         "with --data, until the data ends)")
@@ -92,6 +98,20 @@ def parse_args(argv=None):
     p.add_argument("--logdir", metavar="DIR", help="write TensorBoard scalars here")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar (the plain --log-every lines remain)")
+    f = p.add_argument_group("feature lifecycle (per table)")
+    f.add_argument("--admit-min-count", type=int, default=0, metavar="K",
+                   help="an id gets a row only once seen in K steps (0/1: at once); before, "
+                        "it reads zeros and its gradients are dropped")
+    f.add_argument("--admit", choices=("exact", "bloom"), default="exact",
+                   help="count unadmitted ids exactly, or in a bounded counting Bloom filter")
+    f.add_argument("--evict-after-steps", type=int, default=None, metavar="T",
+                   help="evict rows not touched in the last T steps")
+    f.add_argument("--max-rows-per-table", type=int, default=None, metavar="R",
+                   help="row budget of each whole table (summed over ranks; each rank keeps "
+                        "ceil(R / world)); least recently used rows go first")
+    f.add_argument("--evict-every", type=int, default=50, metavar="N",
+                   help="evict each table every N steps, the tables staggered over the steps "
+                        "(and all of them before saves and at the end)")
     g = p.add_argument_group("checkpoints and export")
     g.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here (and at the end)")
     g.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
@@ -103,6 +123,13 @@ def parse_args(argv=None):
     g.add_argument("--export-dir", metavar="DIR",
                    help="at the end, write a SavedModel for serving and the embedding dictionary")
     args = p.parse_args(argv)
+    if args.admit_min_count < 0 or args.evict_every < 1 \
+            or (args.evict_after_steps is not None and args.evict_after_steps < 1) \
+            or (args.max_rows_per_table is not None and args.max_rows_per_table < 0):
+        p.error("--admit-min-count and --max-rows-per-table must be >= 0, --evict-every and "
+                "--evict-after-steps >= 1")
+    if args.admit == "bloom" and args.admit_min_count > 15:
+        p.error("--admit bloom counts up to 15: use --admit-min-count <= 15")
     if (args.checkpoint_every or args.incremental_every or args.restore) \
             and not args.checkpoint_dir:
         p.error("--checkpoint-every, --incremental-every and --restore need --checkpoint-dir")
@@ -113,6 +140,8 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.steps is not None and args.steps < 1:
         p.error("--steps must be >= 1")
+    if args.slow_ms < 0 or (args.slow_ms and args.slow_rank is None):
+        p.error("--slow-ms must be >= 0 and needs --slow-rank")
     args.hidden = tuple(int(u) for u in args.hidden.split(",") if u.strip())
     return args
 
@@ -220,6 +249,41 @@ def logloss(label, logit) -> float:
     return float(np.mean(np.logaddexp(0.0, logit) - label * logit))
 
 
+def lifecycle_stats(trainer, comm, evict_pauses) -> dict:
+    """Per table over all ranks: rows, bytes, load factor, admitted, rejected, evicted,
+    dropped gradients and bytes per row beyond its floats; the longest eviction pause
+    on any rank. A collective."""
+    fields = ("rows", "bytes", "index_slots", "admitted", "rejected", "evicted",
+              "dropped_grads", "pending")
+    local = [t.stats() for t in trainer.tables.values()]  # kvcoll: this rank's shards
+    total = comm.allreduce(np.array([[getattr(s, f) for f in fields] for s in local],
+                                    np.float64).reshape(-1), op="train:lifecycle")
+    total = total.reshape(len(local), len(fields))
+    within = all(t.max_rows is None or s.rows <= t.max_rows
+                 for t, s in zip(trainer.tables.values(), local))
+    pauses = comm.allgather(np.array([max(evict_pauses, default=0.0), len(evict_pauses),
+                                      sum(evict_pauses), within], np.float64),
+                            op="train:evict_pause")
+    tables = {}
+    for (name, t), s, row in zip(trainer.tables.items(), local, total):
+        d = {f: int(v) for f, v in zip(fields, row)}
+        d["load_factor"] = d["rows"] / max(1, d["index_slots"])
+        d["bytes_per_row_overhead"] = \
+            (d["bytes"] - d["rows"] * 4 * (s.dim + s.slot_floats)) / d["rows"] if d["rows"] else 0.0
+        d["max_rows_per_rank"] = t.max_rows
+        tables[name] = d
+    calls = int(pauses[0, 1])
+    return {"tables": tables,
+            "admitted": sum(d["admitted"] for d in tables.values()),
+            "rejected": sum(d["rejected"] for d in tables.values()),
+            "evicted": sum(d["evicted"] for d in tables.values()),
+            "dropped_grads": sum(d["dropped_grads"] for d in tables.values()),
+            "evict_calls": calls,
+            "max_evict_pause_ms": float(pauses[:, 0].max()) * 1e3,
+            "mean_evict_pause_ms": float(pauses[:, 2].sum() / max(1, pauses[:, 1].sum())) * 1e3,
+            "within_budget": bool(pauses[:, 3].all())}
+
+
 def summary_scalar(tag: str, value: float) -> None:
     """tf.summary.scalar without the tensorboard package (which tf.summary.scalar needs
     and requirements.txt does not pin): the same event, with the scalars plugin's
@@ -281,12 +345,14 @@ def main(argv=None):
     kv.init()  # kvcoll: MPI up; --step-mode / --staleness parsed from sys.argv
     cfg = runtime.config()  # kvcoll:
     rank, world = kv.rank(), kv.size()  # kvcoll:
-    if cfg.step_mode != "bsp":
+    bsp = cfg.step_mode == "bsp"
+    if args.slow_rank is not None and not 0 <= args.slow_rank < world:
         if rank == 0:
-            print(f"error: --step-mode {cfg.step_mode} is not available yet; use bsp",
+            print(f"error: --slow-rank {args.slow_rank} is not a rank of {world}",
                   file=sys.stderr, flush=True)
         kv.shutdown()
         return 2
+    slow_s = args.slow_ms / 1e3 if args.slow_rank == rank else 0.0
 
     import tensorflow as tf
 
@@ -304,7 +370,9 @@ def main(argv=None):
 
     def embed(field, width):  # kvcoll: one sharded, growable table per field
         return kv.Embedding(field, width, initializer=("normal", 0.0, args.init_std),
-                            seed=args.seed)
+                            seed=args.seed, admit_min_count=args.admit_min_count,
+                            admit=args.admit, evict_after_steps=args.evict_after_steps,
+                            max_rows=args.max_rows_per_table)
 
     model = build(NUM_FIELDS, NUM_NUMERIC, args.dim, embed, hidden=args.hidden)
     opt = kv.DistributedOptimizer(  # kvcoll: dense: allreduce + Adam; rows: Adagrad in C
@@ -322,7 +390,12 @@ def main(argv=None):
             f"in {info.seconds:.1f}s")
     start = trainer.step
     quick_n = min(args.eval_samples, 16384)
-    say(f"{args.model} on {world} rank(s): {NUM_FIELDS} tables of width {args.dim + 1}, "
+    if not bsp and (args.checkpoint_every or args.incremental_every):
+        say(f"note: --step-mode {cfg.step_mode}: ranks step independently, so checkpoints "
+            "(collectives) are saved only at the end")
+    say(f"{args.model} on {world} rank(s), {cfg.step_mode}"
+        f"{f' (staleness {cfg.staleness})' if cfg.step_mode == 'ssp' else ''}: "
+        f"{NUM_FIELDS} tables of width {args.dim + 1}, "
         f"global batch {args.batch_size} ({even_split(args.batch_size, 0, world)[1]} on "
         f"rank 0), {data.steps or 'all'} steps, "
         f"{'data ' + ' '.join(args.data) if args.data else f'synthetic data (seed {args.seed})'}")
@@ -337,8 +410,14 @@ def main(argv=None):
     # Uneven data: a rank whose data ends calls trainer.finish() and serves the others'
     # steps. Until the first rank runs out, all ranks agree each step that all have a
     # batch; only then may they run collectives of their own (the periodic evaluation).
-    all_have_data = True
+    # kvcoll: SSP/ASP ranks step independently: no per-step collective at all, so no
+    # periodic evaluation or checkpoint either (they are collectives)
+    all_have_data = bsp
+    own_time = 0.0                 # this rank's own steps (without finish()'s wait)
+    own_samples = 0
     comm = runtime.comm()  # kvcoll:
+    evicting = args.evict_after_steps is not None or args.max_rows_per_table is not None
+    evict_pauses = []              # seconds of each trainer.evict() on this rank
     t_step = time.perf_counter()
     batches = data.train(start)
     while True:
@@ -350,7 +429,9 @@ def main(argv=None):
             all_have_data = int(have[0]) == world
         if batch is None:
             break
-        loss = trainer.train_step(features(batch), batch["label"])  # kvcoll: one BSP step
+        if slow_s:
+            time.sleep(slow_s)  # --slow-rank: a straggler
+        loss = trainer.train_step(features(batch), batch["label"])  # kvcoll: one step
         now = time.perf_counter()
         step = trainer.step
         losses.append((step, loss))
@@ -360,11 +441,18 @@ def main(argv=None):
         else:
             train_time += now - t_step
             data_time += t1 - t0
+            own_time = train_time
+            own_samples += len(batch["label"])
         t_step = now
         if writer is not None:
             with writer.as_default(step=step):
                 summary_scalar("loss", loss)
         progress.update(step, loss)
+
+        if evicting:  # kvcoll: each table once every --evict-every steps, staggered (local)
+            due = [n for i, n in enumerate(trainer.tables) if (step + i) % args.evict_every == 0]
+            if due:                                     # (its time counts as training time)
+                evict_pauses.append(trainer.evict(tables=due))
 
         every = args.checkpoint_every
         inc = args.incremental_every
@@ -372,6 +460,8 @@ def main(argv=None):
                                                       or (inc and step % inc == 0)):
             te = time.perf_counter()
             full = bool(every and step % every == 0)
+            if evicting:  # kvcoll: evict every table before saving
+                trainer.evict()
             info = kv.save(args.checkpoint_dir, trainer, incremental=not full)  # kvcoll: collective
             saved_at = step
             progress.line(f"step {step:5d}  saved {info.kind} checkpoint {info.name}: "
@@ -396,11 +486,22 @@ def main(argv=None):
                     summary_scalar("table_rows", rows)
             eval_time += time.perf_counter() - te
             t_step = time.perf_counter()       # evaluation is not training time
+        elif not bsp and step % args.log_every == 0 and step != data.steps:
+            sps = (step - last_log[0]) * len(batch["label"]) \
+                / max(1e-9, train_time - last_log[1])
+            last_log = (step, train_time)
+            recent = np.mean([l for _, l in losses[-args.log_every:]])
+            progress.line(f"step {step:5d}  loss {recent:.4f}  {sps:,.0f} samples/s on rank 0  "
+                          f"staleness <= {trainer.staleness_observed}")
+    own_steps = n_own = len(losses)
     served = trainer.finish()  # kvcoll: uneven data: serve the other ranks until all are done
-    if trainer.step > start + 1:
+    if bsp and trainer.step > start + 1:
         train_time += time.perf_counter() - t_step    # the steps served count as training
     progress.close()
     steps = trainer.step
+    final_evict = 0.0
+    if evicting:  # kvcoll: every table within its budget at the end (and before the save)
+        final_evict = trainer.evict()
     if args.checkpoint_dir and saved_at != steps and steps > 0:
         info = kv.save(args.checkpoint_dir, trainer,  # kvcoll: a collective
                        incremental=bool(args.incremental_every))
@@ -415,17 +516,36 @@ def main(argv=None):
     result = evaluate(trainer, data, args.eval_samples)  # kvcoll: collective
     eval_time += time.perf_counter() - te
     stats = trainer.table_stats()  # kvcoll: rows and bytes summed over all ranks
-    timed = max(1, steps - start - 1)
+    lifecycle = lifecycle_stats(trainer, comm, evict_pauses)  # kvcoll: collective
+    for name, s in lifecycle["tables"].items():
+        stats[name].update(s)
+    own_steps = max(0, own_steps - 1)  # the first (tracing) step is not timed
+    # kvcoll: every rank's own rate and staleness, gathered once at the end
+    rates = comm.allgather(np.array([own_steps / own_time if own_time > 0 else 0.0,
+                                     own_samples / own_time if own_time > 0 else 0.0,
+                                     n_own, trainer.staleness_observed,
+                                     trainer.max_lead], np.float64), op="train:rates")
+    timed = max(1, steps - start - 1 if bsp else n_own - 1)
     per_step = {k: (v - (timings0 or {}).get(k, 0.0)) / timed * 1e3
                 for k, v in trainer.timings.items()}
     per_step["data"] = data_time / timed * 1e3
     per_step["total"] = train_time / timed * 1e3
     per_step["other"] = per_step["total"] - sum(v for k, v in per_step.items() if k != "total")
-    sps = (timed * args.batch_size / train_time) if steps > start + 1 and train_time > 0 else 0.0
+    if bsp:
+        sps = (timed * args.batch_size / train_time) if steps > start + 1 and train_time > 0 \
+            else 0.0
+    else:  # the sum of every rank's own rate: the ranks do not wait for each other
+        sps = float(rates[:, 1].sum())
 
     metrics = {
         "model": args.model, "world_size": world, "step_mode": cfg.step_mode,
-        "staleness": cfg.mode.staleness, "steps": steps, "served_steps": served,
+        "staleness": None if cfg.step_mode == "asp" else cfg.mode.staleness,
+        "steps": steps, "served_steps": served,
+        "local_steps": [int(x) for x in rates[:, 2]],
+        "steps_per_sec": [float(x) for x in rates[:, 0]],
+        "max_staleness_observed": int(rates[:, 3].max()),
+        "max_clock_lead": int(rates[:, 4].max()),
+        "slow_rank": args.slow_rank, "slow_ms": args.slow_ms,
         "global_batch_size": args.batch_size, "dim": args.dim, "hidden": list(args.hidden),
         "lr": args.lr, "sparse_lr": args.sparse_lr, "seed": args.seed,
         "data": args.data or "synthetic",
@@ -437,6 +557,11 @@ def main(argv=None):
         "loss_curve": [[s, float(l)] for s, l in losses],
         **result,
         "tables": stats,
+        "admit_min_count": args.admit_min_count, "admit": args.admit,
+        "evict_after_steps": args.evict_after_steps,
+        "max_rows_per_table": args.max_rows_per_table,
+        **{k: v for k, v in lifecycle.items() if k != "tables"},
+        "final_evict_ms": final_evict * 1e3,
         "table_rows": sum(s["rows"] for s in stats.values()),
         "table_bytes": sum(s["bytes"] for s in stats.values()),
     }
@@ -474,6 +599,11 @@ def main(argv=None):
         print(line)
         print(f"tables: {metrics['table_rows']:,} rows, {metrics['table_bytes'] / 2**20:,.0f} MiB "
               f"over all ranks")
+        if metrics["evict_calls"] or args.admit_min_count > 1:
+            print(f"lifecycle: {metrics['admitted']:,} admitted, {metrics['rejected']:,} "
+                  f"lookups rejected, {metrics['evicted']:,} evicted, longest eviction pause "
+                  f"{metrics['max_evict_pause_ms']:.1f} ms, every table within its budget: "
+                  f"{metrics['within_budget']}")
         if args.metrics_out:
             print(f"metrics: {args.metrics_out}")
     trainer.close()

@@ -19,7 +19,7 @@ import numpy as np
 
 from .errors import CommError, CommTimeoutError
 
-__all__ = ["Comm", "AllToAllHandle"]
+__all__ = ["Comm", "AllToAllHandle", "SendHandle"]
 
 _MPI = None
 
@@ -108,9 +108,13 @@ class Comm:
         """Elementwise sum (or `mpi_op`) of a numpy array over all ranks.
 
         rank 0: [1, 2]   rank 1: [10, 20]   ->   both: [11, 22]
+
+        mpi_op may also be "sum", "max" or "min".
         """
         self._count(op)
         MPI = _mpi()
+        if isinstance(mpi_op, str):
+            mpi_op = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[mpi_op]
         send = np.ascontiguousarray(arr)
         recv = np.empty_like(send)
         dt = _mpi_type(send.dtype)
@@ -174,6 +178,65 @@ class Comm:
         if bad:
             raise CommError(f"rank(s) {bad} failed {what}; see their error messages")
 
+    # -- point to point (the SSP/ASP service protocol) --------------------------------------
+    #
+    # Messages are flat byte buffers (np.uint8). Between one sender and one receiver on
+    # one communicator they arrive in the order they were sent (MPI's non-overtaking
+    # rule), whatever their tags. A receive side must be used by one thread only: the
+    # SSP/ASP exchange gives its service thread and its training thread different
+    # communicators (dup()), so a probe on one is never matched by a receive on another.
+
+    def isend(self, buf: np.ndarray, dest: int, tag: int, op: str = "isend") -> "SendHandle":
+        """Start sending a uint8 buffer to `dest`; the handle keeps it alive until done.
+
+        rank 0: c.isend(np.frombuffer(b"hi", np.uint8), dest=1, tag=7).wait()
+        rank 1: c.recv(source=0, tag=7)  ->  (0, 7, array([104, 105], dtype=uint8))
+        """
+        self._count(op)
+        buf = np.ascontiguousarray(buf, np.uint8)
+        return SendHandle(self, self._comm.Isend([buf, _mpi().BYTE], dest, tag), buf, op)
+
+    def try_recv(self, source: int = -1, tag: int = -1):
+        """A message that has arrived, if any: (source, tag, uint8 buffer), else None.
+        source/tag -1 match any. Never blocks."""
+        MPI = _mpi()
+        status = MPI.Status()
+        msg = self._comm.Improbe(MPI.ANY_SOURCE if source < 0 else source,
+                                 MPI.ANY_TAG if tag < 0 else tag, status)
+        if msg is None:
+            return None
+        buf = np.empty(status.Get_count(MPI.BYTE), np.uint8)
+        msg.Recv([buf, MPI.BYTE])
+        return status.Get_source(), status.Get_tag(), buf
+
+    def recv(self, source: int = -1, tag: int = -1, op: str = "recv", timeout: float | None = None,
+             poll=None):
+        """Wait for a message (polling with back-off, never spinning) and return it as
+        try_recv does. After `timeout` (default: the communicator's) raises
+        CommTimeoutError naming this rank, the peer and the operation. `poll`, if
+        given, is called while waiting (e.g. to check that a helper thread is alive)."""
+        got = self.try_recv(source, tag)
+        if got is not None:
+            return got
+        self._count(op)
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        pause = 20e-6
+        while True:
+            got = self.try_recv(source, tag)
+            if got is not None:
+                return got
+            if poll is not None:
+                poll()
+            if time.monotonic() > deadline:
+                who = "any rank" if source < 0 else f"rank {source}"
+                raise CommTimeoutError(
+                    f"rank {self.rank}/{self.size}: {op}: no answer from {who} within "
+                    f"{limit:g}s; a peer died or stopped serving (raise the limit with "
+                    "KVCOLL_COMM_TIMEOUT)")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
     def alltoallv(self, send: np.ndarray, counts, op: str = "alltoallv") -> "AllToAllHandle":
         """Start a two-phase all-to-all: counts first, then the payload.
 
@@ -234,6 +297,26 @@ class AllToAllHandle:
         counts = self._recv_counts[:, 0] if self._flat else self._recv_counts
         self._result = (recv, counts)
         return self._result
+
+
+class SendHandle:
+    """A point-to-point send in flight (see Comm.isend)."""
+
+    def __init__(self, comm: Comm, req, buf: np.ndarray, op: str):
+        self._c, self._req, self._buf, self.op = comm, req, buf, op
+
+    def done(self) -> bool:
+        if self._req is None:
+            return True
+        if self._req.Test():
+            self._req, self._buf = None, None
+            return True
+        return False
+
+    def wait(self) -> None:
+        if self._req is not None:
+            self._c.wait(self._req, self.op)
+            self._req, self._buf = None, None
 
 
 def install_abort_hook(comm: Comm) -> None:

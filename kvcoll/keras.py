@@ -43,9 +43,10 @@ import tensorflow as tf
 
 from . import optimizers as row_optimizers
 from . import runtime
+from .config import BSP, StepMode
 from .errors import CommError, InvalidArgumentError, NonFiniteError
-from .exchange import BspExchange
-from .table import KvTable
+from .exchange import BspExchange, SspExchange
+from .table import KvTable, hash_strings
 
 __all__ = ["Embedding", "DistributedOptimizer", "Trainer", "broadcast_variables"]
 
@@ -72,6 +73,12 @@ class Embedding(keras.layers.Layer):
         (output [batch, dim]). initializer, seed: how new rows start (see
         kvcoll.Initializer). optimizer: the table's row optimizer (default: the
         DistributedOptimizer's `sparse`).
+        Feature lifecycle (see kvcoll.KvTable): admit_min_count (K >= 2: an id gets a
+        row once seen in K steps; before, it reads zeros and its gradients are
+        dropped), admit ("exact" or "bloom"), evict_after_steps (TTL in steps),
+        max_rows (the whole table's row budget, summed over ranks: each rank keeps
+        ceil(max_rows / world)), evict_policy ("lru" or "lfu"); Trainer.evict()
+        enforces the last three.
 
     The layer is called on a keras.Input of ids. Inside kvcoll.Trainer it receives
     each id's position in the batch's rows matrix and gathers from it.
@@ -79,7 +86,9 @@ class Embedding(keras.layers.Layer):
 
     def __init__(self, table: str, dim: int, *, combiner: str | None = None,
                  initializer=("uniform", -0.05, 0.05), seed: int = 0, optimizer=None,
-                 **kwargs):
+                 admit_min_count: int = 0, admit: str = "exact",
+                 evict_after_steps: int | None = None, max_rows: int | None = None,
+                 evict_policy: str = "lru", **kwargs):
         kwargs.setdefault("name", f"kv_embedding_{table}")
         super().__init__(**kwargs)
         if combiner not in _COMBINERS:
@@ -93,6 +102,9 @@ class Embedding(keras.layers.Layer):
         self.initializer = initializer
         self.seed = seed
         self.row_optimizer = optimizer
+        self.lifecycle = dict(admit_min_count=admit_min_count, admit=admit,
+                              evict_after_steps=evict_after_steps, max_rows=max_rows,
+                              evict_policy=evict_policy)
 
     def compute_output_spec(self, ids):
         if self.combiner is None:
@@ -122,7 +134,7 @@ class Embedding(keras.layers.Layer):
     def get_config(self):
         cfg = super().get_config()
         cfg.update(table=self.table, dim=self.dim, combiner=self.combiner, seed=self.seed,
-                   initializer=self.initializer)
+                   initializer=self.initializer, **self.lifecycle)
         return cfg
 
 
@@ -171,24 +183,43 @@ class _Feature:
 
 
 class Trainer:
-    """Runs BSP training and evaluation of a Keras model with kv.Embedding layers.
+    """Runs training and evaluation of a Keras model with kv.Embedding layers.
 
     loss: a keras Loss (its per-sample form is used) or a callable
     (labels, outputs) -> per-sample loss.
+    step_mode: "bsp", "ssp", "asp" or a kv.StepMode (default: the run's --step-mode);
+    staleness: SSP's bound (default: the run's --staleness).
+
+    BSP: every step is a collective (see the module docstring). SSP and ASP
+    (kvcoll.exchange.ssp): each rank steps on its own; rows and the dense parameters
+    (one flat vector cut into a slice per rank) live on their owners, which apply every
+    worker's gradients as they arrive, the dense ones with the C kernel matching the
+    Keras optimizer (SGD without momentum, Adagrad, Adam; anything else is an
+    InvalidArgumentError). Each worker's gradients are its share of a global step
+    (summed over its samples, divided by its sample count times the world size), and
+    train_step returns the worker's own mean loss. SSP keeps every worker within
+    `staleness` steps of the slowest; ASP lets each run free. Constructing the Trainer
+    is then a collective (it duplicates the communicator) and so is finish(): it
+    waits until every rank is done and leaves the final model on every rank.
+    predict(), kv.save() and table_stats() stay collectives: call them after
+    finish(). The dense optimizer's state lives with the slice owners during training;
+    they start from the Keras optimizer's (fresh or restored) and finish() writes it
+    back, with the update count as its iterations, so checkpoints hold it.
     """
 
     def __init__(self, model: keras.Model, loss, optimizer: DistributedOptimizer, *,
-                 jit: bool = True, comm=None):
+                 jit: bool = True, comm=None, step_mode=None, staleness: int | None = None):
         if not isinstance(optimizer, DistributedOptimizer):
             raise InvalidArgumentError(
                 "optimizer must be kv.DistributedOptimizer(keras_optimizer, sparse=...), "
                 f"got {optimizer!r}")
+        self.step_mode = _resolve_mode(step_mode, staleness)
         self.model = model
         self.opt = optimizer
         self.comm = comm if comm is not None else runtime.comm()
         self._per_sample_loss = loss.call if isinstance(loss, keras.losses.Loss) else loss
         self.features, layers = _discover(model)
-        self.tables = _make_tables(layers, optimizer.sparse)
+        self.tables = _make_tables(layers, optimizer.sparse, self.comm.size)
         self.exchange = BspExchange(self.comm, self.tables)
         self.step = 0
         self._jit = jit
@@ -198,12 +229,38 @@ class Trainer:
         self.timings = {"exchange": 0.0, "compute": 0.0, "allreduce": 0.0, "apply": 0.0}
         optimizer.optimizer.build(model.trainable_variables)
         self._n_dense = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+        # SSP / ASP: the asynchronous exchange and what it observed.
+        self._async = None
+        self._async_started = False
+        self._assign_fn = None
+        self.local_steps = 0              # train_step calls of this rank (with its own data)
+        if self.step_mode.name != "bsp":
+            dense_opt = _dense_row_optimizer(optimizer.optimizer)
+            self._async = SspExchange(
+                self.comm, self.tables,
+                None if self.step_mode.name == "asp" else self.step_mode.staleness,
+                dense_size=self._n_dense, dense_optimizer=dense_opt)
+            self.timings["wait"] = 0.0
+
+    @property
+    def staleness_observed(self) -> int:
+        """The most steps any data this rank read was behind: its clock minus the slowest
+        clock the owners had seen when they served it (0 in BSP)."""
+        return self._async.staleness_observed if self._async is not None else 0
+
+    @property
+    def max_lead(self) -> int:
+        """The most steps this rank ran ahead of the slowest rank it knew of (0 in BSP)."""
+        return self._async.max_lead if self._async is not None else 0
 
     # -- public -----------------------------------------------------------------------
 
     def train_step(self, features: dict, labels) -> float:
-        """One BSP step on this rank's slice of the global batch. Returns the global
-        mean loss. Every rank must call it (or be inside finish())."""
+        """One step on this rank's slice of the global batch. BSP: returns the global
+        mean loss; every rank must call it (or be inside finish()). SSP/ASP: returns
+        this rank's mean loss; ranks step independently."""
+        if self._async is not None:
+            return self._step_async(self._prepare(features, labels))
         try:
             batch = self._prepare(features, labels)
             err = None
@@ -217,12 +274,27 @@ class Trainer:
             raise
         if err is not None:
             raise err
-        return self._step(batch)
+        loss = self._step(batch)
+        self.local_steps += 1
+        return loss
 
     def finish(self) -> int:
         """Call when this rank's data has run out: keeps answering the other ranks'
         steps (with no samples of its own) until every rank has finished. Returns the
-        number of steps it served."""
+        number of steps it served. SSP/ASP: waits until every rank has finished
+        (serving their pulls meanwhile), then leaves every update applied and the same
+        final dense model on every rank; returns 0."""
+        if self._async is not None:
+            self._start_async()
+            self.step = self._async.finish(self.step)
+            if self._n_dense:
+                self._set_dense(self._async.dense())
+                slots = _dense_slot_variables(self.opt.optimizer)
+                state, updates = self._async.dense_state(len(slots))
+                for row, variables in zip(state, slots):
+                    _assign_flat(variables, row)
+                self.opt.optimizer.iterations.assign(updates)
+            return 0
         served = 0
         while self._header(active=False, ok=True):
             self._step(None)
@@ -248,7 +320,21 @@ class Trainer:
         total = self.comm.allreduce(local.reshape(-1), op="table_stats").reshape(-1, 2)
         return {n: {"rows": int(r), "bytes": int(b)} for n, (r, b) in zip(self.tables, total)}
 
+    def evict(self, step: int | None = None, tables=None) -> float:
+        """Apply the eviction policy (kv.Embedding's evict_after_steps, max_rows,
+        evict_policy) of every table, or of the named `tables`, to this rank's shards
+        as of `step` (default: the current step). Local, not a collective. Returns the
+        seconds it took: the pause it adds to training (stagger the tables over steps
+        to keep it short)."""
+        step = self.step if step is None else int(step)
+        t0 = time.perf_counter()
+        for name in (self.tables if tables is None else tables):
+            self.tables[name].evict(step)
+        return time.perf_counter() - t0
+
     def close(self) -> None:
+        if self._async is not None:
+            self._async.close()
         for t in self.tables.values():
             t.close()
 
@@ -319,6 +405,79 @@ class Trainer:
         tm["allreduce"] += t3 - t2
         tm["apply"] += t5 - t4
         return loss_total / n_total
+
+    # -- one SSP/ASP step ---------------------------------------------------------------
+
+    def _start_async(self) -> None:
+        if not self._async_started:
+            self._async_started = True
+            if not self._n_dense:
+                return
+            flat = _flat(self.model.trainable_variables)
+            # the Keras optimizer's state (fresh, or restored from a checkpoint)
+            slots = _dense_slot_variables(self.opt.optimizer)
+            state = np.stack([_flat(v) for v in slots]) if slots else None
+            self._async.start_dense(flat, state, int(self.opt.optimizer.iterations.numpy()))
+
+    def _step_async(self, batch) -> float:
+        ex = self._async
+        self._start_async()
+        step = self.step + 1
+        t0 = time.perf_counter()
+        ex.wait_turn(step)
+        t1 = time.perf_counter()
+        n_local = batch["n"]
+        ids = {t: (self._table_ids(batch, t) if n_local else np.zeros(0, np.int64))
+               for t in self.tables}
+        pulled, flat = ex.pull(ids, step, dense=bool(n_local))
+        t2 = time.perf_counter()
+        if n_local:
+            if flat is not None:
+                self._set_dense(flat)
+            inputs, rows = self._model_inputs(batch, pulled)
+            labels = tf.convert_to_tensor(batch["labels"])
+            if self._train_fn is None:
+                self._train_fn = self._compile(self._train_impl, inputs, rows, labels)
+            loss_sum, dense_flat, row_grads = self._train_fn(inputs, rows, labels)
+            loss_sum = float(loss_sum)
+            dense_np = dense_flat.numpy()
+            row_np = {t: g.numpy() for t, g in row_grads.items()}
+            finite = np.isfinite(loss_sum) and np.isfinite(dense_np).all() \
+                and all(np.isfinite(g).all() for g in row_np.values())
+            if not finite:
+                raise NonFiniteError(
+                    f"rank {self.comm.rank}, step {step}: the loss or a gradient is NaN/Inf; "
+                    "nothing was pushed (lower the learning rate or check the inputs)")
+            scale = np.float32(1.0 / (n_local * self.comm.size))
+            row_np = {t: g * scale for t, g in row_np.items()}
+            dense_np = dense_np * scale
+        else:
+            loss_sum, dense_np = 0.0, None
+            row_np = {t: np.zeros_like(p.rows) for t, p in pulled.items()}
+        t3 = time.perf_counter()
+        ex.push(row_np, dense_np, step)
+        t4 = time.perf_counter()
+        self.step = step
+        self.local_steps += 1
+        tm = self.timings
+        tm["wait"] += t1 - t0
+        tm["exchange"] += (t2 - t1) + (t4 - t3)
+        tm["compute"] += t3 - t2
+        return loss_sum / n_local if n_local else 0.0
+
+    def _set_dense(self, flat: np.ndarray) -> None:
+        """Assign the flat dense vector to the model's trainable variables."""
+        if self._assign_fn is None:
+            dense_vars = self.model.trainable_variables
+            sizes = [int(np.prod(v.shape)) for v in dense_vars]
+
+            def assign(f):
+                for p, v in zip(tf.split(f, sizes), dense_vars):
+                    v.assign(tf.reshape(p, v.shape))
+            self._assign_fn = tf.function(
+                assign, input_signature=[tf.TensorSpec([None], tf.float32)]) if self._jit \
+                else assign
+        self._assign_fn(tf.constant(flat, tf.float32))
 
     def _apply_dense(self, flat: np.ndarray) -> None:
         """Apply the summed dense gradients (one flat vector) with the Keras optimizer."""
@@ -430,6 +589,88 @@ class Trainer:
         return inputs, rows
 
 
+def _resolve_mode(step_mode, staleness) -> StepMode:
+    """The Trainer's step mode: given, or the run's configuration (BSP without init)."""
+    if isinstance(step_mode, StepMode):
+        if staleness is not None and staleness != step_mode.staleness:
+            raise InvalidArgumentError(
+                f"step_mode {step_mode} already sets staleness; got staleness={staleness}")
+        return step_mode
+    if step_mode is None:
+        if not runtime.is_initialized():
+            return BSP
+        cfg = runtime.config()
+        step_mode = cfg.step_mode
+        if staleness is None:
+            staleness = cfg.staleness
+    if step_mode == "bsp":
+        return BSP
+    if step_mode == "asp":
+        return StepMode("asp", 0)
+    if step_mode == "ssp":
+        return StepMode("ssp", 4 if staleness is None else staleness)
+    return StepMode(step_mode)  # raises InvalidArgumentError naming the choices
+
+
+def _flat(variables) -> np.ndarray:
+    return np.concatenate([np.asarray(v.numpy(), np.float32).reshape(-1) for v in variables])
+
+
+def _assign_flat(variables, flat: np.ndarray) -> None:
+    at = 0
+    for v in variables:
+        n = int(np.prod(v.shape))
+        v.assign(flat[at:at + n].reshape(v.shape))
+        at += n
+
+
+def _dense_slot_variables(opt) -> list:
+    """The Keras optimizer's per-parameter state, one list of variables (in trainable
+    variable order) per slot of the matching C kernel's layout: Adam m, v; Adagrad
+    accum; SGD none. Lets SSP/ASP start from, and leave behind, the Keras state that
+    checkpoints save."""
+    if type(opt) is keras.optimizers.Adam:
+        return [opt._momentums, opt._velocities]
+    if type(opt) is keras.optimizers.Adagrad:
+        return [opt._accumulators]
+    return []
+
+
+def _dense_row_optimizer(opt):
+    """The C kernel (a kvcoll row optimizer) that updates dense slices in SSP/ASP the
+    way the Keras optimizer would, with its hyperparameters. Keras' Adagrad divides by
+    sqrt(accum + epsilon), the C kernel (TensorFlow's) by sqrt(accum) + epsilon."""
+    cfg = opt.get_config()
+    name = type(opt).__name__
+    lr = cfg.get("learning_rate")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)):
+        raise InvalidArgumentError(
+            f"{name}: ssp/asp apply dense gradients on their owners with a constant learning "
+            f"rate; got {lr!r} (a schedule); use a float learning rate or --step-mode bsp")
+    unsupported = [k for k in ("weight_decay", "clipnorm", "global_clipnorm", "clipvalue",
+                               "loss_scale_factor", "gradient_accumulation_steps", "use_ema",
+                               "amsgrad", "nesterov") if cfg.get(k)]
+    if cfg.get("momentum"):
+        unsupported.append("momentum")
+    if unsupported:
+        raise InvalidArgumentError(
+            f"{name}: ssp/asp have no C kernel for {', '.join(unsupported)}; drop "
+            f"{'it' if len(unsupported) == 1 else 'them'} or use --step-mode bsp")
+    kind = type(opt)
+    if kind is keras.optimizers.Adam:
+        return row_optimizers.Adam(lr, beta_1=cfg["beta_1"], beta_2=cfg["beta_2"],
+                                   epsilon=cfg["epsilon"])
+    if kind is keras.optimizers.Adagrad:
+        return row_optimizers.Adagrad(
+            lr, initial_accumulator_value=cfg["initial_accumulator_value"], epsilon=cfg["epsilon"])
+    if kind is keras.optimizers.SGD:
+        return row_optimizers.SGD(lr)
+    raise InvalidArgumentError(
+        f"{name}: ssp/asp update dense parameters on their owners with kvcoll's C kernels, "
+        "which exist for keras.optimizers.SGD (no momentum), Adagrad and Adam; use one of "
+        "those or --step-mode bsp")
+
+
 def _ids_of(name, value, multi_hot):
     """(flat int64 ids, row_splits or None) of one id feature."""
     splits = None
@@ -440,10 +681,15 @@ def _ids_of(name, value, multi_hot):
         value, splits = value
         splits = np.asarray(splits, np.int64)
     arr = np.asarray(value)
+    if arr.dtype.kind in "USO":  # string ids: their XXH64 keys (kvcoll.table.hash_strings)
+        try:
+            arr = hash_strings(arr)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"feature {name!r}: {exc}") from None
     if arr.dtype not in (np.int64, np.int32):
         raise InvalidArgumentError(
-            f"feature {name!r}: ids must be int64 or int32, got {arr.dtype}; hash string ids "
-            "to int64 first")
+            f"feature {name!r}: ids must be int64 or int32, got {arr.dtype} (string ids are "
+            "accepted too: they are hashed with kvcoll.table.hash_strings)")
     if splits is None and arr.ndim == 2:
         if not multi_hot:
             raise InvalidArgumentError(
@@ -499,15 +745,24 @@ def _discover(model: keras.Model):
     return features, layers
 
 
-def _make_tables(layers, default_optimizer) -> dict[str, KvTable]:
+def _make_tables(layers, default_optimizer, world: int = 1) -> dict[str, KvTable]:
+    """One KvTable per table name; a whole-table max_rows becomes this rank's share,
+    ceil(max_rows / world) (the hash partition spreads keys evenly)."""
     specs = {}
     for layer in layers:
         spec = (layer.dim, layer.initializer, layer.seed,
-                layer.row_optimizer or default_optimizer)
+                layer.row_optimizer or default_optimizer,
+                tuple(sorted(layer.lifecycle.items())))
         prev = specs.setdefault(layer.table, spec)
         if prev != spec:
             raise InvalidArgumentError(
                 f"table {layer.table!r} is declared twice with different settings "
-                f"(dim, initializer, seed, optimizer): {prev} vs {spec}")
-    return {name: KvTable(dim, name=name, seed=seed, initializer=init, optimizer=opt)
-            for name, (dim, init, seed, opt) in sorted(specs.items())}
+                f"(dim, initializer, seed, optimizer, lifecycle): {prev} vs {spec}")
+    tables = {}
+    for name, (dim, init, seed, opt, life) in sorted(specs.items()):
+        life = dict(life)
+        if life["max_rows"] is not None:
+            life["max_rows"] = -(-int(life["max_rows"]) // world)
+        tables[name] = KvTable(dim, name=name, seed=seed, initializer=init, optimizer=opt,
+                               **life)
+    return tables

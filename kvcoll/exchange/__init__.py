@@ -1,8 +1,11 @@
 """Step modes behind one interface: pull(ids) -> rows, push(grads).
 
-Only BSP exists so far; SSP and ASP arrive with their own modules.
+bsp.py: blocking fused collectives, deterministic. ssp.py: a service thread per rank,
+worker clocks and a staleness bound; asp.py: the same with no bound.
 """
 
+from .asp import AspExchange
 from .bsp import BspExchange, Pulled
+from .ssp import SspExchange
 
-__all__ = ["BspExchange", "Pulled"]
+__all__ = ["BspExchange", "SspExchange", "AspExchange", "Pulled"]

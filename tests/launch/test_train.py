@@ -4,7 +4,7 @@
   --eval-samples, see CONVERGENCE_ARGS) reaches eval_auc >= 0.5 + 0.8 * (planted_auc - 0.5)
   on held-out samples, and --metrics-out holds every documented field;
 - --model wdl runs a few steps on 1 rank, writes its metrics and TensorBoard events;
-- --step-mode ssp stops with a clear error and a non-zero exit (until SSP lands);
+- (--step-mode ssp and asp: tests/launch/test_async_train.py);
 - uneven data: a rank whose data ends first serves the others' steps (trainer.finish())
   and the periodic evaluation, a collective, is skipped from then on instead of hanging.
 """
@@ -94,13 +94,6 @@ def test_logdir_events(wdl_run):
     blob = b"".join(p.read_bytes() for p in events)
     for tag in (b"loss", b"eval_auc", b"samples_per_sec", b"table_rows"):
         assert tag in blob, f"no {tag!r} scalar in the events file"
-
-
-def test_ssp_not_available():
-    code, out = run_train(2, ["--step-mode", "ssp", "--staleness", "2", "--steps", "2"],
-                          timeout=120)
-    assert code != 0
-    assert "--step-mode ssp is not available yet; use bsp" in out, out[-3000:]
 
 
 # train.py with rank r's synthetic data cut to 3 + 2 r steps.

@@ -74,3 +74,25 @@ def test_allgatherv_variable_rows(comm):
     assert counts.tolist() == [r % 3 for r in range(world)]
     np.testing.assert_array_equal(
         got, np.concatenate([np.full((r % 3, 2), r, np.float32) for r in range(world)]))
+
+
+def test_point_to_point_ring_in_order_and_timeout(comm):
+    """isend/recv: a ring of messages arrives in send order per sender; a recv nobody
+    answers raises CommTimeoutError naming the rank, the peer and the operation."""
+    world, me = comm.size, comm.rank
+    c = comm.dup()
+    right, left = (me + 1) % world, (me - 1) % world
+    sends = [c.isend(np.full(k + 1, me * 10 + k, np.uint8), right, tag=k % 2) for k in range(4)]
+    for k in range(4):  # different tags, one sender: still in order with tag -1
+        src, tag, buf = c.recv(left, -1, op="ring")
+        assert (src, tag) == (left, k % 2)
+        np.testing.assert_array_equal(buf, np.full(k + 1, left * 10 + k, np.uint8))
+    for s in sends:
+        s.wait()
+        assert s.done()
+    assert c.try_recv() is None
+    with pytest.raises(CommTimeoutError, match=rf"rank {me}/{world}: quiet: no answer from rank "
+                                               rf"{left} within 0.2s"):
+        c.recv(left, 5, op="quiet", timeout=0.2)
+    comm.barrier()
+    c.free()

@@ -1,0 +1,516 @@
+"""SSP and ASP exchange: a service thread per rank, worker clocks, bounded staleness.
+
+Every rank is both a worker (its training thread) and an owner (its service thread):
+the owner of a row or of a slice of the dense parameters is the only rank that updates
+it. Two private communicators (dups of the trainer's) keep the directions apart:
+
+    requests  workers -> owners   PULL, PUSH, DONE    received by service threads only
+    replies   owners -> workers   rows, dense slice   received by training threads only
+
+so each receive side is used by exactly one thread. Between two ranks on one
+communicator messages arrive in the order they were sent (MPI's non-overtaking rule),
+which is what the clock argument below rests on.
+
+Clocks. A worker's clock is the number of steps it has finished. Step t of worker w:
+
+  1. gate (SSP only): wait until every worker that is not DONE has finished step
+     t - S - 1, as this rank's service thread has seen it; so no worker is ever more
+     than S steps ahead of the slowest (its lead, t - 1 - min clock, is <= S);
+  2. pull: one PULL(t) to every owner with the ids it owns (and "send me your dense
+     slice"); an owner serves it only once it has seen PUSH(s) with s >= t - S - 1 from
+     every worker that is not DONE (SSP). Since a worker's pushes of step s reach the
+     owner before anything it sends later, the rows and the slice served reflect every
+     update of every worker's steps <= t - S - 1;
+  3. compute, then push: one PUSH(t) to every owner (the gradients of the rows it owns
+     and of its dense slice; empty ones too: a PUSH is also the worker's CLOCK(t)).
+     Pushes are not waited for (at most a few steps of sends are in flight).
+
+ASP is staleness None: no gate, pulls are served at once. S = 0 is BSP's schedule
+(each step sees all of the previous one), though updates are applied per worker.
+
+DONE: a worker whose data ended says so; it no longer holds anyone back. finish()
+waits until every rank is DONE (each DONE follows that rank's last push), then a
+barrier, so every update everywhere has been applied; then every rank gathers the
+whole dense vector. The trainer's next step (a new epoch) makes it active again.
+
+A worker's own share (the rows and the slice this rank owns) takes no message: the
+training thread reads it right after the gate, which has checked the same clocks the
+service thread would, and applies its own pushes itself before recording its clock.
+
+Owners apply row gradients with the table's row optimizer in C (the table locks per
+call: a row's value and its slots change together) and dense gradients to their slice
+with the C kernel of the dense optimizer (only the service thread touches the slice).
+Nothing waits forever: every wait has a deadline and names the rank and operation.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+
+import numpy as np
+
+from ..comm import Comm
+from ..errors import CommError, CommTimeoutError
+from ..table import KvTable, apply_rows, init_slots, unique_partition
+from .bsp import Pulled
+
+__all__ = ["SspExchange"]
+
+_PULL, _PUSH, _DONE = 1, 2, 3
+_TAG_REQ, _TAG_REPLY = 11, 12
+_HEADER = 4  # int64 words: kind, clock, flags, reserved
+_F_CREATE, _F_DENSE = 1, 2
+
+
+@dataclasses.dataclass
+class _Trace:
+    """Per step of this worker: what it waited for and how stale its data was."""
+
+    step: int
+    lead: int          # step - 1 - slowest clock seen at the gate
+    staleness: int     # step - 1 - slowest clock the owners had seen when they served
+    t_start: float     # time.time() after the gate
+    t_end: float = 0.0  # time.time() when its pushes were posted
+
+
+def _pack(header, ints=(), floats=()) -> np.ndarray:
+    parts = [np.asarray(header, np.int64)] + [np.ascontiguousarray(a, np.int64) for a in ints] \
+        + [np.ascontiguousarray(a, np.float32).reshape(-1) for a in floats]
+    return np.concatenate([p.view(np.uint8) for p in parts])
+
+
+class _Reader:
+    """Reads int64 and float32 runs off a received byte buffer."""
+
+    def __init__(self, buf: np.ndarray):
+        self.buf, self.at = buf, 0
+
+    def ints(self, n: int) -> np.ndarray:
+        out = self.buf[self.at:self.at + 8 * n].view(np.int64)
+        self.at += 8 * n
+        return out
+
+    def floats(self, n: int) -> np.ndarray:
+        out = self.buf[self.at:self.at + 4 * n].view(np.float32)
+        self.at += 4 * n
+        return out
+
+
+class SspExchange:
+    """Asynchronous pull/push of rows and dense slices with a staleness bound.
+
+    comm: the trainer's communicator (its dups carry the protocol; it is used itself
+        only for finish()'s barrier and gathers). tables: name -> this rank's shard.
+    staleness: SSP's bound S (>= 0), or None for ASP.
+    dense_size: length of the flat dense parameter vector (0: none). dense_optimizer:
+        the kvcoll row optimizer the slice owners apply to it.
+    Call start_dense(flat) once (every rank, before its first step or finish) with the
+    initial dense vector; each rank keeps only its slice.
+    """
+
+    def __init__(self, comm: Comm, tables: dict[str, KvTable], staleness: int | None,
+                 dense_size: int = 0, dense_optimizer=None, max_inflight_steps: int = 4):
+        if staleness is not None and (not isinstance(staleness, int) or staleness < 0):
+            raise ValueError(f"staleness must be an int >= 0 or None (ASP), got {staleness!r}")
+        self.comm = comm
+        self.tables = dict(tables)
+        self._names = list(self.tables)
+        self.staleness = staleness
+        world, rank = comm.size, comm.rank
+        self._world, self._rank = world, rank
+        self._bounds = [dense_size * r // world for r in range(world + 1)]
+        self.dense_size = int(dense_size)
+        self._dense_opt = dense_optimizer
+        if dense_size and dense_optimizer is None:
+            raise ValueError("a dense vector needs a dense_optimizer")
+        self._inflight_limit = max(1, max_inflight_steps) * world
+        self._req = comm.dup()   # workers -> service threads
+        self._rep = comm.dup()   # service threads -> workers
+        # State shared by the two threads, guarded by _cv.
+        self._cv = threading.Condition()
+        self._clock = np.zeros(world, np.int64)   # steps finished by each worker, as seen here
+        self._done = np.zeros(world, bool)
+        self._master = None       # (1, slice) float32: this rank's dense slice
+        self._slots = None
+        self._dense_updates = 0
+        self._error: BaseException | None = None
+        self._stop = False
+        # Worker side (training thread only).
+        self._sends: collections.deque = collections.deque()
+        self._last: dict[str, Pulled] | None = None   # the last pull, for push
+        self.trace: list[_Trace] = []
+        self.staleness_observed = 0
+        self.max_lead = 0
+        self.pushes_applied = 0   # service side: pushes applied here (rows or dense)
+        self._thread = threading.Thread(target=self._serve, name=f"kvcoll-service-{rank}",
+                                         daemon=True)
+        self._thread.start()
+
+    # -- worker side ---------------------------------------------------------------------
+
+    def start_dense(self, flat: np.ndarray, state: np.ndarray | None = None,
+                    updates: int = 0) -> None:
+        """Give this rank's service thread its dense slice (once; later calls are no-ops).
+
+        state: optionally the optimizer's per-parameter state, (k, dense_size) for the
+        first k slots of the C layout (Adam: m, v; Adagrad: accum), e.g. restored from a
+        checkpoint; updates: how many updates it has seen (Adam's bias correction)."""
+        with self._cv:
+            if self._master is not None or not self.dense_size:
+                return
+            lo, hi = self._bounds[self._rank], self._bounds[self._rank + 1]
+            flat = np.asarray(flat, np.float32).reshape(-1)
+            if flat.size != self.dense_size:
+                raise ValueError(f"start_dense: {flat.size} values, expected {self.dense_size}")
+            self._master = flat[lo:hi].copy().reshape(1, -1)
+            self._slots = init_slots(self._dense_opt, hi - lo) if hi > lo else None
+            if state is not None and hi > lo and len(state):
+                state = np.asarray(state, np.float32)
+                k = state.shape[0]
+                self._slots[0, :k * (hi - lo)] = state[:, lo:hi].reshape(-1)
+            self._dense_updates = int(updates)
+            self._cv.notify_all()
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise CommError(f"rank {self._rank}: the SSP/ASP service thread failed: "
+                            f"{type(self._error).__name__}: {self._error}") from self._error
+        if not self._thread.is_alive():
+            raise CommError(f"rank {self._rank}: the SSP/ASP service thread has stopped")
+
+    def _min_active(self) -> int | None:
+        """Slowest clock over the workers that are not DONE (None: all are). Needs _cv."""
+        active = ~self._done
+        return int(self._clock[active].min()) if active.any() else None
+
+    def wait_turn(self, step: int) -> int:
+        """Block (SSP) until `step` may start; returns this worker's lead over the slowest
+        worker, step - 1 - (slowest clock seen here)."""
+        deadline = time.monotonic() + self.comm.timeout
+        with self._cv:
+            while True:
+                self._check()
+                slow = self._min_active()
+                if self.staleness is None or slow is None or slow >= step - self.staleness - 1:
+                    break
+                if time.monotonic() > deadline:
+                    behind = [r for r in range(self._world) if not self._done[r]
+                              and self._clock[r] < step - self.staleness - 1]
+                    raise CommTimeoutError(
+                        f"rank {self._rank}/{self._world}: ssp step {step} waited "
+                        f"{self.comm.timeout:g}s for rank(s) {behind} to finish step "
+                        f"{step - self.staleness - 1}; a peer died or stopped "
+                        "(raise the limit with KVCOLL_COMM_TIMEOUT)")
+                self._cv.wait(0.05)
+            lead = max(0, step - 1 - (slow if slow is not None else step - 1))
+        self.max_lead = max(self.max_lead, lead)
+        self.trace.append(_Trace(step, lead, 0, time.time()))
+        return lead
+
+    def pull(self, ids: dict[str, np.ndarray], step: int, *, dense: bool = True,
+             create: bool = True):
+        """Rows of every table's ids (created if new, with create) and, with dense, the
+        whole dense vector, as served by the owners under the staleness rule.
+        Returns ({table: Pulled}, dense flat or None)."""
+        world = self._world
+        if set(ids) != set(self._names):
+            raise ValueError(f"pull: ids must name every table exactly; got {sorted(ids)}, "
+                             f"tables {self._names}")
+        parts = {n: unique_partition(ids[n], world) for n in self._names}
+        counts = np.stack([parts[n][2] for n in self._names], axis=1) \
+            if self._names else np.zeros((world, 0), np.int64)  # (world, T)
+        starts = np.zeros((world + 1, len(self._names)), np.int64)
+        np.cumsum(counts, axis=0, out=starts[1:])
+        flags = (_F_CREATE if create else 0) | (_F_DENSE if dense and self.dense_size else 0)
+        owners = []
+        for r in range(world):
+            has_dense = bool(flags & _F_DENSE) and self._bounds[r + 1] > self._bounds[r]
+            if r == self._rank or (not has_dense and not counts[r].any()):
+                continue
+            rids = [parts[n][0][starts[r, t]:starts[r + 1, t]] for t, n in enumerate(self._names)]
+            msg = _pack([_PULL, step, flags if has_dense else flags & ~_F_DENSE, 0],
+                        [counts[r], *rids])
+            self._send(self._req, msg, r, "ssp:pull")
+            owners.append(r)
+        rows = {n: np.empty((parts[n][0].size, self.tables[n].dim), np.float32)
+                for n in self._names}
+        flat = np.empty(self.dense_size, np.float32) if flags & _F_DENSE else None
+        # This rank's own share, served here while the peers work on theirs: the gate
+        # (wait_turn) has already checked, on this owner's clocks, what serving needs.
+        me, lo, hi = self._rank, self._bounds[self._rank], self._bounds[self._rank + 1]
+        for t, n in enumerate(self._names):
+            mine = parts[n][0][starts[me, t]:starts[me + 1, t]]
+            if mine.size:
+                rows[n][starts[me, t]:starts[me + 1, t]] = \
+                    self.tables[n].find_or_create(mine, step=step) if create \
+                    else self.tables[n].find(mine)
+        with self._cv:
+            self._check()
+            if flat is not None and hi > lo:
+                while self._master is None:   # only before this rank's own start_dense
+                    self._cv.wait(0.05)
+                    self._check()
+                flat[lo:hi] = self._master[0]
+            slow = self._min_active()
+        stale = 0 if slow is None else step - 1 - slow
+        for r in owners:
+            _, _, buf = self._rep.recv(r, _TAG_REPLY, op=f"ssp:pull from rank {r}",
+                                       poll=self._check)
+            rd = _Reader(buf)
+            slow = int(rd.ints(1)[0])
+            stale = max(stale, step - 1 - slow)
+            for t, n in enumerate(self._names):
+                k = int(counts[r, t])
+                rows[n][starts[r, t]:starts[r + 1, t]] = \
+                    rd.floats(k * self.tables[n].dim).reshape(k, self.tables[n].dim)
+            if flat is not None and self._bounds[r + 1] > self._bounds[r]:
+                flat[self._bounds[r]:self._bounds[r + 1]] = \
+                    rd.floats(self._bounds[r + 1] - self._bounds[r])
+        stale = max(0, stale)
+        self.staleness_observed = max(self.staleness_observed, stale)
+        if self.trace and self.trace[-1].step == step:
+            self.trace[-1].staleness = stale
+        out = {n: Pulled(parts[n][0], parts[n][1], rows[n], parts[n][2]) for n in self._names}
+        self._last = out
+        return out, flat
+
+    def push(self, grads: dict[str, np.ndarray], dense_grad: np.ndarray | None, step: int) -> None:
+        """Send the gradients of the last pull's rows (and of the dense vector) to their
+        owners, and announce that this worker finished `step`. Does not wait for them
+        to be applied."""
+        world = self._world
+        last = self._last
+        counts = np.stack([last[n].counts for n in self._names], axis=1) if last and self._names \
+            else np.zeros((world, len(self._names)), np.int64)
+        starts = np.zeros((world + 1, len(self._names)), np.int64)
+        np.cumsum(counts, axis=0, out=starts[1:])
+        gs = []
+        for n in self._names:
+            g = np.zeros((0, self.tables[n].dim), np.float32) if last is None \
+                else np.ascontiguousarray(grads[n], np.float32)
+            want = (starts[-1, self._names.index(n)], self.tables[n].dim)
+            if g.shape != want:
+                raise ValueError(f"push: table {n!r}: gradient shape {g.shape}, expected {want}")
+            gs.append(g)
+        if dense_grad is not None:
+            dense_grad = np.ascontiguousarray(dense_grad, np.float32).reshape(-1)
+            if dense_grad.size != self.dense_size:
+                raise ValueError(f"push: dense gradient of {dense_grad.size} values, "
+                                 f"expected {self.dense_size}")
+        for r in range(world):
+            rids = [last[n].uniq[starts[r, t]:starts[r + 1, t]] if last else np.zeros(0, np.int64)
+                    for t, n in enumerate(self._names)]
+            rg = [gs[t][starts[r, t]:starts[r + 1, t]] for t in range(len(self._names))]
+            dg = dense_grad[self._bounds[r]:self._bounds[r + 1]] if dense_grad is not None \
+                else None
+            if r == self._rank:  # this rank's own share: applied here, in order, at once
+                self._apply(r, step, rids, rg, dg)
+                continue
+            msg = _pack([_PUSH, step, int(dg is not None), 0], [counts[r], *rids],
+                        [*rg, dg if dg is not None else np.zeros(0, np.float32)])
+            self._send(self._req, msg, r, "ssp:push")
+        self._last = None
+        if self.trace and self.trace[-1].step == step:
+            self.trace[-1].t_end = time.time()
+
+    def _send(self, comm: Comm, msg: np.ndarray, dest: int, op: str) -> None:
+        sends = self._sends
+        while sends and sends[0].done():
+            sends.popleft()
+        while len(sends) >= self._inflight_limit:
+            sends.popleft().wait()
+        sends.append(comm.isend(msg, dest, _TAG_REQ, op))
+
+    def _drain_sends(self) -> None:
+        while self._sends:
+            self._sends.popleft().wait()
+
+    def finish(self, step: int) -> int:
+        """This worker is done (its clock is `step`): announce it, wait until every rank
+        is done (all their updates applied here), barrier. Afterwards every update of
+        every worker is in every owner's rows and slices. Returns the largest clock of
+        any worker, from which every worker continues."""
+        for r in range(self._world):
+            self._send(self._req, _pack([_DONE, step, 0, 0]), r, "ssp:done")
+        self._drain_sends()
+        limit = self.comm.timeout
+        deadline = time.monotonic() + limit
+        with self._cv:
+            seen = (self._clock.sum(), self._done.sum())
+            while not self._done.all():
+                self._check()
+                now = (self._clock.sum(), self._done.sum())
+                if now != seen:  # someone made progress: the deadline restarts
+                    seen, deadline = now, time.monotonic() + limit
+                if time.monotonic() > deadline:
+                    missing = [r for r in range(self._world) if not self._done[r]]
+                    raise CommTimeoutError(
+                        f"rank {self._rank}/{self._world}: finish: rank(s) {missing} made no "
+                        f"progress for {limit:g}s and did not finish (raise the limit with "
+                        "KVCOLL_COMM_TIMEOUT)")
+                self._cv.wait(0.05)
+        self.comm.barrier("ssp:finish")
+        top = int(self.comm.allreduce(np.array([step], np.int64), op="ssp:finish:clock",
+                                      mpi_op="max")[0])
+        with self._cv:
+            # A next step (new epoch) starts from a common clock, with everyone active.
+            self._done[:] = False
+            np.maximum(self._clock, top, out=self._clock)
+        return top
+
+    def dense(self) -> np.ndarray:
+        """The whole dense vector, gathered from the slice owners (a collective; call it
+        after finish(), when no update is in flight)."""
+        with self._cv:
+            mine = self._master.reshape(-1).copy() if self._master is not None \
+                else np.zeros(0, np.float32)
+        flat, _ = self.comm.allgatherv(mine, op="ssp:dense")
+        return flat
+
+    def dense_state(self, k: int) -> tuple[np.ndarray, int]:
+        """The first k per-parameter slots of the dense optimizer over the whole vector,
+        (k, dense_size), and the number of updates applied (a collective, like dense())."""
+        lo, hi = self._bounds[self._rank], self._bounds[self._rank + 1]
+        with self._cv:
+            mine = self._slots[0, :k * (hi - lo)].reshape(k, hi - lo).T.copy() \
+                if self._slots is not None else np.zeros((0, k), np.float32)
+            updates = self._dense_updates
+        state, _ = self.comm.allgatherv(mine, op="ssp:dense_state")
+        top = int(self.comm.allreduce(np.array([updates], np.int64), op="ssp:dense_updates",
+                                      mpi_op="max")[0])
+        return state.T.copy(), top
+
+    def close(self) -> None:
+        """Stop the service thread and free the communicators (no messages may be in
+        flight: call after finish(), or when abandoning the run)."""
+        if self._thread.is_alive():
+            self._stop = True
+            self._thread.join(timeout=10)
+        for s in self._sends:
+            s.done()
+        self._sends.clear()
+        for c in (self._req, self._rep):
+            try:
+                c.free()
+            except Exception:  # pragma: no cover - a failed free must not hide an error
+                pass
+
+    # -- service side (its own thread) ---------------------------------------------------
+
+    def _serve(self) -> None:
+        deferred: collections.deque = collections.deque()
+        replies: collections.deque = collections.deque()
+        pause = 20e-6
+        try:
+            while not self._stop:
+                got = self._req.try_recv(-1, _TAG_REQ)
+                if got is not None:
+                    pause = 20e-6
+                    src, _, buf = got
+                    self._handle(src, buf, deferred, replies)
+                elif deferred:
+                    if not self._serve_ready(deferred, replies):
+                        time.sleep(pause)
+                        pause = min(pause * 2, 1e-3)
+                else:
+                    time.sleep(pause)
+                    pause = min(pause * 2, 1e-3)
+                while replies and replies[0].done():
+                    replies.popleft()
+        except BaseException as exc:  # noqa: BLE001 - reported to the training thread
+            with self._cv:
+                self._error = exc
+                self._cv.notify_all()
+
+    def _handle(self, src: int, buf: np.ndarray, deferred, replies) -> None:
+        rd = _Reader(buf)
+        kind, clock, flags, _ = (int(x) for x in rd.ints(_HEADER))
+        if kind == _PULL:
+            deferred.append((src, clock, flags, rd))
+            self._serve_ready(deferred, replies)
+        elif kind == _PUSH:
+            self._apply_push(src, clock, flags, rd)
+        elif kind == _DONE:
+            with self._cv:
+                self._done[src] = True
+                self._clock[src] = max(self._clock[src], clock)
+                self._cv.notify_all()
+            self._serve_ready(deferred, replies)
+        else:
+            raise CommError(f"rank {self._rank}: unknown message kind {kind} from rank {src}")
+
+    def _ready(self, clock: int, flags: int) -> bool:
+        if flags & _F_DENSE and self._master is None:
+            return False
+        if self.staleness is None:
+            return True
+        slow = self._min_active()
+        return slow is None or slow >= clock - self.staleness - 1
+
+    def _serve_ready(self, deferred, replies) -> bool:
+        """Answer every deferred pull whose clock condition now holds (in arrival order
+        per worker). Returns whether any was served."""
+        served = False
+        kept = collections.deque()
+        blocked = set()
+        while deferred:
+            src, clock, flags, rd = deferred.popleft()
+            with self._cv:
+                ok = src not in blocked and self._ready(clock, flags)
+                slow = self._min_active()
+            if not ok:
+                blocked.add(src)
+                kept.append((src, clock, flags, rd))
+                continue
+            self._answer(src, clock, flags, rd, clock - 1 if slow is None else slow, replies)
+            served = True
+        deferred.extend(kept)
+        return served
+
+    def _answer(self, src, clock, flags, rd, slow, replies) -> None:
+        counts = rd.ints(len(self._names))
+        out = [np.array([slow], np.int64).view(np.float32)]
+        for t, n in enumerate(self._names):
+            ids = rd.ints(int(counts[t]))
+            table = self.tables[n]
+            out.append((table.find_or_create(ids, step=max(0, clock)) if flags & _F_CREATE
+                        else table.find(ids)).reshape(-1))
+        if flags & _F_DENSE:
+            with self._cv:
+                out.append(self._master.reshape(-1).copy())
+        msg = np.concatenate([o.view(np.uint8) for o in out])
+        replies.append(self._rep.isend(msg, src, _TAG_REPLY, "ssp:reply"))
+
+    def _apply_push(self, src, clock, has_dense, rd) -> None:
+        counts = rd.ints(len(self._names))
+        ids = [rd.ints(int(c)) for c in counts]
+        grads = [rd.floats(int(k) * self.tables[n].dim).reshape(int(k), self.tables[n].dim)
+                 for k, n in zip(counts, self._names)]
+        lo, hi = self._bounds[self._rank], self._bounds[self._rank + 1]
+        self._apply(src, clock, ids, grads, rd.floats(hi - lo) if has_dense else None)
+
+    def _apply(self, src, clock, ids, grads, dense_grad) -> None:
+        """Apply worker src's push of step `clock` to this rank's rows and dense slice,
+        then record its clock (service thread for peers, training thread for itself)."""
+        for t, n in enumerate(self._names):
+            if ids[t].size:
+                self.tables[n].apply_gradients(ids[t], grads[t], step=max(1, clock),
+                                               create_missing=True)
+        with self._cv:
+            if dense_grad is not None:
+                lo, hi = self._bounds[self._rank], self._bounds[self._rank + 1]
+                g = dense_grad
+                if hi > lo:
+                    if self._master is None:
+                        raise CommError(f"rank {self._rank}: dense push from rank {src} "
+                                        "before this rank's slice was initialised")
+                    self._dense_updates += 1
+                    apply_rows(self._dense_opt, self._master, self._slots, g.reshape(1, -1),
+                               self._dense_updates)
+            self.pushes_applied += 1
+            self._clock[src] = max(self._clock[src], clock)
+            self._done[src] = False
+            self._cv.notify_all()

@@ -1,0 +1,251 @@
+"""SSP and ASP at any world size: the exchange alone, then through the Keras Trainer.
+
+- no update is lost: SGD, a fixed gradient per id and per dense slice, uneven step
+  counts; the final rows and dense vector equal the initial ones minus every push;
+- SSP's bound: with the last rank slowed, every other rank's lead reaches exactly S and
+  never more, checked against the other ranks' recorded step times, and the staleness
+  observed stays <= S (S = 0: BSP's schedule);
+- ASP: a slowed rank holds nobody back;
+- the Trainer in SSP/ASP: uneven data and a rank finishing early end without a hang and
+  with the same final dense model on every rank; unsupported dense optimizers are
+  refused with a clear error.
+"""
+
+import os
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import kvcoll as kv  # noqa: E402
+from kvcoll.exchange import SspExchange  # noqa: E402
+from kvcoll.table import owner_of  # noqa: E402
+
+DIMS = {"a": 3, "b": 2}
+LR = 0.5
+DENSE = 10
+
+
+def make_tables():
+    return {n: kv.KvTable(d, name=n, seed=4, initializer=("uniform", -1, 1),
+                          optimizer=kv.optimizers.SGD(LR)) for n, d in DIMS.items()}
+
+
+def ids_of(rank, step):
+    g = np.random.default_rng([5, rank, step])
+    return {"a": g.integers(0, 50, 20).astype(np.int64),
+            "b": g.integers(-10, 10, 7).astype(np.int64)}
+
+
+def grad_of(ids, dim):
+    """A fixed gradient per id."""
+    return (np.asarray(ids, np.float32)[:, None] * 0.01 + np.arange(dim, dtype=np.float32)[None])
+
+
+def steps_of(rank):
+    return 4 + 2 * rank
+
+
+def drive(ex, rank, steps, pause=0.0, dense_init=None):
+    ex.start_dense(dense_init if dense_init is not None else np.zeros(DENSE, np.float32))
+    for step in range(1, steps + 1):
+        ex.wait_turn(step)
+        ids = ids_of(rank, step)
+        pulled, flat = ex.pull(ids, step)
+        assert flat is None or flat.shape == (DENSE,)
+        if pause:
+            time.sleep(pause)
+        grads = {n: grad_of(p.uniq, DIMS[n]) for n, p in pulled.items()}
+        ex.push(grads, np.full(DENSE, rank + 1.0, np.float32), step)
+    return ex.finish(steps)
+
+
+@pytest.mark.parametrize("staleness", [0, 2, None], ids=["ssp0", "ssp2", "asp"])
+def test_no_update_is_lost(comm, staleness):
+    world, rank = comm.size, comm.rank
+    tables = make_tables()
+    dense0 = np.linspace(-1, 1, DENSE).astype(np.float32)
+    ex = SspExchange(comm, tables, staleness, dense_size=DENSE,
+                     dense_optimizer=kv.optimizers.SGD(LR))
+    top = drive(ex, rank, steps_of(rank), dense_init=dense0)
+    assert top == max(steps_of(r) for r in range(world))
+    # expected: initial value minus lr * gradient, once per (rank, step) that pulled it
+    for n, t in tables.items():
+        pushes = {}
+        for r in range(world):
+            for s in range(1, steps_of(r) + 1):
+                for k in np.unique(ids_of(r, s)[n]):
+                    pushes[int(k)] = pushes.get(int(k), 0) + 1
+        mine = np.array(sorted(k for k in pushes if owner_of(np.array([k]), world)[0] == rank),
+                        np.int64)
+        times = np.array([pushes[int(k)] for k in mine], np.float32)
+        want = t.initial_values(mine) - LR * grad_of(mine, DIMS[n]) * times[:, None]
+        np.testing.assert_allclose(t.find(mine), want, rtol=1e-5, atol=1e-5, err_msg=n)
+        assert len(t) == mine.size
+    total = sum((r + 1.0) * steps_of(r) for r in range(world))
+    np.testing.assert_allclose(ex.dense(), dense0 - LR * total, rtol=1e-6, atol=1e-5)
+    ex.close()
+    for t in tables.values():
+        t.close()
+
+
+@pytest.mark.parametrize("S", [0, 2])
+def test_ssp_bound_is_exact(comm, S):
+    world, rank = comm.size, comm.rank
+    if world < 2:
+        pytest.skip("needs a slow and a fast rank")
+    steps, slow = 10, world - 1
+    tables = make_tables()
+    ex = SspExchange(comm, tables, S, dense_size=DENSE, dense_optimizer=kv.optimizers.SGD(LR))
+    drive(ex, rank, steps, pause=0.04 if rank == slow else 0.0)
+    assert ex.staleness_observed <= S
+    leads = [tr.lead for tr in ex.trace]
+    if rank != slow:
+        assert max(leads) == S, leads      # the fast ranks run into the bound ...
+    assert max(leads) <= S                 # ... and never past it
+    # Against the truth: when rank w started step t, every rank k had finished step t-S-1
+    # (recorded just before it posted that step's pushes).
+    starts = comm.allgather(np.array([tr.t_start for tr in ex.trace]))
+    ends = comm.allgather(np.array([tr.t_end for tr in ex.trace]))
+    for w in range(world):
+        for t in range(1, steps + 1):
+            for k in range(world):
+                finished = int((ends[k] < starts[w][t - 1]).sum())
+                assert finished >= min(steps, t - S - 1), (w, t, k, finished)
+    ex.close()
+    for t in tables.values():
+        t.close()
+
+
+@pytest.mark.parametrize("S", [0, 2])
+def test_ssp_pull_reflects_every_update_up_to_t_minus_s_minus_1(comm, S):
+    """Every worker pushes gradient 1 to one shared row per step (SGD, lr 1): the row a
+    worker pulls at step t has absorbed at least every worker's steps <= t - S - 1."""
+    world, rank = comm.size, comm.rank
+    steps = [6 + 2 * r for r in range(world)]
+    t = kv.KvTable(1, name="shared", optimizer=kv.optimizers.SGD(1.0))
+    ex = SspExchange(comm, {"shared": t}, S)
+    seen = []
+    for step in range(1, steps[rank] + 1):
+        ex.wait_turn(step)
+        pulled, _ = ex.pull({"shared": np.array([0], np.int64)}, step)
+        seen.append(-float(pulled["shared"].rows[0, 0]))    # pushes applied so far
+        if rank == world - 1:
+            time.sleep(0.02)                                 # a slower rank
+        ex.push({"shared": np.ones((1, 1), np.float32)}, None, step)
+    ex.finish(steps[rank])
+    for step, applied in enumerate(seen, 1):
+        due = sum(min(n, step - S - 1) for n in steps if step - S - 1 > 0)
+        assert applied >= due, (step, applied, due)
+    if owner_of(np.array([0]), world)[0] == rank:
+        assert t.find(np.array([0]))[0, 0] == -sum(steps)   # and nothing was lost
+    ex.close()
+    t.close()
+
+
+def test_asp_nobody_waits_for_a_slow_rank(comm):
+    world, rank = comm.size, comm.rank
+    if world < 2:
+        pytest.skip("needs a slow and a fast rank")
+    steps, slow = 10, world - 1
+    tables = make_tables()
+    ex = SspExchange(comm, tables, None, dense_size=DENSE, dense_optimizer=kv.optimizers.SGD(LR))
+    # the slow rank takes 5x as long per step
+    drive(ex, rank, steps, pause=0.05 if rank == slow else 0.01)
+    ends = comm.allgather(np.array([tr.t_end for tr in ex.trace]))
+    for w in range(world - 1):
+        done_slow = int((ends[slow] <= ends[w][-1]).sum())
+        assert done_slow < steps / 2, (w, done_slow)
+    ex.close()
+    for t in tables.values():
+        t.close()
+
+
+# -- through the Keras Trainer -------------------------------------------------------------
+
+def _trainer(mode, staleness=None, dense_opt=None):
+    import keras
+
+    keras.utils.set_random_seed(3)
+    u = keras.Input(shape=(), dtype="int64", name="user")
+    h = keras.Input(shape=(None,), dtype="int64", name="history")
+    x = keras.Input(shape=(3,), dtype="float32", name="x")
+    parts = [kv.Embedding("user", 4, initializer=("normal", 0, 0.1), seed=1)(u),
+             kv.Embedding("item", 3, combiner="mean")(h), x]
+    z = keras.layers.Dense(5, activation="tanh")(keras.layers.Concatenate()(parts))
+    model = keras.Model({"user": u, "history": h, "x": x}, keras.layers.Dense(1)(z))
+    opt = kv.DistributedOptimizer(dense_opt or keras.optimizers.Adam(0.02),
+                                  sparse=kv.optimizers.Adagrad(0.2))
+    return kv.Trainer(model, keras.losses.BinaryCrossentropy(from_logits=True), opt,
+                      step_mode=mode, staleness=staleness)
+
+
+def _batch(rank, step, n=16):
+    g = np.random.default_rng([9, rank, step])
+    lens = g.integers(0, 4, n)
+    return ({"user": g.integers(0, 40, n).astype(np.int64),
+             "history": (g.integers(0, 30, lens.sum()).astype(np.int64),
+                         np.concatenate([[0], np.cumsum(lens)])),
+             "x": g.normal(size=(n, 3)).astype(np.float32)},
+            (g.random(n) < 0.4).astype(np.float32))
+
+
+@pytest.mark.parametrize("mode,staleness", [("ssp", 1), ("asp", None)])
+def test_trainer_uneven_data_and_consistent_final_model(comm, mode, staleness):
+    world, rank = comm.size, comm.rank
+    tr = _trainer(mode, staleness)
+    kv.broadcast_variables(tr.model.variables, root_rank=0)
+    steps = 2 + 3 * rank                       # rank 0 runs out first
+    losses = [tr.train_step(*_batch(rank, s)) for s in range(steps)]
+    assert all(np.isfinite(losses))
+    assert tr.finish() == 0
+    assert tr.step == 2 + 3 * (world - 1) and tr.local_steps == steps
+    if mode == "ssp":
+        assert tr.staleness_observed <= 1 and tr.max_lead <= 1
+    flat = np.concatenate([w.reshape(-1) for w in tr.model.get_weights()]).astype(np.float32)
+    every = comm.allgather(flat)
+    for r in range(world):
+        np.testing.assert_array_equal(every[r], flat)
+    # the model moved and predict (a collective after finish) sees the trained rows
+    feats, _ = _batch(rank, 0)
+    out = tr.predict(feats)
+    assert out.shape == (16, 1) and np.isfinite(out).all()
+    # a second epoch works after finish()
+    tr.train_step(*_batch(rank, 100))
+    tr.finish()
+    tr.close()
+
+
+def test_trainer_rejects_dense_optimizers_without_a_kernel(comm):
+    import keras
+
+    with pytest.raises(kv.InvalidArgumentError, match="RMSprop.*SGD.*Adagrad and Adam"):
+        _trainer("asp", dense_opt=keras.optimizers.RMSprop(0.01))
+    with pytest.raises(kv.InvalidArgumentError, match="momentum"):
+        _trainer("ssp", 2, dense_opt=keras.optimizers.SGD(0.01, momentum=0.9))
+
+
+def test_trainer_dense_optimizer_state_round_trips(comm):
+    """The slice owners start from the Keras optimizer's state and finish() writes
+    theirs back: Adam's moments and iteration count are the same on every rank and
+    equal what the owners used."""
+    world, rank = comm.size, comm.rank
+    tr = _trainer("asp")
+    kv.broadcast_variables(tr.model.variables, root_rank=0)
+    for s in range(3):
+        tr.train_step(*_batch(rank, s))
+    tr.finish()
+    opt = tr.opt.optimizer
+    assert int(opt.iterations.numpy()) == 3 * world          # one update per push with data
+    m = np.concatenate([np.asarray(v).reshape(-1) for v in opt._momentums])
+    assert np.abs(m).sum() > 0
+    every = comm.allgather(m)
+    for r in range(world):
+        np.testing.assert_array_equal(every[r], m)
+    # a second round continues from that state (no reset of the moments)
+    tr.train_step(*_batch(rank, 7))
+    tr.finish()
+    assert int(opt.iterations.numpy()) == 4 * world
+    tr.close()
