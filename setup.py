@@ -11,7 +11,6 @@ setup(
     description="Growable sharded embedding tables for TensorFlow, trained over plain MPI",
     packages=find_packages(include=["kvcoll", "kvcoll.*"]),
     python_requires=">=3.10",
-    setup_requires=["cffi>=1.16"],
     cffi_modules=["kvcoll/_build.py:ffibuilder"],
     install_requires=["cffi>=1.16", "numpy>=1.26"],
     extras_require={
