@@ -360,22 +360,13 @@ class Trainer:
         pulled = self.exchange.pull(ids, step)
         t1 = time.perf_counter()
         if batch and batch["n"]:
-            inputs, rows = self._model_inputs(batch, pulled)
-            labels = tf.convert_to_tensor(batch["labels"])
-            if self._train_fn is None:
-                self._train_fn = self._compile(self._train_impl, inputs, rows, labels)
-            loss_sum, dense_flat, row_grads = self._train_fn(inputs, rows, labels)
-            loss_sum = float(loss_sum)
-            dense_np = dense_flat.numpy()
-            row_np = {t: g.numpy() for t, g in row_grads.items()}
+            loss_sum, dense_np, row_np, finite = self._compute(batch, pulled)
             n_local = batch["n"]
         else:
-            loss_sum, n_local = 0.0, 0
+            loss_sum, n_local, finite = 0.0, 0, True
             dense_np = np.zeros(self._n_dense, np.float32)
             row_np = {t: np.zeros_like(p.rows) for t, p in pulled.items()}
         t2 = time.perf_counter()
-        finite = np.isfinite(loss_sum) and np.isfinite(dense_np).all() \
-            and all(np.isfinite(g).all() for g in row_np.values())
         bad = np.zeros(self.comm.size, np.float32)
         bad[self.comm.rank] = 0.0 if finite else 1.0
         # One fused allreduce: dense gradients, loss sum, sample count, non-finite flags.
@@ -434,16 +425,7 @@ class Trainer:
         if n_local:
             if flat is not None:
                 self._set_dense(flat)
-            inputs, rows = self._model_inputs(batch, pulled)
-            labels = tf.convert_to_tensor(batch["labels"])
-            if self._train_fn is None:
-                self._train_fn = self._compile(self._train_impl, inputs, rows, labels)
-            loss_sum, dense_flat, row_grads = self._train_fn(inputs, rows, labels)
-            loss_sum = float(loss_sum)
-            dense_np = dense_flat.numpy()
-            row_np = {t: g.numpy() for t, g in row_grads.items()}
-            finite = np.isfinite(loss_sum) and np.isfinite(dense_np).all() \
-                and all(np.isfinite(g).all() for g in row_np.values())
+            loss_sum, dense_np, row_np, finite = self._compute(batch, pulled)
             if not finite:
                 raise NonFiniteError(
                     f"rank {self.comm.rank}, step {step}: the loss or a gradient is NaN/Inf; "
@@ -464,6 +446,21 @@ class Trainer:
         tm["exchange"] += (t2 - t1) + (t4 - t3)
         tm["compute"] += t3 - t2
         return loss_sum / n_local if n_local else 0.0
+
+    def _compute(self, batch, pulled):
+        """The compiled dense step on one batch: (loss sum, flat dense gradient, row
+        gradient per table, whether all of them are finite), as numpy."""
+        inputs, rows = self._model_inputs(batch, pulled)
+        labels = tf.convert_to_tensor(batch["labels"])
+        if self._train_fn is None:
+            self._train_fn = self._compile(self._train_impl, inputs, rows, labels)
+        loss_sum, dense_flat, row_grads = self._train_fn(inputs, rows, labels)
+        loss_sum = float(loss_sum)
+        dense_np = dense_flat.numpy()
+        row_np = {t: g.numpy() for t, g in row_grads.items()}
+        finite = bool(np.isfinite(loss_sum) and np.isfinite(dense_np).all()
+                      and all(np.isfinite(g).all() for g in row_np.values()))
+        return loss_sum, dense_np, row_np, finite
 
     def _set_dense(self, flat: np.ndarray) -> None:
         """Assign the flat dense vector to the model's trainable variables."""

@@ -20,58 +20,16 @@ from kvcoll.table import owner_of  # noqa: E402
 tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(1)
 
-B = 48  # global batch
-
-
-def build():
-    keras.utils.set_random_seed(3)
-    u = keras.Input(shape=(), dtype="int64", name="user")
-    i = keras.Input(shape=(), dtype="int32", name="item")
-    h = keras.Input(shape=(None,), dtype="int64", name="history")
-    t = keras.Input(shape=(None,), dtype="int64", name="tags")
-    x = keras.Input(shape=(3,), dtype="float32", name="x")
-    parts = [
-        kv.Embedding("user", 4, initializer=("normal", 0, 0.1), seed=1)(u),
-        kv.Embedding("item", 3, initializer=("uniform", -0.1, 0.1))(i),
-        kv.Embedding("item", 3, combiner="mean", initializer=("uniform", -0.1, 0.1),
-                     name="history_emb")(h),
-        kv.Embedding("tag", 2, combiner="sqrtn", optimizer=kv.optimizers.Adam(0.01))(t),
-        x,
-    ]
-    z = keras.layers.Dense(6, activation="tanh")(keras.layers.Concatenate()(parts))
-    return keras.Model({"user": u, "item": i, "history": h, "tags": t, "x": x},
-                       keras.layers.Dense(1)(z))
+from toy import B, build, take  # noqa: E402
+from toy import global_batch as _global_batch  # noqa: E402
 
 
 def global_batch(step):
-    g = np.random.default_rng([11, step])
-    lens = g.integers(0, 4, B)
-    tag_lens = g.integers(1, 3, B)
-    return {
-        "user": g.integers(0, 40, B).astype(np.int64),
-        "item": g.integers(0, 30, B).astype(np.int32),
-        "history": (g.integers(0, 30, lens.sum()).astype(np.int64), lens),
-        "tags": (g.integers(-5, 5, tag_lens.sum()).astype(np.int64), tag_lens),
-        "x": g.normal(size=(B, 3)).astype(np.float32),
-        "label": (g.random(B) < 0.4).astype(np.float32),
-    }
-
-
-def take(batch, lo, hi):
-    """Samples lo..hi-1 of a global batch, ragged features as (values, row_splits)."""
-    out = {}
-    for k, v in batch.items():
-        if isinstance(v, tuple):
-            vals, lens = v
-            splits = np.concatenate([[0], np.cumsum(lens)])
-            out[k] = (vals[splits[lo]:splits[hi]], splits[lo:hi + 1] - splits[lo])
-        else:
-            out[k] = v[lo:hi]
-    return out
+    return _global_batch(step, item_dtype=np.int32)  # int32 ids are widened
 
 
 def make_trainer(comm=None):
-    model = build()
+    model = build(item_dtype="int32")
     opt = kv.DistributedOptimizer(keras.optimizers.Adam(0.02), sparse=kv.optimizers.Adagrad(0.2))
     return kv.Trainer(model, keras.losses.BinaryCrossentropy(from_logits=True), opt, comm=comm)
 
