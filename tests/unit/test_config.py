@@ -35,3 +35,16 @@ def test_step_mode_presets():
     assert ssp(2) == StepMode("ssp", 2)
     with pytest.raises(InvalidArgumentError, match="bsp has staleness 0"):
         StepMode("bsp", 1)
+
+
+def test_engine_imports_neither_tensorflow_nor_mpi():
+    """`import kvcoll` loads the engine only: TensorFlow and MPI come on first use."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kvcoll; "
+            "assert 'tensorflow' not in sys.modules, 'tensorflow'; "
+            "assert 'mpi4py.MPI' not in sys.modules, 'mpi4py'; "
+            "assert callable(kvcoll.Trainer) and 'tensorflow' in sys.modules")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
