@@ -48,6 +48,21 @@ def _mpi_type(dtype: np.dtype):
     }[np.dtype(dtype)]
 
 
+def _poll_until(ready, limit: float, message) -> None:
+    """Call ready() until it returns True, sleeping with back-off (20 us doubling to
+    1 ms: never spinning on shared cores); after `limit` seconds raise
+    CommTimeoutError(message())."""
+    if ready():
+        return
+    deadline = time.monotonic() + limit
+    pause = 20e-6
+    while not ready():
+        if time.monotonic() > deadline:
+            raise CommTimeoutError(message())
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+
+
 class Comm:
     """kvcoll's communicator: a Dup of a parent (COMM_WORLD by default)."""
 
@@ -72,18 +87,10 @@ class Comm:
 
     def wait(self, req, op: str) -> None:
         """Wait for a request, polling with back-off; raise after `timeout` seconds."""
-        if req.Test():
-            return
-        deadline = time.monotonic() + self.timeout
-        pause = 20e-6
-        while not req.Test():
-            if time.monotonic() > deadline:
-                raise CommTimeoutError(
-                    f"rank {self.rank}/{self.size}: {op} did not complete within "
-                    f"{self.timeout:g}s; a peer died or did not issue the same call "
-                    "(raise the limit with KVCOLL_COMM_TIMEOUT)")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+        _poll_until(req.Test, self.timeout, lambda: (
+            f"rank {self.rank}/{self.size}: {op} did not complete within "
+            f"{self.timeout:g}s; a peer died or did not issue the same call "
+            "(raise the limit with KVCOLL_COMM_TIMEOUT)"))
 
     def dup(self) -> "Comm":
         """Another private communicator over the same ranks (e.g. for a service thread)."""
@@ -220,22 +227,22 @@ class Comm:
             return got
         self._count(op)
         limit = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + limit
-        pause = 20e-6
-        while True:
-            got = self.try_recv(source, tag)
-            if got is not None:
-                return got
+        box = []
+
+        def ready():
             if poll is not None:
                 poll()
-            if time.monotonic() > deadline:
-                who = "any rank" if source < 0 else f"rank {source}"
-                raise CommTimeoutError(
-                    f"rank {self.rank}/{self.size}: {op}: no answer from {who} within "
-                    f"{limit:g}s; a peer died or stopped serving (raise the limit with "
-                    "KVCOLL_COMM_TIMEOUT)")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+            msg = self.try_recv(source, tag)
+            if msg is not None:
+                box.append(msg)
+            return bool(box)
+
+        who = "any rank" if source < 0 else f"rank {source}"
+        _poll_until(ready, limit, lambda: (
+            f"rank {self.rank}/{self.size}: {op}: no answer from {who} within "
+            f"{limit:g}s; a peer died or stopped serving (raise the limit with "
+            "KVCOLL_COMM_TIMEOUT)"))
+        return box[0]
 
     def alltoallv(self, send: np.ndarray, counts, op: str = "alltoallv") -> "AllToAllHandle":
         """Start a two-phase all-to-all: counts first, then the payload.
