@@ -3,8 +3,9 @@
 Each sample has `num_categorical` id fields (26 by default, like Criteo), `num_numeric`
 numeric fields (13) and a 0/1 label. Everything about global sample i — its ids, its
 numbers, its label — is a pure function of (seed, stream, i), computed with a
-counter-based hash (splitmix64 of `key[stream, channel] + i * golden`), vectorised in
-numpy. Nothing is generated sequentially, so:
+counter-based hash (splitmix64 of `key[stream, channel] + i * golden`), in C
+(csrc/kv_synth.c; this module derives the parameters). Nothing is generated
+sequentially, so:
 
 - the global batch of step t is samples [t*B, (t+1)*B) of the training stream; it
   depends on the seed, t and B only, never on the world size, and a rank generates
@@ -44,10 +45,12 @@ to 0.77-0.84 and 0.2-0.3). A DeepFM that keeps an embedding for the 32k most fre
 ids of each field reaches 0.775 after 2000 steps of 4096 samples and 0.78 after 3000
 (seed 0, planted 0.805): most of the signal is learnable, not all.
 
-Generating a 4096-sample batch takes about 8 ms of one core (~500k samples/s). Samples
-and logits are bit for bit the same whichever batch, chunk or rank slice they are
-generated in (no BLAS, no reduction across samples). Methods do not mutate the object,
-so one instance can serve a prefetching thread.
+Generating a 4096-sample batch takes about 1 ms of one core with AVX-512 (1.4 ms with
+AVX2, 2.7 ms without: the kernel picks its compiled copy from the CPU, all copies giving
+the same bits). Samples and logits are bit for bit the same whichever batch, chunk or
+rank slice they are generated in (no BLAS, no reduction across samples). Methods do not
+mutate the object and the C kernel keeps no state, so one instance can serve a
+prefetching thread.
 
     >>> data = SyntheticCTR(seed=1)
     >>> b = data.batch(step=7, global_batch_size=4096, rank=1, world=4)   # 1024 samples
@@ -65,6 +68,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from ..errors import InvalidArgumentError
+from ..table import SYNTH_PERM_ROUNDS, SynthModel, SynthPermutation
 from .shard import even_split
 
 __all__ = ["EVAL", "TRAIN", "SyntheticCTR", "auc"]
@@ -73,25 +77,23 @@ TRAIN = "train"
 EVAL = "eval"
 _STREAMS = {TRAIN: 0, EVAL: 1}
 _CALIBRATION_STREAM = 2
-_CHUNK = 1024            # samples generated per pass
 
 _M64 = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15          # 2^64 / golden ratio: the splitmix64 increment
 _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
-_U_GAMMA, _U_MIX1, _U_MIX2 = np.uint64(_GAMMA), np.uint64(_MIX1), np.uint64(_MIX2)
 
 # Hash-key tags, so no two uses of the seed ever share a key.
 _TAG_SAMPLE, _TAG_PERM, _TAG_PARAM, _TAG_FIELD, _TAG_NUMERIC = range(1, 6)
 
 # The planted model. Scales are per field, normalised by the number of fields (and of
-# field pairs), so the planted AUC does not move much with num_categorical.
-_RANK_DECAY = 200.0      # signal scale of rank r: 1 / sqrt(1 + r / _RANK_DECAY)
+# field pairs), so the planted AUC does not move much with num_categorical. The signal
+# scale of rank r, 1 / sqrt(1 + r / 200), is fixed in csrc/kv_synth.c (RANK_SCALE).
 _WEIGHT_SCALE = 1.8      # first-order logit std if every id had rank 0 (all fields)
 _VECTOR_SCALE = 1.0      # interaction logit std if every id had rank 0 (all pairs)
 _NUMERIC_SCALE = 0.5     # std of the numeric linear term (roughly)
 _TARGET_CTR = 0.25       # the bias is calibrated to this mean label, like Criteo's
-_VECTOR_DIM = 4          # width of the planted interaction vectors
+_VECTOR_DIM = 4          # width of the planted interaction vectors (KV_SYNTH_PARTS)
 
 
 def _mix_int(x: int) -> int:
@@ -110,30 +112,13 @@ def _key(*parts: int) -> int:
     return h
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser, in place on a uint64 array (wraps mod 2^64)."""
-    x ^= x >> np.uint64(30)
-    x *= _U_MIX1
-    x ^= x >> np.uint64(27)
-    x *= _U_MIX2
-    x ^= x >> np.uint64(31)
-    return x
-
-
 def _unit(h: np.ndarray) -> np.ndarray:
     """The top 53 bits of a hash as a float64 uniform in [0, 1)."""
     return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
-def _hash_table(ranks: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    """A pseudo-random 64-bit value per (field, rank): mix(key[field] + rank * golden)."""
-    h = ranks.astype(np.uint64) * _U_GAMMA
-    h += keys
-    return _mix(h)
-
-
 class _Permutation:
-    """Per-field bijections of [0, vocab_f), invertible, vectorised, loop-free.
+    """Per-field bijections of [0, vocab_f), invertible, loop-free (applied in C).
 
     With M the largest power of two <= vocab (so M > vocab / 2), the map alternates
     two bijections of [0, vocab):
@@ -142,16 +127,17 @@ class _Permutation:
       B: a rotation, x -> (x + c) mod vocab, which moves values into and out of [0, M).
     as A B A B A, with different constants per round and per field. Unlike cycle
     walking there is no data-dependent loop: every element costs the same few ops.
+    A's round r on x < M: y = (x + add) & mask; y ^= y >> shift; y = (y * mul) & mask;
+    y ^= y >> shift (kv_synth.h; this class derives the constants).
     """
 
-    ROUNDS = 3
+    ROUNDS = SYNTH_PERM_ROUNDS
 
     def __init__(self, seed: int, vocab: np.ndarray):
         nf, nr = vocab.size, self.ROUNDS
         bits = [int(v).bit_length() - 1 for v in vocab]         # M = 2^bits <= vocab
         self.vocab = vocab.astype(np.uint64)
-        self.low = np.array([1 << b for b in bits], np.uint64)   # M
-        self.mask = self.low - np.uint64(1)
+        self.mask = np.array([(1 << b) - 1 for b in bits], np.uint64)   # M - 1
         self.shift = np.array([max(1, (b + 1) // 2) for b in bits], np.uint64)  # 2*shift >= bits
         self.add = np.zeros((nr, nf), np.uint64)
         self.mul = np.zeros((nr, nf), np.uint64)
@@ -164,45 +150,16 @@ class _Permutation:
                 self.mul[r, f], self.inv[r, f] = m, pow(m, -1, 1 << 64)
             for r in range(nr - 1):
                 self.rot[r, f] = _key(seed, _TAG_PERM, f, r, 2) % int(vocab[f])
-
-    def _low_mix(self, x: np.ndarray, r: int, inverse: bool) -> np.ndarray:
-        """Round r of A (or its inverse): a bijection of [0, M) on x < M, identity above."""
-        s = self.shift
-        if inverse:
-            y = x ^ (x >> s)
-            y *= self.inv[r]
-            y &= self.mask
-            y ^= y >> s
-            y -= self.add[r]
-            y &= self.mask
-        else:
-            y = x + self.add[r]
-            y &= self.mask
-            y ^= y >> s
-            y *= self.mul[r]
-            y &= self.mask
-            y ^= y >> s
-        return np.where(x < self.low, y, x)
-
-    def _rotate(self, x: np.ndarray, c: np.ndarray) -> np.ndarray:
-        """(x + c) mod vocab for x, c in [0, vocab)."""
-        x = x + c
-        x -= np.where(x >= self.vocab, self.vocab, np.uint64(0))
-        return x
+        self.kernel = SynthPermutation(self.vocab, self.mask, self.shift, self.add, self.mul,
+                                       self.inv, self.rot)
 
     def forward(self, ranks: np.ndarray) -> np.ndarray:
         """[n, F] uint64 ranks -> [n, F] uint64 scrambled local ids."""
-        x = self._low_mix(ranks, 0, False)
-        for r in range(1, self.ROUNDS):
-            x = self._low_mix(self._rotate(x, self.rot[r - 1]), r, False)
-        return x
+        return self.kernel.apply(ranks)
 
     def inverse(self, local: np.ndarray) -> np.ndarray:
         """[n, F] uint64 local ids -> [n, F] uint64 ranks."""
-        x = local
-        for r in range(self.ROUNDS - 1, 0, -1):
-            x = self._rotate(self._low_mix(x, r, True), self.vocab - self.rot[r - 1])
-        return self._low_mix(x, 0, True)
+        return self.kernel.apply(local, inverse=True)
 
 
 class SyntheticCTR:
@@ -250,22 +207,23 @@ class SyntheticCTR:
         self.total_vocab = int(sizes.sum())
         self.vocab.flags.writeable = self.offsets.flags.writeable = False
 
-        # Zipf inverse CDF: rank = floor((1 + u * c)^(1 / (1 - a))) - 1, c = (V+1)^(1-a) - 1.
-        v1 = sizes.astype(np.float64) + 1.0
-        self._log_v1 = np.log(v1)
-        self._zipf_c = None if abs(1.0 - zipf_a) < 1e-9 else np.expm1((1.0 - zipf_a) * self._log_v1)
+        # Zipf inverse CDF: rank = floor((1 + u * c)^(1 / (1 - a))) - 1, c = (V+1)^(1-a) - 1
+        # (a == 1: rank = floor(exp(u * log(V + 1))) - 1); u from the field's hash.
+        log_v1 = np.log(sizes.astype(np.float64) + 1.0)
+        self._log_uniform = abs(1.0 - zipf_a) < 1e-9
+        self._zipf_c = log_v1 if self._log_uniform else np.expm1((1.0 - zipf_a) * log_v1)
         self._perm = _Permutation(seed, sizes)
 
         nf, nd = num_categorical, num_numeric
-        self._nchan = nf + nd + 1      # per sample: one hash per field, per number, label
+        nchan = nf + nd + 1            # per sample: one hash per field, per number, label
         self._sample_keys = np.array(
-            [[_key(seed, _TAG_SAMPLE, s, c) for c in range(self._nchan)] for s in range(3)],
+            [[_key(seed, _TAG_SAMPLE, s, c) for c in range(nchan)] for s in range(3)],
             np.uint64)
-        self._param_keys = np.array([_key(seed, _TAG_PARAM, f) for f in range(nf)], np.uint64)
 
         def uniforms(tag, n, k):
             return _unit(np.array([_key(seed, tag, j, k) for j in range(n)], np.uint64))
 
+        # The planted model (module docstring); csrc/kv_synth.c computes its logit.
         importance = 0.2 + 0.8 * uniforms(_TAG_FIELD, nf, 0)   # some fields matter more
         importance /= np.sqrt(np.mean(importance**2))
         w_scale = importance * (_WEIGHT_SCALE / math.sqrt(nf))
@@ -286,7 +244,9 @@ class SyntheticCTR:
         spread = math.sqrt(np.sum((beta * self._sigma.astype(np.float64)) ** 2))
         beta *= _NUMERIC_SCALE / max(1e-9, spread)
         self._beta = beta.astype(np.float32)
-        self._bias = self._calibrate_bias()
+        self._param_keys = np.array([_key(seed, _TAG_PARAM, f) for f in range(nf)], np.uint64)
+        self._bias = self._calibrate_bias(self._kernel(0.0))
+        self._model = self._kernel(self._bias)
 
     def __repr__(self):
         v = self.vocab[0] if (self.vocab == self.vocab[0]).all() else tuple(self.vocab.tolist())
@@ -303,20 +263,7 @@ class SyntheticCTR:
         lo, hi = int(lo), int(hi)
         if not 0 <= lo <= hi < 2**63:
             raise InvalidArgumentError(f"need 0 <= lo <= hi < 2^63, got lo={lo}, hi={hi}")
-        n = hi - lo
-        out = {"categorical": np.empty((n, self.num_categorical), np.int64),
-               "numeric": np.empty((n, self.num_numeric), np.float32),
-               "label": np.empty(n, np.float32)}
-        # In chunks whose temporaries stay in cache (about twice as fast at 4096 than
-        # one pass); every value is a function of its sample alone, so chunking is exact.
-        for a in range(0, n, _CHUNK):
-            b = min(n, a + _CHUNK)
-            h, ranks, out["numeric"][a:b] = self._draw(lo + a, lo + b, _STREAMS[stream])
-            cat = out["categorical"][a:b]
-            cat[...] = self._perm.forward(ranks).view(np.int64)
-            cat += self.offsets
-            p = _sigmoid(self._logit(ranks, out["numeric"][a:b]))
-            out["label"][a:b] = _unit(h[:, -1]) < p
+        out, _ = self._model.samples(self._sample_keys[_STREAMS[stream]], lo, hi - lo)
         return out
 
     def batch(self, step: int, global_batch_size: int, rank: int = 0, world: int = 1) -> dict:
@@ -365,7 +312,7 @@ class SyntheticCTR:
             raise InvalidArgumentError(
                 f"batch['numeric'] must be [{ranks.shape[0]}, {self.num_numeric}], "
                 f"got {num.shape}")
-        return self._logit(ranks, num.astype(np.float32, copy=False))
+        return self._model.logit(ranks, num.astype(np.float32, copy=False))
 
     def planted_probability(self, batch: dict) -> np.ndarray:
         """sigmoid(planted_logit(batch)): the true click probability of each sample."""
@@ -401,35 +348,20 @@ class SyntheticCTR:
                 f"(expected [{lo}, {hi})); was the batch made by this SyntheticCTR?")
         return self._perm.inverse(local.view(np.uint64))
 
-    def _draw(self, lo: int, hi: int, stream: int):
-        """The per-sample hashes [n, channels], id ranks [n, F] and numbers [n, D]."""
-        nf, nd = self.num_categorical, self.num_numeric
-        h = np.arange(lo, hi, dtype=np.uint64)[:, None] * _U_GAMMA
-        h = _mix(h + self._sample_keys[stream])                     # [n, channels]
-        ranks = self._zipf_ranks(_unit(h[:, :nf]))
+    def _kernel(self, bias: float) -> SynthModel:
+        """The C generator with this data set's parameters and the given bias."""
+        return SynthModel(
+            self._perm.kernel, num_numeric=self.num_numeric, log_uniform=self._log_uniform,
+            zipf_exponent=1.0 if self._log_uniform else 1.0 / (1.0 - self.zipf_a),
+            zipf_c=self._zipf_c, offsets=self.offsets, param_keys=self._param_keys,
+            w_mul=self._w_mul, w_sub=self._w_sub, v_mul=self._v_mul, v_sub=self._v_sub,
+            mu=self._mu, sigma=self._sigma, center=self._center, beta=self._beta, bias=bias)
 
-        # Box-Muller in float32 (|z| < 6), then softplus: exp cannot overflow here.
-        hn = h[:, nf:nf + nd]
-        u1 = (hn >> np.uint64(40)).astype(np.float32)                # 24 bits
-        u1 += np.float32(0.5)
-        u1 *= np.float32(2.0**-24)
-        t = np.log(u1)
-        t *= np.float32(-2.0)
-        z = np.sqrt(t, out=t)
-        u2 = (hn & np.uint64(0xFFFFFF)).astype(np.float32)
-        u2 *= np.float32(2 * math.pi / 2**24)
-        z *= np.cos(u2, out=u2)
-        z *= self._sigma
-        z += self._mu
-        numeric = np.log1p(np.exp(z, out=z), out=z)                 # float32 [n, D]
-        return h, ranks, numeric
-
-    def _calibrate_bias(self) -> float:
+    def _calibrate_bias(self, model: SynthModel) -> float:
         """The bias that makes the mean click probability _TARGET_CTR, found by bisection
-        on a fixed sample of a stream of its own (so it is a function of the settings)."""
-        self._bias = 0.0
-        _, ranks, numeric = self._draw(0, 8192, _CALIBRATION_STREAM)
-        logit = self._logit(ranks, numeric)
+        on a fixed sample of a stream of its own (so it is a function of the settings);
+        `model` is the planted model with bias 0."""
+        _, logit = model.samples(self._sample_keys[_CALIBRATION_STREAM], 0, 8192, logit=True)
         lo, hi = -20.0, 20.0
         for _ in range(60):
             mid = 0.5 * (lo + hi)
@@ -438,55 +370,6 @@ class SyntheticCTR:
             else:
                 hi = mid
         return 0.5 * (lo + hi)
-
-    def _zipf_ranks(self, u: np.ndarray) -> np.ndarray:
-        """Uniforms [n, F] -> Zipf-like ranks in [0, vocab_f), uint64."""
-        if self._zipf_c is None:                                    # a == 1: log-uniform
-            x = np.exp(u * self._log_v1)
-        else:
-            x = np.power(1.0 + u * self._zipf_c, 1.0 / (1.0 - self.zipf_a))
-        r = x.astype(np.uint64)                                     # floor, x >= 1
-        r -= np.uint64(1)
-        return np.minimum(r, self._perm.vocab - np.uint64(1), out=r)
-
-    def _logit(self, ranks: np.ndarray, numeric: np.ndarray) -> np.ndarray:
-        # float32 throughout (the logit is a sum of a few dozen O(1) terms); the same
-        # code computes the labels and planted_logit, so both agree bit for bit. Row sums
-        # are numpy reductions along a row, never BLAS (whose blocking can round a row
-        # differently depending on its place in the batch): a sample's logit, and so its
-        # label, must not depend on which batch or rank slice it is generated in.
-        decay = ranks.astype(np.float32)
-        decay *= np.float32(1.0 / _RANK_DECAY)
-        decay += np.float32(1.0)
-        decay = np.reciprocal(np.sqrt(decay, out=decay), out=decay)
-
-        # One hash per (field, rank): its low 16 bits give the weight w, uniform with
-        # unit variance; its four 12-bit parts above give the interaction vector v.
-        h = _hash_table(ranks, self._param_keys)
-        g = (h & np.uint64(0xFFFF)).astype(np.float32)
-        g *= self._w_mul
-        g -= self._w_sub
-        g *= decay
-        logit = g.sum(axis=1)
-
-        # Pairwise: FM-style sum over field pairs of <v_f, v_g>, with v_f's components
-        # uniform with unit variance:
-        # sum_{f<g} <v_f, v_g> = (|sum_f v_f|^2 - sum_f |v_f|^2) / 2.
-        a = decay * self._v_mul                               # v = a * part - b
-        b = decay * self._v_sub
-        pair = np.zeros(ranks.shape[0], np.float32)
-        m12 = np.uint64(0xFFF)
-        for shift in (16, 28, 40, 52):
-            part = ((h >> np.uint64(shift)) & m12).astype(np.float32)
-            part *= a
-            part -= b
-            pair += np.square(part.sum(axis=1))
-            part *= part
-            pair -= part.sum(axis=1)
-        logit += np.float32(0.5) * pair
-
-        logit += ((numeric - self._center) * self._beta).sum(axis=1)
-        return logit.astype(np.float64) + self._bias
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:

@@ -2,6 +2,7 @@
 
 import gzip
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -199,6 +200,118 @@ def test_bad_batch_arguments(data):
         data.batch(0, 10, rank=2, world=2)
     with pytest.raises(InvalidArgumentError, match="global_batch_size"):
         data.batch(0, 0)
+
+
+# ---- synthetic: the C kernel against a numpy reference of the definitions ---------------
+
+_G = np.uint64(0x9E3779B97F4A7C15)
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def ref_mix(x):
+    x = x ^ (x >> np.uint64(30))
+    x = x * _M1
+    x = x ^ (x >> np.uint64(27))
+    x = x * _M2
+    return x ^ (x >> np.uint64(31))
+
+
+def ref_unit(h):
+    return (h >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+def ref_ranks(d, h):
+    """Zipf ranks, with libm's pow / exp (Python's math module) like the kernel's."""
+    u = ref_unit(h)
+    if abs(d.zipf_a - 1.0) < 1e-9:
+        x = np.frompyfunc(math.exp, 1, 1)(u * d._zipf_c)
+    else:
+        x = np.frompyfunc(math.pow, 2, 1)(1.0 + u * d._zipf_c, 1.0 / (1.0 - d.zipf_a))
+    x = x.astype(np.float64)
+    r = np.where((x >= 1.0) & (x < 2.0**62), x, 0.0).astype(np.uint64) - np.uint64(1)
+    return np.minimum(r, d.vocab.astype(np.uint64) - np.uint64(1))    # x < 1 wraps, as numpy
+
+
+def ref_scramble(p, x):
+    """The per-field bijection, round by round (A B A B A)."""
+    def low_mix(x, r):
+        y = (x + p.add[r]) & p.mask
+        y ^= y >> p.shift
+        y = (y * p.mul[r]) & p.mask
+        y ^= y >> p.shift
+        return np.where(x <= p.mask, y, x)
+
+    x = low_mix(x, 0)
+    for r in range(1, p.ROUNDS):
+        x = x + p.rot[r - 1]
+        x = low_mix(np.where(x >= p.vocab, x - p.vocab, x), r)
+    return x
+
+
+def ref_numbers(d, h):
+    f32 = np.float32
+    u1 = ((h >> np.uint64(40)).astype(f32) + f32(0.5)) * f32(2.0**-24)
+    u2 = (h & np.uint64(0xFFFFFF)).astype(f32) * f32(2 * math.pi / 2**24)
+    z = np.sqrt(np.log(u1) * f32(-2.0)) * np.cos(u2) * d._sigma + d._mu
+    return np.log1p(np.exp(z))
+
+
+def ref_logit(d, ranks, numeric):
+    """The planted logit in numpy float32 (row sums: numpy's pairwise reductions)."""
+    decay = np.reciprocal(np.sqrt(ranks.astype(np.float32) * np.float32(1.0 / 200.0)
+                                  + np.float32(1.0)))
+    h = ref_mix(ranks * _G + d._param_keys)
+    logit = (((h & np.uint64(0xFFFF)).astype(np.float32) * d._w_mul - d._w_sub) * decay).sum(axis=1)
+    a, b = decay * d._v_mul, decay * d._v_sub
+    pair = np.zeros(ranks.shape[0], np.float32)
+    for shift in (16, 28, 40, 52):
+        part = ((h >> np.uint64(shift)) & np.uint64(0xFFF)).astype(np.float32) * a - b
+        pair += np.square(part.sum(axis=1))
+        pair -= (part * part).sum(axis=1)
+    logit += np.float32(0.5) * pair
+    logit += ((numeric - d._center) * d._beta).sum(axis=1)
+    return logit.astype(np.float64) + d._bias
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"seed": 7},
+    {"num_categorical": 4, "num_numeric": 2, "vocab": [5, 1000, 3, 2**20 + 1], "zipf_a": 1.0,
+     "seed": 3},
+    {"num_categorical": 3, "num_numeric": 0, "vocab": [2**40, 7, 2**61 + 1], "zipf_a": 0.6,
+     "seed": 5},                                  # ranks beyond 2^52: libm decides them all
+    {"num_categorical": 150, "num_numeric": 1, "vocab": 100, "zipf_a": 2.5, "seed": 1},
+])
+def test_kernel_matches_the_numpy_reference(kwargs):
+    d = SyntheticCTR(**kwargs)
+    lo, hi = 12_345, 13_845
+    b = d.samples(lo, hi, stream="eval")
+    nf, nd = d.num_categorical, d.num_numeric
+    h = ref_mix(np.arange(lo, hi, dtype=np.uint64)[:, None] * _G + d._sample_keys[1])
+    # the integer pipeline, exactly: hashes -> ranks -> scrambled ids + offsets
+    ranks = ref_ranks(d, h[:, :nf])
+    np.testing.assert_array_equal(d.id_rank(b), ranks.view(np.int64))
+    np.testing.assert_array_equal(b["categorical"],
+                                  ref_scramble(d._perm, ranks).view(np.int64) + d.offsets)
+    # the numbers: the same float32 steps, each function within a few ulps of numpy's
+    np.testing.assert_allclose(b["numeric"], ref_numbers(d, h[:, nf:nf + nd]), rtol=4e-6)
+    # the logit, bit for bit numpy's float32 code on the same ranks and numbers, and the
+    # labels drawn from it (libm's tanh, as the kernel)
+    logit = ref_logit(d, ranks, b["numeric"])
+    np.testing.assert_array_equal(d.planted_logit(b), logit)
+    p = 0.5 * (1.0 + np.frompyfunc(math.tanh, 1, 1)(0.5 * logit).astype(np.float64))
+    np.testing.assert_array_equal(b["label"], (ref_unit(h[:, -1]) < p).astype(np.float32))
+
+
+def test_planted_logit_of_any_ids():
+    # planted_logit works on any valid ids, not only generated ones: all ranks of a tiny
+    # field and the extremes of a big one
+    d = SyntheticCTR(num_categorical=2, num_numeric=1, vocab=[3, 10**7], seed=4)
+    ranks = np.array([[0, 0], [1, 10**7 - 1], [2, 12345]], np.uint64)
+    batch = {"categorical": d._perm.forward(ranks).view(np.int64) + d.offsets,
+             "numeric": np.array([[0.5], [2.0], [7.0]], np.float32)}
+    np.testing.assert_array_equal(d.id_rank(batch), ranks.view(np.int64))
+    np.testing.assert_array_equal(d.planted_logit(batch),
+                                  ref_logit(d, ranks, batch["numeric"]))
 
 
 # ---- auc --------------------------------------------------------------------------------
