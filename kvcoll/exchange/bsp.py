@@ -82,8 +82,8 @@ class BspExchange:
                     table.find(keys, out=out)
         if create:
             self._served = (recv_ids, refs, recv_counts)
-        got, _ = self.comm.alltoallv(reply, (recv_counts * dims).sum(axis=1),
-                                     op="pull:rows").wait()
+        got, _ = self.comm.alltoallv(reply, (recv_counts * dims).sum(axis=1), op="pull:rows",
+                                     recv_counts=(counts * dims).sum(axis=1)).wait()
         out = {}
         mine = _split_by_table(got, counts * dims)
         for t, n in enumerate(self._names):
@@ -115,8 +115,9 @@ class BspExchange:
                 np.multiply(g[lo:lo + c], np.float32(scale),
                             out=send[send_at[r, t]:send_at[r, t] + c * dim].reshape(c, dim))
                 lo += c
-        got, _ = self.comm.alltoallv(send, (counts * dims).sum(axis=1), op="push:grads").wait()
         recv_ids, refs, recv_counts = self._served
+        got, _ = self.comm.alltoallv(send, (counts * dims).sum(axis=1), op="push:grads",
+                                     recv_counts=(recv_counts * dims).sum(axis=1)).wait()
         keys = _split_by_table(recv_ids, recv_counts)
         ref = _split_by_table(refs, recv_counts)
         per_table_grads = _split_by_table(got, recv_counts * dims)
