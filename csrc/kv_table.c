@@ -221,17 +221,66 @@ static inline uint64_t draw(uint64_t base, uint64_t counter) {
     return kv_mix64(base + GOLDEN * (counter + 1));
 }
 
-/* Box-Muller: two standard normals from one pair of draws. Pair p of a row uses
- * counters (2p << 24, +1) for elements 2p and 2p + 1; a truncated-normal redraw of
- * element e (attempt >= 1) uses ((e << 24) + 2 attempt, +1), which no pair uses.
- * Float math (glibc's logf/sincosf are correctly rounded or nearly so). */
+/* ln(x) for x in (0, 1], and sin/cos(2 pi u) for u in [0, 1): Cephes' single-precision
+ * polynomials (about 1 ulp), written in plain float arithmetic with no libm call and
+ * no data-dependent branch, so every compiler and CPU (vectorised or not) rounds them
+ * the same way: a key's initial value is the same everywhere. */
+static inline float ln_unit(float x) {
+    uint32_t b;
+    memcpy(&b, &x, sizeof b);
+    uint32_t mant = b & 0x007fffffu;
+    uint32_t lo = mant < 0x3504f3u;           /* m < sqrt(1/2): use 2m and e - 1 */
+    float e = (float)((int32_t)(b >> 23) - 126 - (int32_t)lo); /* x = m 2^e */
+    b = (mant | 0x3f000000u) + (lo << 23);    /* m in [sqrt(1/2), sqrt(2)) */
+    float m;
+    memcpy(&m, &b, sizeof m);
+    float f = m - 1.0f;
+    float z = f * f;
+    float y = 7.0376836292e-2f;
+    y = y * f - 1.1514610310e-1f;
+    y = y * f + 1.1676998740e-1f;
+    y = y * f - 1.2420140846e-1f;
+    y = y * f + 1.4249322787e-1f;
+    y = y * f - 1.6668057665e-1f;
+    y = y * f + 2.0000714765e-1f;
+    y = y * f - 2.4999993993e-1f;
+    y = y * f + 3.3333331174e-1f;
+    y = y * f * z;
+    y += -2.12194440e-4f * e;
+    y += -0.5f * z;
+    return f + y + 0.693359375f * e;
+}
+
+static inline void sincos_turn(float u, float *s, float *c) {
+    float q = u * 4.0f;                       /* quarter turns, in [0, 4) */
+    int32_t k = (int32_t)(q + 0.5f);          /* nearest quarter: 0 .. 4 */
+    float x = (q - (float)k) * 1.57079632679f; /* in [-pi/4, pi/4] */
+    float z = x * x;
+    float sn = ((-1.9515295891e-4f * z + 8.3321608736e-3f) * z - 1.6666654611e-1f) * z * x + x;
+    float cs = ((2.443315711809948e-5f * z - 1.388731625493765e-3f) * z +
+                4.166664568298827e-2f) * z * z - 0.5f * z + 1.0f;
+    /* rotate by k quarter turns with bit operations (no branch, no rounding):
+     * odd k swaps sin and cos; sin flips sign for k & 2, cos for (k + 1) & 2 */
+    uint32_t bs, bc, swap = 0u - ((uint32_t)k & 1u);
+    memcpy(&bs, &sn, sizeof bs);
+    memcpy(&bc, &cs, sizeof bc);
+    uint32_t rs = ((bc & swap) | (bs & ~swap)) ^ (((uint32_t)k & 2u) << 30);
+    uint32_t rc = ((bs & swap) | (bc & ~swap)) ^ ((((uint32_t)k + 1u) & 2u) << 30);
+    memcpy(s, &rs, sizeof rs);
+    memcpy(c, &rc, sizeof rc);
+}
+
+/* Box-Muller: two standard normals from one draw (24 bits for the radius, 24 for the
+ * angle). Pair p of a row uses counter 2p << 24 for elements 2p and 2p + 1 (see
+ * initial_rows, which computes the same thing in vectorised passes); a truncated-normal
+ * redraw of element e (attempt >= 1) uses (e << 24) + 2 attempt, which no pair uses. */
 static inline void normal_pair(uint64_t base, uint64_t c, float *z0, float *z1) {
-    float u1 = (float)((draw(base, c) >> 40) + 1) * 0x1p-24f; /* (0, 1] */
-    float u2 = (float)(draw(base, c + 1) >> 40) * 0x1p-24f;   /* [0, 1) */
-    float r = sqrtf(-2.0f * logf(u1));
-    float th = 6.28318530717958648f * u2;
+    uint64_t h = draw(base, c);
+    float u1 = (float)((h >> 40) + 1) * 0x1p-24f;               /* (0, 1] */
+    float u2 = (float)((h >> 16) & 0xffffff) * 0x1p-24f;        /* [0, 1) */
+    float r = sqrtf(-2.0f * ln_unit(u1));
     float sn, cs;
-    sincosf(th, &sn, &cs);
+    sincos_turn(u2, &sn, &cs);
     *z0 = r * cs;
     *z1 = r * sn;
 }
@@ -243,42 +292,83 @@ static float normal_redraw(uint64_t base, uint64_t e, uint64_t attempt) {
     return z0;
 }
 
-static void initial_row(const kv_table_config_t *c, int64_t key, float *out) {
+static inline uint64_t init_base(const kv_table_config_t *c, int64_t key) {
+    return kv_mix64(kv_mix64(kv_mix64(c->seed) ^ c->table_id) ^ (uint64_t)key);
+}
+
+/* Element e of a row: a + b z, for the normal kinds; a truncated normal redraws
+ * |z| > 2. */
+static inline float normal_value(const kv_table_config_t *c, int64_t key, int32_t e, float z) {
+    if (c->init_kind == KV_INIT_TRUNCATED_NORMAL && fabsf(z) > 2.0f) {
+        uint64_t base = init_base(c, key), attempt = 1;
+        while (fabsf(z) > 2.0f && attempt < (1u << 20))
+            z = normal_redraw(base, (uint64_t)e, attempt++);
+        if (fabsf(z) > 2.0f) z = 0.0f; /* unreachable in practice; keeps it bounded */
+    }
+    return c->init_a + c->init_b * z;
+}
+
+#define INIT_PAIRS 128 /* normal pairs computed per pass of initial_rows */
+
+/*
+ * out[i][0..dim) = the initial embedding of keys[i]. The normal kinds draw pairs of
+ * elements: INIT_PAIRS pairs at a time, across rows, the hashing in one loop and the
+ * float math in another that the compiler vectorises. Each value depends only on its
+ * (seed, table, key, element): the same whatever the batch, its order or its split.
+ */
+static void initial_rows(const kv_table_config_t *c, const int64_t *keys, int64_t n,
+                         float *const *out) {
     int32_t dim = c->dim;
     float a = c->init_a, b = c->init_b;
-    switch (c->init_kind) {
-    case KV_INIT_ZEROS:
-        memset(out, 0, (size_t)dim * sizeof(float));
+    if (c->init_kind == KV_INIT_ZEROS || c->init_kind == KV_INIT_CONSTANT) {
+        for (int64_t i = 0; i < n; i++)
+            for (int32_t e = 0; e < dim; e++) out[i][e] = c->init_kind == KV_INIT_ZEROS ? 0.0f : a;
         return;
-    case KV_INIT_CONSTANT:
-        for (int32_t e = 0; e < dim; e++) out[e] = a;
-        return;
-    default:
-        break;
     }
-    uint64_t base = kv_mix64(kv_mix64(kv_mix64(c->seed) ^ c->table_id) ^ (uint64_t)key);
     if (c->init_kind == KV_INIT_UNIFORM) {
         double span = (double)b - (double)a;
-        for (int32_t e = 0; e < dim; e++) {
-            double u = (double)(draw(base, (uint64_t)e << 24) >> 40) * 0x1p-24;
-            float v = (float)((double)a + span * u);
-            if (v >= b && a < b) v = nextafterf(b, a); /* keep [a, b) after rounding */
-            out[e] = v;
+        for (int64_t i = 0; i < n; i++) {
+            uint64_t base = init_base(c, keys[i]);
+            for (int32_t e = 0; e < dim; e++) {
+                double u = (double)(draw(base, (uint64_t)e << 24) >> 40) * 0x1p-24;
+                float v = (float)((double)a + span * u);
+                if (v >= b && a < b) v = nextafterf(b, a); /* keep [a, b) after rounding */
+                out[i][e] = v;
+            }
         }
         return;
     }
-    for (int32_t e = 0; e < dim; e += 2) {
-        float z[2];
-        normal_pair(base, (uint64_t)e << 24, &z[0], &z[1]);
-        for (int32_t k = 0; k < 2 && e + k < dim; k++) {
-            float v = z[k];
-            if (c->init_kind == KV_INIT_TRUNCATED_NORMAL) {
-                uint64_t attempt = 1;
-                while (fabsf(v) > 2.0f && attempt < (1u << 20))
-                    v = normal_redraw(base, (uint64_t)(e + k), attempt++);
-                if (fabsf(v) > 2.0f) v = 0.0f; /* unreachable in practice; keeps it bounded */
+    const int32_t np = (dim + 1) / 2;
+    float u1[INIT_PAIRS], u2[INIT_PAIRS], z0[INIT_PAIRS], z1[INIT_PAIRS];
+    int64_t i = 0;
+    int32_t p = 0;
+    uint64_t base = n ? init_base(c, keys[0]) : 0;
+    while (i < n) {
+        int64_t ri = i; /* the block starts at pair p of row i */
+        int32_t rp = p, m = 0;
+        for (; m < INIT_PAIRS && i < n; m++) {
+            uint64_t h = draw(base, (uint64_t)(2 * p) << 24);
+            u1[m] = (float)((h >> 40) + 1) * 0x1p-24f;          /* (0, 1] */
+            u2[m] = (float)((h >> 16) & 0xffffff) * 0x1p-24f;   /* [0, 1) */
+            if (++p == np) {
+                p = 0;
+                if (++i < n) base = init_base(c, keys[i]);
             }
-            out[e + k] = a + b * v;
+        }
+        for (int32_t j = 0; j < m; j++) {
+            float r = sqrtf(-2.0f * ln_unit(u1[j])), sn, cs;
+            sincos_turn(u2[j], &sn, &cs);
+            z0[j] = r * cs;
+            z1[j] = r * sn;
+        }
+        for (int32_t j = 0; j < m; j++) {
+            int32_t e = 2 * rp;
+            out[ri][e] = normal_value(c, keys[ri], e, z0[j]);
+            if (e + 1 < dim) out[ri][e + 1] = normal_value(c, keys[ri], e + 1, z1[j]);
+            if (++rp == np) {
+                rp = 0;
+                ri++;
+            }
         }
     }
 }
@@ -584,15 +674,14 @@ static uint32_t take_row(kv_table_t *t) {
     return (uint32_t)id;
 }
 
-/* Create the row of an absent key: header, optional initial embedding, initial
- * slots, and its index entry. */
-static uint32_t create_row(kv_table_t *t, int64_t key, uint32_t step, int init_emb) {
+/* Create the row of an absent key: header, initial slots, and its index entry (the
+ * caller writes the embedding). */
+static uint32_t create_row(kv_table_t *t, int64_t key, uint32_t step) {
     uint32_t id = take_row(t);
     unsigned char *r = row_at(t, id);
     row_set_key(r, key);
     *row_step(r) = step;
     *row_meta(r) = META_DIRTY;
-    if (init_emb) initial_row(&t->cfg, key, row_emb(r));
     if (t->nslot) kv_optim_init_slots(&t->cfg.optim, t->dim, row_slots(t, r));
     index_insert_new(t, kv_mix64((uint64_t)key), id);
     return id;
@@ -776,11 +865,23 @@ static int create_absent(kv_table_t *t, const int64_t *keys, int64_t n, uint32_t
         return rc;
     }
     uint32_t *new_ids = (uint32_t *)(void *)absent; /* absent keys are no longer needed */
+    enum { INIT_ROWS = 64 };   /* new rows' embeddings are initialised in batches */
+    int64_t init_keys[INIT_ROWS];
+    float *init_out[INIT_ROWS];
+    int n_init = 0;
     for (int64_t u = 0; u < nu; u++) {
         if (u + LK_DA < nu)
             __builtin_prefetch(&t->index[bucket_of(kv_mix64((uint64_t)uniq[u + LK_DA]), t->n_slots)], 1);
         if (!admit || take[u]) {
-            new_ids[u] = create_row(t, uniq[u], step, init_emb) + 1;
+            new_ids[u] = create_row(t, uniq[u], step) + 1;
+            if (init_emb) {
+                init_keys[n_init] = uniq[u];
+                init_out[n_init] = row_emb(row_at(t, new_ids[u] - 1));
+                if (++n_init == INIT_ROWS) {
+                    initial_rows(&t->cfg, init_keys, n_init, init_out);
+                    n_init = 0;
+                }
+            }
             if (admit && !t->bloom) {
                 pend_t *e = pend_find(t, uniq[u]);
                 if (e) pend_erase(t, e);
@@ -801,6 +902,7 @@ static int create_absent(kv_table_t *t, const int64_t *keys, int64_t n, uint32_t
             }
         }
     }
+    initial_rows(&t->cfg, init_keys, n_init, init_out);
     size_t d = (size_t)t->dim;
     m = 0;
     for (int64_t i = 0; i < n; i++) {
@@ -923,14 +1025,17 @@ int kv_table_find(kv_table_t *t, const int64_t *keys, int64_t n, float *out,
     return KV_OK;
 }
 
-int kv_table_find_or_create(kv_table_t *t, const int64_t *keys, int64_t n, float *out,
-                            uint32_t step, int64_t *n_created, uint8_t *has_row) {
+/* find_or_create; ref (may be NULL) gets every key's row id + 1 (0: no row). */
+static int find_or_create_impl(kv_table_t *t, const int64_t *keys, int64_t n, float *out,
+                               uint32_t step, int64_t *n_created, uint8_t *has_row,
+                               uint32_t *ref) {
     if (check_batch(t, keys, n) != KV_OK || (n > 0 && !out)) return KV_EINVAL;
     if (n_created) *n_created = 0;
     if (n == 0) return KV_OK;
-    uint32_t *ids = kv_malloc((size_t)n * 2 * sizeof(uint32_t));
-    if (!ids) return KV_ENOMEM;
-    uint32_t *old_step = ids + n; /* to undo last_step if creating fails */
+    uint32_t *buf = kv_malloc((size_t)n * (ref ? 1 : 2) * sizeof(uint32_t));
+    if (!buf) return KV_ENOMEM;
+    uint32_t *ids = ref ? ref : buf;
+    uint32_t *old_step = ref ? buf : buf + n; /* to undo last_step if creating fails */
     int64_t n_absent = 0, nc = 0;
     pthread_rwlock_wrlock(&t->lock);
     lookup_core(t, keys, n, t->pf_bytes, ids, out, 0, NULL, NULL, old_step, step);
@@ -946,8 +1051,19 @@ int kv_table_find_or_create(kv_table_t *t, const int64_t *keys, int64_t n, float
             for (int64_t i = 0; i < n; i++) has_row[i] = ids[i] != 0;
     }
     pthread_rwlock_unlock(&t->lock);
-    kv_free(ids);
+    kv_free(buf);
     return rc;
+}
+
+int kv_table_find_or_create(kv_table_t *t, const int64_t *keys, int64_t n, float *out,
+                            uint32_t step, int64_t *n_created, uint8_t *has_row) {
+    return find_or_create_impl(t, keys, n, out, step, n_created, has_row, NULL);
+}
+
+int kv_table_find_or_create_ref(kv_table_t *t, const int64_t *keys, int64_t n, float *out,
+                                uint32_t step, int64_t *n_created, uint32_t *ref) {
+    if (n > 0 && !ref) return KV_EINVAL;
+    return find_or_create_impl(t, keys, n, out, step, n_created, NULL, ref);
 }
 
 /* Look every key up (ids[i] = id + 1 or 0) and count the absent ones. */
@@ -1013,6 +1129,24 @@ int kv_table_clear(kv_table_t *t) {
     return KV_OK;
 }
 
+/* The optimizer step on rows ids[u] - 1 (0: skipped) with gradient g[u]: last_step,
+ * count and dirty bit too. Write lock held. */
+static void update_rows(kv_table_t *t, const uint32_t *ids, int64_t nu, const float *g,
+                        int64_t step) {
+    size_t d = (size_t)t->dim;
+    for (int64_t u = 0; u < nu; u++) {
+        if (u + PF_ROWS < nu && ids[u + PF_ROWS])
+            prefetch_bytes(row_at(t, ids[u + PF_ROWS] - 1), t->row_bytes > 512 ? 512 : t->row_bytes);
+        if (!ids[u]) continue;
+        unsigned char *r = row_at(t, ids[u] - 1);
+        kv_optim_apply_rows(&t->cfg.optim, t->dim, 1, row_emb(r), row_slots(t, r),
+                            g + (size_t)u * d, step);
+        *row_step(r) = (uint32_t)step;
+        uint32_t meta = *row_meta(r), cnt = meta & META_COUNT;
+        *row_meta(r) = (meta & ~META_COUNT) | (cnt < META_COUNT ? cnt + 1 : cnt) | META_DIRTY;
+    }
+}
+
 int kv_table_apply_gradients(kv_table_t *t, const int64_t *keys, int64_t n,
                              const float *grads, int64_t step, int32_t flags,
                              int64_t *n_missing) {
@@ -1049,21 +1183,88 @@ int kv_table_apply_gradients(kv_table_t *t, const int64_t *keys, int64_t n,
             t->n_dropped += n_absent;
             if (n_missing) *n_missing = n_absent;
         }
-        for (int64_t u = 0; u < nu; u++) {
-            if (u + PF_ROWS < nu && ids[u + PF_ROWS])
-                prefetch_bytes(row_at(t, ids[u + PF_ROWS] - 1), t->row_bytes > 512 ? 512 : t->row_bytes);
-            if (!ids[u]) continue;
-            unsigned char *r = row_at(t, ids[u] - 1);
-            kv_optim_apply_rows(&t->cfg.optim, t->dim, 1, row_emb(r), row_slots(t, r),
-                                sums + (size_t)u * d, step);
-            *row_step(r) = (uint32_t)step;
-            uint32_t meta = *row_meta(r), cnt = meta & META_COUNT;
-            *row_meta(r) = (meta & ~META_COUNT) | (cnt < META_COUNT ? cnt + 1 : cnt) | META_DIRTY;
-        }
+        update_rows(t, ids, nu, sums, step);
     }
     pthread_rwlock_unlock(&t->lock);
     kv_free(uniq);
     kv_free(sums);
+    return rc;
+}
+
+/* Whether every ref[i] is 0 or the id + 1 of the live row of keys[i] (prefetching
+ * each row whole on the way, for the update that follows). *n_zero: refs that are 0.
+ * This is the whole validity check: a ref taken before its row was freed finds the
+ * row free, reused by another key, or past the arena's end after a clear. */
+static int refs_valid(const kv_table_t *t, const int64_t *keys, const uint32_t *ref,
+                      int64_t n, int64_t *n_zero) {
+    size_t pf = t->row_bytes > 512 ? 512 : t->row_bytes;
+    uint64_t end = t->next_id; /* ids at or past the never-used mark are not rows */
+    int64_t z = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (i + PF_ROWS < n && ref[i + PF_ROWS] && ref[i + PF_ROWS] - 1 < end)
+            prefetch_bytes(row_at(t, ref[i + PF_ROWS] - 1), pf);
+        if (!ref[i]) {
+            z++;
+            continue;
+        }
+        uint64_t id = ref[i] - 1;
+        if (id >= end || (id & t->chunk_mask) >= chunk_rows(t, id >> t->chunk_shift))
+            return 0;
+        unsigned char *r = row_at(t, id);
+        if ((*row_meta(r) & META_FREE) || row_key(r) != keys[i]) return 0;
+    }
+    *n_zero = z;
+    return 1;
+}
+
+int kv_table_apply_gradients_ref(kv_table_t *t, const int64_t *keys, const uint32_t *ref,
+                                 int64_t n, const float *grads, int64_t step, int32_t flags,
+                                 int64_t *n_missing) {
+    if (check_batch(t, keys, n) != KV_OK || (n > 0 && (!grads || !ref))) return KV_EINVAL;
+    if (step < 1 || (flags & ~(KV_APPLY_CREATE_MISSING | KV_APPLY_DISTINCT))) return KV_EINVAL;
+    if (n_missing) *n_missing = 0;
+    if (n == 0) return KV_OK;
+    size_t d = (size_t)t->dim;
+    if (!all_finite(grads, (size_t)n * d)) return KV_ENONFINITE;
+    int distinct = (flags & KV_APPLY_DISTINCT) != 0;
+    int64_t *uniq = NULL, nu = n, n_zero = 0;
+    float *sums = NULL;
+    pthread_rwlock_wrlock(&t->lock);
+    int ok = refs_valid(t, keys, ref, n, &n_zero);
+    /* a key without a row is created by the key path (create_missing, no admission),
+     * and zero refs of different keys must not be summed together */
+    if (ok && n_zero && (((flags & KV_APPLY_CREATE_MISSING) && t->admit_k < 2) || !distinct))
+        ok = 0;
+    int rc = KV_OK;
+    const uint32_t *ids = ref;
+    const float *g = grads;
+    if (ok && !distinct) { /* sum duplicate rows: segment sum keyed by ref */
+        uniq = kv_malloc((size_t)n * (2 * sizeof(int64_t) + sizeof(uint32_t)));
+        sums = kv_malloc((size_t)n * d * sizeof(float));
+        if (!uniq || !sums) {
+            rc = KV_ENOMEM;
+        } else {
+            int64_t *as_key = uniq + n;
+            for (int64_t i = 0; i < n; i++) as_key[i] = ref[i];
+            rc = kv_segment_sum(as_key, n, grads, t->dim, uniq, sums, &nu);
+            if (rc == KV_OK && !all_finite(sums, (size_t)nu * d)) rc = KV_ENONFINITE;
+            uint32_t *u32 = (uint32_t *)(void *)(uniq + 2 * n);
+            for (int64_t u = 0; rc == KV_OK && u < nu; u++) u32[u] = (uint32_t)uniq[u];
+            ids = u32;
+            g = sums;
+        }
+    }
+    if (ok && rc == KV_OK) {
+        update_rows(t, ids, nu, g, step);
+        t->n_dropped += n_zero;
+        if (n_missing) *n_missing = n_zero;
+    }
+    pthread_rwlock_unlock(&t->lock);
+    kv_free(uniq);
+    kv_free(sums);
+    if (!ok) /* a stale or wrong ref: by key, the same result */
+        return kv_table_apply_gradients(t, keys, n, grads, step,
+                                        flags & KV_APPLY_CREATE_MISSING, n_missing);
     return rc;
 }
 
@@ -1379,6 +1580,11 @@ int kv_initial_values(const kv_table_config_t *cfg, const int64_t *keys, int64_t
     if (cfg->dim < 1 || cfg->dim > KV_MAX_DIM) return KV_EINVAL;
     int rc = check_init(cfg);
     if (rc != KV_OK) return rc;
-    for (int64_t i = 0; i < n; i++) initial_row(cfg, keys[i], out + (size_t)i * (size_t)cfg->dim);
+    float *rows[64];
+    for (int64_t i = 0; i < n; i += 64) {
+        int64_t m = n - i < 64 ? n - i : 64;
+        for (int64_t j = 0; j < m; j++) rows[j] = out + (size_t)(i + j) * (size_t)cfg->dim;
+        initial_rows(cfg, keys + i, m, rows);
+    }
     return KV_OK;
 }

@@ -68,6 +68,8 @@
 /* kv_table_apply_gradients flags */
 #define KV_APPLY_CREATE_MISSING 1 /* create missing keys (initial value) then update;
                                      without it missing keys are skipped and counted */
+#define KV_APPLY_DISTINCT 2       /* kv_table_apply_gradients_ref: the caller promises
+                                     that no row appears twice (no summing pass) */
 
 /* kv_table_config_t.admit_mode */
 #define KV_ADMIT_EXACT 0 /* exact counts of unadmitted keys (pending map) */
@@ -138,6 +140,29 @@ int kv_table_find(kv_table_t *t, const int64_t *keys, int64_t n, float *out,
  * Write lock. KV_OK, KV_EINVAL, KV_ENOMEM, KV_EFULL. */
 int kv_table_find_or_create(kv_table_t *t, const int64_t *keys, int64_t n, float *out,
                             uint32_t step, int64_t *n_created, uint8_t *has_row);
+
+/*
+ * find_or_create that also says where each row lives, for
+ * kv_table_apply_gradients_ref: ref[i] = keys[i]'s row id + 1, or 0 if it has no row
+ * (not admitted). On error ref's contents are undefined and nothing changed.
+ * Write lock.
+ */
+int kv_table_find_or_create_ref(kv_table_t *t, const int64_t *keys, int64_t n, float *out,
+                                uint32_t step, int64_t *n_created, uint32_t *ref);
+
+/*
+ * kv_table_apply_gradients with each key's row given by ref[i] (from
+ * kv_table_find_or_create_ref), so no key is looked up: the same result. Every ref is
+ * checked against the row it names (the row must be live and hold keys[i]); refs of
+ * 0 (no row) are skipped and counted as missing. Flags: KV_APPLY_CREATE_MISSING as
+ * there; KV_APPLY_DISTINCT if no row appears twice (else duplicates are summed
+ * first). If a ref went stale (its row was freed or reused since), does not match its
+ * key, or a missing key would have to be created, the whole batch goes by key
+ * (kv_table_apply_gradients). Write lock.
+ */
+int kv_table_apply_gradients_ref(kv_table_t *t, const int64_t *keys, const uint32_t *ref,
+                                 int64_t n, const float *grads, int64_t step, int32_t flags,
+                                 int64_t *n_missing);
 
 /* Assign embedding values: values[i][dim] becomes the row of keys[i], creating the
  * row (slots initialised) if absent. Duplicate keys: the last one wins. Marks rows

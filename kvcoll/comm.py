@@ -12,6 +12,7 @@ lets every rank learn that some rank's input was bad and raise the same error.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -48,19 +49,31 @@ def _mpi_type(dtype: np.dtype):
     }[np.dtype(dtype)]
 
 
-def _poll_until(ready, limit: float, message) -> None:
-    """Call ready() until it returns True, sleeping with back-off (20 us doubling to
-    1 ms: never spinning on shared cores); after `limit` seconds raise
-    CommTimeoutError(message())."""
+def _poll_until(ready, limit: float, message, spin: float = 0.0) -> None:
+    """Call ready() until it returns True; after `limit` seconds raise
+    CommTimeoutError(message()). For the first `spin` seconds it polls back to back,
+    yielding the core (and the GIL) between polls, so a peer that is a moment late
+    costs microseconds, not a sleep; then it sleeps with back-off (20 us doubling to
+    1 ms): a long wait never spins."""
     if ready():
         return
-    deadline = time.monotonic() + limit
+    now = time.monotonic()
+    deadline, spin_until = now + limit, now + min(spin, limit)
+    while time.monotonic() < spin_until:
+        os.sched_yield()
+        if ready():
+            return
     pause = 20e-6
     while not ready():
         if time.monotonic() > deadline:
             raise CommTimeoutError(message())
         time.sleep(pause)
         pause = min(pause * 2, 1e-3)
+
+
+# How long a collective's wait polls back to back before it starts sleeping: a BSP
+# step's collectives usually complete within this (the ranks run in lock step).
+_COLLECTIVE_SPIN = 5e-3
 
 
 class Comm:
@@ -86,11 +99,11 @@ class Comm:
         self.calls[op] = self.calls.get(op, 0) + 1
 
     def wait(self, req, op: str) -> None:
-        """Wait for a request, polling with back-off; raise after `timeout` seconds."""
+        """Wait for a request (polling, see _poll_until); raise after `timeout` s."""
         _poll_until(req.Test, self.timeout, lambda: (
             f"rank {self.rank}/{self.size}: {op} did not complete within "
             f"{self.timeout:g}s; a peer died or did not issue the same call "
-            "(raise the limit with KVCOLL_COMM_TIMEOUT)"))
+            "(raise the limit with KVCOLL_COMM_TIMEOUT)"), spin=_COLLECTIVE_SPIN)
 
     def dup(self) -> "Comm":
         """Another private communicator over the same ranks (e.g. for a service thread)."""
@@ -244,8 +257,11 @@ class Comm:
             "KVCOLL_COMM_TIMEOUT)"))
         return box[0]
 
-    def alltoallv(self, send: np.ndarray, counts, op: str = "alltoallv") -> "AllToAllHandle":
-        """Start a two-phase all-to-all: counts first, then the payload.
+    def alltoallv(self, send: np.ndarray, counts, op: str = "alltoallv",
+                  recv_counts=None) -> "AllToAllHandle":
+        """Start a two-phase all-to-all: counts first, then the payload (one phase
+        when the caller already knows `recv_counts`, e.g. replies to an earlier
+        all-to-all: then it must be what the peers send, in the shape of counts).
 
         `send` holds rows (axis 0) grouped by destination rank. counts has shape
         (world,) or (world, k): counts[r].sum() rows go to rank r, split into k parts
@@ -256,14 +272,15 @@ class Comm:
             rank 0: send=[1, 2, 3], counts=[1, 2]  ->  recv=[1, 7],    recv_counts=[1, 1]
             rank 1: send=[7, 8],    counts=[1, 1]  ->  recv=[2, 3, 8], recv_counts=[2, 1]
         """
-        return AllToAllHandle(self, send, counts, op)
+        return AllToAllHandle(self, send, counts, op, recv_counts)
 
 
 class AllToAllHandle:
-    """An all-to-all in flight; `wait()` finishes it. The counts exchange is posted at
-    creation, the payload as soon as the counts are in."""
+    """An all-to-all in flight; `wait()` finishes it. The counts exchange (unless the
+    receive counts are known) is posted at creation, the payload as soon as the counts
+    are in."""
 
-    def __init__(self, comm: Comm, send: np.ndarray, counts, op: str):
+    def __init__(self, comm: Comm, send: np.ndarray, counts, op: str, recv_counts=None):
         self._c = comm
         self._op = op
         self._send = np.ascontiguousarray(send)
@@ -277,18 +294,27 @@ class AllToAllHandle:
             raise CommError(f"rank {comm.rank}: {op}: counts sum to "
                             f"{int(self._send_counts.sum())} but send has {self._send.shape[0]} rows")
         comm._count(op)
+        self._result = None
+        if recv_counts is not None:
+            known = np.asarray(recv_counts, dtype=np.int64)
+            if known.shape != counts.shape:
+                raise CommError(f"rank {comm.rank}: {op}: recv_counts must have the shape of "
+                                f"counts {counts.shape}, got {known.shape}")
+            self._recv_counts = np.ascontiguousarray(known.reshape(comm.size, -1))
+            self._req = None
+            return
         self._recv_counts = np.empty_like(self._send_counts)
         MPI = _mpi()
         k = self._send_counts.shape[1]
         self._req = comm._comm.Ialltoall([self._send_counts, k, MPI.INT64_T],
                                          [self._recv_counts, k, MPI.INT64_T])
-        self._result = None
 
     def wait(self):
         if self._result is not None:
             return self._result
         c = self._c
-        c.wait(self._req, self._op + ":counts")
+        if self._req is not None:
+            c.wait(self._req, self._op + ":counts")
         width = int(np.prod(self._send.shape[1:], dtype=np.int64))
         recv_rows = self._recv_counts.sum(axis=1)
         recv = np.empty((int(recv_rows.sum()),) + self._send.shape[1:], self._send.dtype)

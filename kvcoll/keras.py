@@ -386,7 +386,7 @@ class Trainer:
         if n_total == 0:
             raise CommError(f"step {step}: no rank had samples")
         scale = np.float32(1.0 / n_total)
-        self.exchange.push({t: g * scale for t, g in row_np.items()}, step)
+        self.exchange.push(row_np, step, scale=scale)
         t4 = time.perf_counter()
         self._apply_dense(total[:nd] * scale)
         t5 = time.perf_counter()

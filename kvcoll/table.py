@@ -332,11 +332,25 @@ class KvTable:
 
     # -- batch operations ----------------------------------------------------------------
 
-    def find(self, keys, *, default=None, return_found: bool = False):
-        """Rows of `keys` as a new (n, dim) float32 array; absent keys read `default`
-        (a dim-vector, zeros if None). With return_found, also a bool mask."""
+    def _out(self, out, n: int) -> np.ndarray:
+        """A caller's output array for n rows, checked (or a new one if None)."""
+        if out is None:
+            return np.empty((n, self.dim), np.float32)
+        if (not isinstance(out, np.ndarray) or out.dtype != np.float32
+                or out.shape != (n, self.dim) or not out.flags.c_contiguous
+                or not out.flags.writeable):
+            raise errors.InvalidArgumentError(
+                f"table {self.name!r}: out must be a writeable C-contiguous float32 array "
+                f"of shape ({n}, {self.dim})")
+        return out
+
+    def find(self, keys, *, default=None, return_found: bool = False,
+             out: np.ndarray | None = None):
+        """Rows of `keys` as an (n, dim) float32 array (`out` if given); absent keys
+        read `default` (a dim-vector, zeros if None). With return_found, also a bool
+        mask."""
         k = self._keys(keys)
-        out = np.empty((k.size, self.dim), np.float32)
+        out = self._out(out, k.size)
         found = np.empty(k.size, np.uint8)
         dflt = ffi.NULL
         if default is not None:
@@ -364,6 +378,41 @@ class KvTable:
                                            ffi.NULL if has is None else _ptr("uint8_t *", has)),
                f"table {self.name!r}: find_or_create")
         return (out, has.astype(bool)) if return_has_row else out
+
+    def find_or_create_ref(self, keys, *, step: int = 0, out: np.ndarray | None = None):
+        """find_or_create that also says where each row lives, for a later
+        apply_gradients_ref: returns (rows, refs). refs[i] (uint32) is 0 for a key
+        without a row (not admitted). `out`, if given, is a C-contiguous float32
+        (n, dim) array the rows are written to (and returned as rows)."""
+        k = self._keys(keys)
+        out = self._out(out, k.size)
+        refs = np.empty(k.size, np.uint32)
+        _check(lib.kv_table_find_or_create_ref(
+            self._handle(), _ptr("int64_t *", k), k.size, _ptr("float *", out),
+            _step32(step), ffi.NULL, _ptr("uint32_t *", refs)),
+            f"table {self.name!r}: find_or_create")
+        return out, refs
+
+    def apply_gradients_ref(self, keys, refs, grads, *, step: int,
+                            create_missing: bool = False, distinct: bool = False) -> int:
+        """apply_gradients with the refs of a find_or_create_ref of the same keys: no
+        lookup, the same result (refs are checked; if one went stale, e.g. by eviction
+        in between, the batch goes by key). distinct=True promises that no key appears
+        twice. Returns the number of keys without a row (skipped)."""
+        k = self._keys(keys)
+        g = self._rows(grads, k.size, "gradients")
+        r = self._u32(refs, k.size, "refs")
+        if not isinstance(step, (int, np.integer)) or step < 1:
+            raise errors.InvalidArgumentError(
+                f"table {self.name!r}: step must be an integer >= 1, got {step!r}")
+        missing = ffi.new("int64_t *")
+        flags = (lib.KV_APPLY_CREATE_MISSING if create_missing else 0) | \
+            (lib.KV_APPLY_DISTINCT if distinct else 0)
+        _check(lib.kv_table_apply_gradients_ref(
+            self._handle(), _ptr("int64_t *", k), _ptr("uint32_t *", r), k.size,
+            _ptr("float *", g), int(step), flags, missing),
+            f"table {self.name!r}: apply_gradients")
+        return int(missing[0])
 
     def update(self, keys, values) -> None:
         """Assign rows (creating absent keys). Duplicate keys: the last row wins."""

@@ -435,6 +435,36 @@ static void test_chunks(void) {
 /* ---- deterministic initial values ---------------------------------------------- */
 
 enum { IDIM = 7 };
+/* Normal initial values are Box-Muller on the documented draws, with kvcoll's own
+ * float ln / sin / cos: check them against double-precision libm. */
+static void test_init_normal_accuracy(void) {
+    enum { dim = 7, N = 20000 };
+    kv_table_config_t c = config(dim, KV_INIT_NORMAL, 0.0f, 1.0f);
+    int64_t *keys = malloc(N * 8);
+    float *out = malloc(N * dim * 4);
+    for (int i = 0; i < N; i++) keys[i] = key_of((uint64_t)i * 13 + 1);
+    CHECK_EQ_INT(kv_initial_values(&c, keys, N, out), KV_OK);
+    double worst = 0, sum = 0, sum2 = 0;
+    for (int i = 0; i < N; i++) {
+        uint64_t base = kv_mix64(kv_mix64(kv_mix64(c.seed) ^ c.table_id) ^ (uint64_t)keys[i]);
+        for (int e = 0; e < dim; e++) {
+            uint64_t h = kv_mix64(base + 0x9e3779b97f4a7c15ULL * ((((uint64_t)(e & ~1)) << 24) + 1));
+            double u1 = (double)((h >> 40) + 1) * 0x1p-24, u2 = (double)((h >> 16) & 0xffffff) * 0x1p-24;
+            double r = sqrt(-2.0 * log(u1)), th = 6.283185307179586 * u2;
+            double z = (e & 1) ? r * sin(th) : r * cos(th);
+            double err = fabs(z - (double)out[i * dim + e]);
+            if (err > worst) worst = err;
+            sum += out[i * dim + e];
+            sum2 += (double)out[i * dim + e] * out[i * dim + e];
+        }
+    }
+    CHECK(worst < 4e-6);
+    double mean = sum / (N * dim), var = sum2 / (N * dim) - mean * mean;
+    CHECK(fabs(mean) < 0.01 && fabs(var - 1.0) < 0.02);
+    free(keys);
+    free(out);
+}
+
 static void test_init_determinism(void) {
     const int32_t dim = IDIM;
     int32_t kinds[] = {KV_INIT_UNIFORM, KV_INIT_NORMAL, KV_INIT_TRUNCATED_NORMAL};
@@ -754,11 +784,14 @@ static void test_errors(void) {
 
 /* ---- out of memory at every allocation ------------------------------------------ */
 
-enum { OP_FOC, OP_UPDATE, OP_IMPORT, OP_APPLY_CREATE, OP_APPLY, OP_FIND, OP_N };
+enum { OP_FOC, OP_FOC_REF, OP_UPDATE, OP_IMPORT, OP_APPLY_CREATE, OP_APPLY, OP_FIND, OP_N };
+static uint32_t g_refs[1 << 14];
 
 static int run_op(kv_table_t *t, int op, const int64_t *keys, int64_t n, float *buf, float *vals) {
     switch (op) {
     case OP_FOC: return kv_table_find_or_create(t, keys, n, buf, 99, NULL, NULL);
+    case OP_FOC_REF:
+        return n > (1 << 14) ? KV_EINVAL : kv_table_find_or_create_ref(t, keys, n, buf, 99, NULL, g_refs);
     case OP_UPDATE: return kv_table_update(t, keys, n, vals);
     case OP_IMPORT: return kv_table_import(t, keys, n, vals, NULL, NULL, NULL);
     case OP_APPLY_CREATE: return kv_table_apply_gradients(t, keys, n, vals, 3, KV_APPLY_CREATE_MISSING, NULL);
@@ -1193,6 +1226,93 @@ static void test_full(void) {
 }
 #endif
 
+/* ---- rows by reference: find_or_create_ref + apply_gradients_ref ----------------- */
+
+/* The ref path must leave a table exactly as the key path does: duplicates across
+ * batches and within one, refs gone stale (delete), refs that lie, admission. */
+static void test_apply_ref(void) {
+    enum { dim = 5, N = 600, ROUNDS = 12 };
+    int64_t *keys = malloc(N * 8);
+    float *out = malloc(N * dim * 4), *g = malloc(N * dim * 4);
+    uint32_t *ref = malloc(N * 4);
+    for (uint32_t admit = 0; admit <= 2; admit += 2) {
+        kv_table_config_t c = config(dim, KV_INIT_NORMAL, 0.0f, 0.1f);
+        c.admit_min_count = admit;
+        kv_table_t *a = NULL, *b = NULL;
+        CHECK_EQ_INT(kv_table_create(&c, &a), KV_OK);
+        CHECK_EQ_INT(kv_table_create(&c, &b), KV_OK);
+        uint64_t rng = 7 + admit;
+        for (int round = 1; round <= ROUNDS; round++) {
+            /* half the rounds: distinct keys (one source); else duplicates (several) */
+            int distinct = round % 2;
+            for (int i = 0; i < N; i++)
+                keys[i] = distinct ? key_of((uint64_t)(round * 7919 + i) % 1500)
+                                   : key_of(test_rand(&rng) % 900);
+            for (int i = 0; i < N * dim; i++) g[i] = (float)(test_rand(&rng) % 1000) * 1e-3f - 0.5f;
+            CHECK_EQ_INT(kv_table_find_or_create(a, keys, N, out, (uint32_t)round, NULL, NULL), KV_OK);
+            CHECK_EQ_INT(kv_table_find_or_create_ref(b, keys, N, out, (uint32_t)round, NULL, ref), KV_OK);
+            if (round == 5) { /* stale: rows freed in between */
+                CHECK_EQ_INT(kv_table_delete(a, keys, 10, NULL), KV_OK);
+                CHECK_EQ_INT(kv_table_delete(b, keys, 10, NULL), KV_OK);
+            }
+            if (round == 7 && ref[3] && ref[4]) ref[3] = ref[4]; /* a ref that lies */
+            int64_t ma = -1, mb = -2;
+            CHECK_EQ_INT(kv_table_apply_gradients(a, keys, N, g, round, KV_APPLY_CREATE_MISSING, &ma),
+                         KV_OK);
+            CHECK_EQ_INT(kv_table_apply_gradients_ref(b, keys, ref, N, g, round,
+                                                      KV_APPLY_CREATE_MISSING |
+                                                          (distinct ? KV_APPLY_DISTINCT : 0),
+                                                      &mb),
+                         KV_OK);
+            CHECK_EQ_INT(ma, mb);
+        }
+        snap_t sa = snapshot(a), sb = snapshot(b);
+        CHECK(snap_equal(&sa, &sb));
+        CHECK_EQ_INT(sa.st.dropped_grads, sb.st.dropped_grads);
+        CHECK(admit == 0 || sb.st.dropped_grads > 0);
+        snap_free(&sa);
+        snap_free(&sb);
+        /* bad input changes nothing */
+        CHECK_EQ_INT(kv_table_find_or_create_ref(b, keys, N, out, 99, NULL, ref), KV_OK);
+        snap_t s0 = snapshot(b);
+        g[7] = NAN;
+        CHECK_EQ_INT(kv_table_apply_gradients_ref(b, keys, ref, N, g, 3, 0, NULL), KV_ENONFINITE);
+        g[7] = 0.0f;
+        CHECK_EQ_INT(kv_table_apply_gradients_ref(b, keys, NULL, N, g, 3, 0, NULL), KV_EINVAL);
+        CHECK_EQ_INT(kv_table_apply_gradients_ref(b, keys, ref, N, g, 0, 0, NULL), KV_EINVAL);
+        CHECK_EQ_INT(kv_table_apply_gradients_ref(b, keys, ref, N, g, 3, 8, NULL), KV_EINVAL);
+        CHECK_EQ_INT(kv_table_find_or_create_ref(b, keys, N, out, 3, NULL, NULL), KV_EINVAL);
+        snap_t s1 = snapshot(b);
+        CHECK(snap_equal(&s0, &s1));
+        snap_free(&s1);
+        /* a failing allocation (the duplicate-summing pass) changes nothing either */
+        fail_alloc_install();
+        int done = 0;
+        for (long k = 1; k <= 20 && !done; k++) {
+            fail_alloc_arm(k);
+            int rc = kv_table_apply_gradients_ref(b, keys, ref, N, g, 3, 0, NULL);
+            fail_alloc_arm(0);
+            if (rc == KV_OK) {
+                done = 1;
+            } else {
+                CHECK_EQ_INT(rc, KV_ENOMEM);
+                s1 = snapshot(b);
+                CHECK(snap_equal(&s0, &s1));
+                snap_free(&s1);
+            }
+        }
+        kv_set_allocator(NULL, NULL, NULL);
+        CHECK(done);
+        snap_free(&s0);
+        kv_table_destroy(a);
+        kv_table_destroy(b);
+    }
+    free(keys);
+    free(out);
+    free(g);
+    free(ref);
+}
+
 int main(int argc, char **argv) {
     pick_optim();
     if (argc > 1 && !strcmp(argv[1], "threads")) {
@@ -1206,13 +1326,16 @@ int main(int argc, char **argv) {
     (void)test_init_determinism, (void)test_apply_and_dirty, (void)test_export_import;
     (void)test_errors, (void)test_oom, (void)test_stats, (void)test_chunks;
     (void)test_admission, (void)test_evict_exact, (void)test_removed_log, (void)test_lifecycle_oom;
+    (void)test_apply_ref, (void)test_init_normal_accuracy;
 #else
     test_random_ops();
     test_key_patterns();
     test_free_list();
     test_chunks();
     test_init_determinism();
+    test_init_normal_accuracy();
     test_apply_and_dirty();
+    test_apply_ref();
     test_export_import();
     test_errors();
     test_oom();

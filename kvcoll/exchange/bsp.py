@@ -3,15 +3,17 @@
 One pull, for every table at once:
   1. per table, unique + partition the batch's ids by owner (one C call);
   2. ONE fused all-to-all carries the ids of every table (counts first: a
-     (world, tables) matrix, then the payload);
-  3. each owner looks its ids up, creating new keys (one C call per table);
-  4. ONE fused all-to-all returns the rows (flattened floats, tables in order).
+     (world, tables) matrix, then the payload, grouped by source, then table);
+  3. each owner looks its ids up, creating new keys, one C call per (source, table)
+     segment, which writes the rows straight into the reply and remembers where
+     each row lives (its "ref");
+  4. ONE fused all-to-all returns the rows (flattened floats, same layout).
 The caller receives, per table, the unique rows in `uniq` order and the inverse
 index: the batch's rows are `rows[inverse]`, never the whole table.
 
 One push sends the gradient of every unique row back over the same routing (one
-all-to-all); owners apply their row optimizer in C, which sums duplicates (the same
-id pushed by several ranks) before applying them once.
+all-to-all); owners apply their row optimizer in C at the remembered refs (no second
+lookup), summing duplicates (the same id pushed by several ranks) first.
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ class BspExchange:
         self.comm = comm
         self.tables = dict(tables)
         self._names = list(self.tables)
+        self._dims = np.array([self.tables[n].dim for n in self._names], np.int64)
         self._served = None  # what this rank served in the last pull, for push
+        self._pulled = None
 
     def pull(self, ids: dict[str, np.ndarray], step: int, create: bool = True
              ) -> dict[str, Pulled]:
@@ -57,66 +61,89 @@ class BspExchange:
             missing = sorted(set(self._names) - set(ids))
             raise ValueError(f"pull: ids must name every table exactly; unknown {unknown}, "
                              f"missing {missing}")
-        parts = {}
-        for name in self._names:
-            uniq, inverse, counts = unique_partition(ids[name], world)
-            parts[name] = (uniq, inverse, counts)
+        parts = [unique_partition(ids[n], world) for n in self._names]
         # Fused id payload: for each destination, table 0's ids, then table 1's, ...
-        counts = np.stack([parts[n][2] for n in self._names], axis=1)  # (world, T)
-        send = _group_by_dest([parts[n][0] for n in self._names], counts)
+        counts = np.stack([p[2] for p in parts], axis=1)  # (world, T)
+        send = _group_by_dest([p[0] for p in parts], counts)
         recv_ids, recv_counts = self.comm.alltoallv(send, counts, op="pull:ids").wait()
-        # Owner side: look every received id up, per table.
-        per_table_ids = _split_by_table(recv_ids, recv_counts)
+        # Owner side: rows of every (source, table) segment, written into the reply.
+        dims = self._dims
+        id_at, row_at = _starts(recv_counts), _starts(recv_counts * dims)
+        reply = np.empty(int((recv_counts * dims).sum()), np.float32)
+        refs = np.empty(recv_ids.size, np.uint32) if create else None
+        for t, name in enumerate(self._names):
+            table, dim = self.tables[name], int(dims[t])
+            for r in range(world):
+                a, n, b = id_at[r, t], recv_counts[r, t], row_at[r, t]
+                keys, out = recv_ids[a:a + n], reply[b:b + n * dim].reshape(n, dim)
+                if create:
+                    _, refs[a:a + n] = table.find_or_create_ref(keys, step=step, out=out)
+                else:
+                    table.find(keys, out=out)
         if create:
-            rows = [self.tables[n].find_or_create(per_table_ids[i], step=step)
-                    for i, n in enumerate(self._names)]
-            self._served = (per_table_ids, recv_counts)
-        else:
-            rows = [self.tables[n].find(per_table_ids[i]) for i, n in enumerate(self._names)]
-        dims = np.array([self.tables[n].dim for n in self._names], np.int64)
-        # Return rows in the layout the ids came in: per source, per table.
-        send_rows = _group_by_dest([r.reshape(-1) for r in rows], recv_counts * dims)
-        got, _ = self.comm.alltoallv(send_rows, (recv_counts * dims).sum(axis=1),
-                                     op="pull:rows").wait()
+            self._served = (recv_ids, refs, recv_counts)
+        got, _ = self.comm.alltoallv(reply, (recv_counts * dims).sum(axis=1), op="pull:rows",
+                                     recv_counts=(counts * dims).sum(axis=1)).wait()
         out = {}
         mine = _split_by_table(got, counts * dims)
-        for i, n in enumerate(self._names):
-            uniq, inverse, c = parts[n]
-            out[n] = Pulled(uniq, inverse, mine[i].reshape(-1, self.tables[n].dim), c)
+        for t, n in enumerate(self._names):
+            uniq, inverse, c = parts[t]
+            out[n] = Pulled(uniq, inverse, mine[t].reshape(-1, int(dims[t])), c)
         if create:
             self._pulled = out
         return out
 
-    def push(self, grads: dict[str, np.ndarray], step: int) -> None:
-        """Send d(loss)/d(rows) of the last pull back to the owners and apply them.
+    def push(self, grads: dict[str, np.ndarray], step: int, scale: float = 1.0) -> None:
+        """Send scale * d(loss)/d(rows) of the last pull back to the owners and apply
+        them.
 
         grads[name] has the shape of the pulled rows: (len(uniq), dim)."""
         if self._served is None:
             raise RuntimeError("push() needs a pull() first")
-        dims = np.array([self.tables[n].dim for n in self._names], np.int64)
+        world, dims = self.comm.size, self._dims
         counts = np.stack([self._pulled[n].counts for n in self._names], axis=1)
-        flat = []
-        for n in self._names:
-            g = np.ascontiguousarray(grads[n], np.float32)
+        send = np.empty(int((counts * dims).sum()), np.float32)
+        send_at = _starts(counts * dims)
+        for t, n in enumerate(self._names):
+            g = np.asarray(grads[n])
             want = self._pulled[n].rows.shape
             if g.shape != want:
                 raise ValueError(f"push: table {n!r}: gradient shape {g.shape}, expected {want}")
-            flat.append(g.reshape(-1))
-        send = _group_by_dest(flat, counts * dims)
-        got, _ = self.comm.alltoallv(send, (counts * dims).sum(axis=1), op="push:grads").wait()
-        per_table_ids, recv_counts = self._served
+            dim, lo = int(dims[t]), 0
+            for r in range(world):  # scaled straight into the payload
+                c = counts[r, t]
+                np.multiply(g[lo:lo + c], np.float32(scale),
+                            out=send[send_at[r, t]:send_at[r, t] + c * dim].reshape(c, dim))
+                lo += c
+        recv_ids, refs, recv_counts = self._served
+        got, _ = self.comm.alltoallv(send, (counts * dims).sum(axis=1), op="push:grads",
+                                     recv_counts=(recv_counts * dims).sum(axis=1)).wait()
+        keys = _split_by_table(recv_ids, recv_counts)
+        ref = _split_by_table(refs, recv_counts)
         per_table_grads = _split_by_table(got, recv_counts * dims)
-        for i, n in enumerate(self._names):
-            self.tables[n].apply_gradients(
-                per_table_ids[i], per_table_grads[i].reshape(-1, self.tables[n].dim),
-                step=step, create_missing=True)
+        for t, n in enumerate(self._names):
+            # one source sends each id once; several may send the same id
+            self.tables[n].apply_gradients_ref(
+                keys[t], ref[t], per_table_grads[t].reshape(-1, int(dims[t])),
+                step=step, create_missing=True, distinct=world == 1)
         self._served = None
+
+
+def _starts(counts: np.ndarray) -> np.ndarray:
+    """Start offsets of the (source, table) segments of a payload laid out source by
+    source, table by table, with counts[r, t] elements each."""
+    flat = counts.reshape(-1)
+    starts = np.zeros(flat.size, np.int64)
+    np.cumsum(flat[:-1], out=starts[1:])
+    return starts.reshape(counts.shape)
 
 
 def _group_by_dest(arrays: list[np.ndarray], counts: np.ndarray) -> np.ndarray:
     """Interleave per-table arrays, each already grouped by destination with counts[:, t]
     elements per destination, into one payload grouped by destination, then table."""
     world, ntab = counts.shape
+    if world == 1:
+        return np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
     offsets = np.zeros((world + 1, ntab), np.int64)
     np.cumsum(counts, axis=0, out=offsets[1:])
     pieces = [arrays[t][offsets[r, t]:offsets[r + 1, t]] for r in range(world) for t in range(ntab)]
@@ -127,13 +154,10 @@ def _group_by_dest(arrays: list[np.ndarray], counts: np.ndarray) -> np.ndarray:
 
 def _split_by_table(payload: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
     """Inverse of _group_by_dest on the receiving side: per table, the elements from
-    every source in source order."""
+    every source in source order (views when there is one source)."""
     world, ntab = counts.shape
-    flat = counts.reshape(-1)
-    starts = np.concatenate([[0], np.cumsum(flat)[:-1]])
-    out = []
-    for t in range(ntab):
-        idx = [slice(starts[r * ntab + t], starts[r * ntab + t] + flat[r * ntab + t])
-               for r in range(world)]
-        out.append(np.concatenate([payload[s] for s in idx]) if idx else payload[:0])
-    return out
+    starts = _starts(counts)
+    if world == 1:
+        return [payload[starts[0, t]:starts[0, t] + counts[0, t]] for t in range(ntab)]
+    return [np.concatenate([payload[starts[r, t]:starts[r, t] + counts[r, t]]
+                            for r in range(world)]) for t in range(ntab)]

@@ -37,6 +37,22 @@ def test_alltoallv_counts_matrix(comm):
     assert recv.size == rc.sum()
 
 
+def test_alltoallv_with_known_receive_counts(comm):
+    """A reply to an earlier all-to-all knows what it will receive: one phase, the same
+    result."""
+    world, me = comm.size, comm.rank
+    plan = sends(world, seed=1)
+    send = np.concatenate(plan[me]).astype(np.int64).reshape(-1, 2)
+    counts = [len(x) for x in plan[me]]
+    known = [len(plan[s][me]) for s in range(world)]
+    recv, recv_counts = comm.alltoallv(send, counts, recv_counts=known).wait()
+    assert recv_counts.tolist() == known
+    np.testing.assert_array_equal(
+        recv, np.concatenate([plan[s][me] for s in range(world)]).reshape(-1, 2))
+    with pytest.raises(CommError, match="recv_counts must have the shape"):
+        comm.alltoallv(send, counts, recv_counts=known + [0])
+
+
 def test_allreduce_allgather_bcast(comm):
     world, me = comm.size, comm.rank
     total = comm.allreduce(np.array([me + 1, 2 * me], np.int64))

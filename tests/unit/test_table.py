@@ -181,6 +181,44 @@ def test_missing_keys_on_apply_are_counted_or_created():
         np.testing.assert_array_equal(t.find(np.array([1])), [[-1.0, -1.0]])
 
 
+@pytest.mark.parametrize("admit", [0, 2])
+def test_rows_by_reference_update_like_rows_by_key(admit):
+    """find_or_create_ref + apply_gradients_ref leave a table exactly as find_or_create
+    + apply_gradients do: duplicates, refs gone stale (delete), a lying ref, admission."""
+    rng = np.random.default_rng(1)
+    a, b = (KvTable(5, name="t", optimizer=optimizers.Adagrad(0.1), admit_min_count=admit,
+                    initializer=("normal", 0.0, 0.1)) for _ in range(2))
+    for step in range(1, 9):
+        distinct = step % 2 == 1
+        keys = rng.permutation(60)[:40] if distinct else rng.integers(0, 60, 40)
+        grads = rng.normal(size=(40, 5)).astype(np.float32)
+        rows_a = a.find_or_create(keys, step=step)
+        out = np.empty((40, 5), np.float32)
+        rows_b, refs = b.find_or_create_ref(keys, step=step, out=out)
+        assert rows_b is out
+        np.testing.assert_array_equal(rows_a, rows_b)
+        assert refs.dtype == np.uint32 and ((refs == 0) == ~a.find(keys, return_found=True)[1]).all()
+        if step == 3:
+            a.delete(keys[:4])
+            b.delete(keys[:4])
+        if step == 5 and refs[0] and refs[1]:
+            refs[0] = refs[1]
+        ma = a.apply_gradients(keys, grads, step=step, create_missing=True)
+        mb = b.apply_gradients_ref(keys, refs, grads, step=step, create_missing=True,
+                                   distinct=distinct)
+        assert ma == mb
+    ea, eb = a.export(), b.export()
+    for k in ea:
+        np.testing.assert_array_equal(ea[k], eb[k])
+    assert a.stats().dropped_grads == b.stats().dropped_grads
+    assert admit == 0 or b.stats().dropped_grads > 0
+    found = np.empty((3, 5), np.float32)
+    assert a.find(np.array([999, keys[-1], 998]), out=found) is found
+    np.testing.assert_array_equal(found[0], 0)
+    a.close()
+    b.close()
+
+
 def test_stats_and_memory_overhead():
     with KvTable(16, optimizer=optimizers.Adagrad(0.1)) as t:
         t.find_or_create(np.arange(200_000, dtype=np.int64))
@@ -236,6 +274,17 @@ BAD_CALLS = [
      kv.DimensionError, "slots"),
     ("bad default", lambda t: t.find(np.array([1]), default=np.zeros(3)), kv.DimensionError,
      "default"),
+    ("out shape", lambda t: t.find(np.array([1, 2]), out=np.zeros((2, 3), np.float32)),
+     kv.InvalidArgumentError, "out must be"),
+    ("out dtype", lambda t: t.find_or_create_ref(np.array([1]), out=np.zeros((1, 4))),
+     kv.InvalidArgumentError, "out must be"),
+    ("refs length", lambda t: t.apply_gradients_ref(np.array([1, 2]), np.ones(1, np.uint32),
+                                                    np.zeros((2, 4), np.float32), step=1),
+     kv.InvalidArgumentError, "refs must be 2 integers"),
+    ("nan by ref", lambda t: t.apply_gradients_ref(
+        np.array([1, 2]), np.array([1, 2], np.uint32),
+        np.array([[0, 0, 0, 0], [np.nan, 0, 0, 0]], np.float32), step=1),
+     kv.NonFiniteError, "NaN|finite"),
 ]
 
 
