@@ -226,7 +226,10 @@ class Trainer:
         self._train_fn = None
         self._predict_fn = None
         self._apply_fn = None
-        self.timings = {"exchange": 0.0, "compute": 0.0, "allreduce": 0.0, "apply": 0.0}
+        # seconds per phase, summed over steps; "tables" is the part of "exchange" spent
+        # in the tables' C calls (BSP)
+        self.timings = {"exchange": 0.0, "tables": 0.0, "compute": 0.0, "allreduce": 0.0,
+                        "apply": 0.0}
         optimizer.optimizer.build(model.trainable_variables)
         self._n_dense = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
         # SSP / ASP: the asynchronous exchange and what it observed.
@@ -392,6 +395,7 @@ class Trainer:
         t5 = time.perf_counter()
         tm = self.timings
         tm["exchange"] += (t1 - t0) + (t4 - t3)
+        tm["tables"] = self.exchange.table_seconds
         tm["compute"] += t2 - t1
         tm["allreduce"] += t3 - t2
         tm["apply"] += t5 - t4

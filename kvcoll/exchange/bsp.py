@@ -19,6 +19,7 @@ lookup), summing duplicates (the same id pushed by several ranks) first.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 
@@ -50,6 +51,7 @@ class BspExchange:
         self._dims = np.array([self.tables[n].dim for n in self._names], np.int64)
         self._served = None  # what this rank served in the last pull, for push
         self._pulled = None
+        self.table_seconds = 0.0  # time spent in the tables' C calls (lookups, updates)
 
     def pull(self, ids: dict[str, np.ndarray], step: int, create: bool = True
              ) -> dict[str, Pulled]:
@@ -71,6 +73,7 @@ class BspExchange:
         id_at, row_at = _starts(recv_counts), _starts(recv_counts * dims)
         reply = np.empty(int((recv_counts * dims).sum()), np.float32)
         refs = np.empty(recv_ids.size, np.uint32) if create else None
+        t0 = time.perf_counter()
         for t, name in enumerate(self._names):
             table, dim = self.tables[name], int(dims[t])
             for r in range(world):
@@ -80,6 +83,7 @@ class BspExchange:
                     _, refs[a:a + n] = table.find_or_create_ref(keys, step=step, out=out)
                 else:
                     table.find(keys, out=out)
+        self.table_seconds += time.perf_counter() - t0
         if create:
             self._served = (recv_ids, refs, recv_counts)
         got, _ = self.comm.alltoallv(reply, (recv_counts * dims).sum(axis=1), op="pull:rows",
@@ -121,11 +125,13 @@ class BspExchange:
         keys = _split_by_table(recv_ids, recv_counts)
         ref = _split_by_table(refs, recv_counts)
         per_table_grads = _split_by_table(got, recv_counts * dims)
+        t0 = time.perf_counter()
         for t, n in enumerate(self._names):
             # one source sends each id once; several may send the same id
             self.tables[n].apply_gradients_ref(
                 keys[t], ref[t], per_table_grads[t].reshape(-1, int(dims[t])),
                 step=step, create_missing=True, distinct=world == 1)
+        self.table_seconds += time.perf_counter() - t0
         self._served = None
 
 
