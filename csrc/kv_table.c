@@ -1231,33 +1231,43 @@ int kv_table_apply_gradients_ref(kv_table_t *t, const int64_t *keys, const uint3
     float *sums = NULL;
     pthread_rwlock_wrlock(&t->lock);
     int ok = refs_valid(t, keys, ref, n, &n_zero);
-    /* a key without a row is created by the key path (create_missing, no admission),
-     * and zero refs of different keys must not be summed together */
-    if (ok && n_zero && (((flags & KV_APPLY_CREATE_MISSING) && t->admit_k < 2) || !distinct))
-        ok = 0;
+    /* a key without a row that must be created goes by key (create_missing without
+     * admission: rows are never missing then unless something freed them) */
+    if (ok && n_zero && (flags & KV_APPLY_CREATE_MISSING) && t->admit_k < 2) ok = 0;
     int rc = KV_OK;
+    int64_t n_miss = n_zero; /* distinct: every zero ref is a key of its own */
     const uint32_t *ids = ref;
     const float *g = grads;
-    if (ok && !distinct) { /* sum duplicate rows: segment sum keyed by ref */
-        uniq = kv_malloc((size_t)n * (2 * sizeof(int64_t) + sizeof(uint32_t)));
+    if (ok && !distinct) {
+        /* sum duplicate rows: a segment sum keyed by ref (the zero refs form one group,
+         * which update_rows skips); the keys without a row count once each */
+        uniq = kv_malloc((size_t)n * (4 * sizeof(int64_t) + sizeof(uint32_t)));
         sums = kv_malloc((size_t)n * d * sizeof(float));
         if (!uniq || !sums) {
             rc = KV_ENOMEM;
         } else {
-            int64_t *as_key = uniq + n;
+            int64_t *as_key = uniq + n, *zu = uniq + 2 * n, *zi = uniq + 3 * n;
+            uint32_t *u32 = (uint32_t *)(void *)(uniq + 4 * n);
             for (int64_t i = 0; i < n; i++) as_key[i] = ref[i];
             rc = kv_segment_sum(as_key, n, grads, t->dim, uniq, sums, &nu);
-            if (rc == KV_OK && !all_finite(sums, (size_t)nu * d)) rc = KV_ENONFINITE;
-            uint32_t *u32 = (uint32_t *)(void *)(uniq + 2 * n);
-            for (int64_t u = 0; rc == KV_OK && u < nu; u++) u32[u] = (uint32_t)uniq[u];
+            for (int64_t u = 0; rc == KV_OK && u < nu; u++) {
+                if (uniq[u] && !all_finite(sums + (size_t)u * d, d)) rc = KV_ENONFINITE;
+                u32[u] = (uint32_t)uniq[u];
+            }
+            if (rc == KV_OK && n_zero) {
+                int64_t z = 0, cnt;
+                for (int64_t i = 0; i < n; i++)
+                    if (!ref[i]) as_key[z++] = keys[i];
+                rc = kv_unique_partition(as_key, z, 1, zu, zi, &cnt, &n_miss);
+            }
             ids = u32;
             g = sums;
         }
     }
     if (ok && rc == KV_OK) {
         update_rows(t, ids, nu, g, step);
-        t->n_dropped += n_zero;
-        if (n_missing) *n_missing = n_zero;
+        t->n_dropped += n_miss;
+        if (n_missing) *n_missing = n_miss;
     }
     pthread_rwlock_unlock(&t->lock);
     kv_free(uniq);

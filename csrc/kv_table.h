@@ -154,9 +154,9 @@ int kv_table_find_or_create_ref(kv_table_t *t, const int64_t *keys, int64_t n, f
  * kv_table_apply_gradients with each key's row given by ref[i] (from
  * kv_table_find_or_create_ref), so no key is looked up: the same result. Every ref is
  * checked against the row it names (the row must be live and hold keys[i]); refs of
- * 0 (no row) are skipped and counted as missing. Flags: KV_APPLY_CREATE_MISSING as
- * there; KV_APPLY_DISTINCT if no row appears twice (else duplicates are summed
- * first). If a ref went stale (its row was freed or reused since), does not match its
+ * 0 (no row) are skipped and counted as missing, once per distinct key. Flags:
+ * KV_APPLY_CREATE_MISSING as there; KV_APPLY_DISTINCT if no key appears twice (else
+ * duplicates are summed first). If a ref went stale (its row was freed or reused since), does not match its
  * key, or a missing key would have to be created, the whole batch goes by key
  * (kv_table_apply_gradients). Write lock.
  */

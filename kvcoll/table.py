@@ -322,6 +322,8 @@ class KvTable:
         if values is None:
             return None
         arr = np.asarray(values)
+        if arr.dtype == np.uint32 and arr.shape == (n,):
+            return np.ascontiguousarray(arr)
         if arr.dtype.kind not in "iu" or arr.shape != (n,):
             raise errors.InvalidArgumentError(
                 f"table {self.name!r}: {what} must be {n} integers, got {arr.dtype} {arr.shape}")

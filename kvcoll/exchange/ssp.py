@@ -145,6 +145,9 @@ class SspExchange:
         self.staleness_observed = 0
         self.max_lead = 0
         self.pushes_applied = 0   # service side: pushes applied here (rows or dense)
+        # Owner side: where each served pull found its rows, by (worker, step), until
+        # that push arrives (apply_gradients_ref then needs no lookup).
+        self._refs: dict[tuple[int, int], list[np.ndarray]] = {}
         self._thread = threading.Thread(target=self._serve, name=f"kvcoll-service-{rank}",
                                          daemon=True)
         self._thread.start()
@@ -241,12 +244,16 @@ class SspExchange:
         # This rank's own share, served here while the peers work on theirs: the gate
         # (wait_turn) has already checked, on this owner's clocks, what serving needs.
         me, lo, hi = self._rank, self._bounds[self._rank], self._bounds[self._rank + 1]
+        refs = []
         for t, n in enumerate(self._names):
             mine = parts[n][0][starts[me, t]:starts[me + 1, t]]
-            if mine.size:
-                rows[n][starts[me, t]:starts[me + 1, t]] = \
-                    self.tables[n].find_or_create(mine, step=step) if create \
-                    else self.tables[n].find(mine)
+            out = rows[n][starts[me, t]:starts[me + 1, t]]
+            if create:
+                refs.append(self.tables[n].find_or_create_ref(mine, step=step, out=out)[1])
+            elif mine.size:
+                self.tables[n].find(mine, out=out)
+        if create:
+            self._refs[(me, step)] = refs
         with self._cv:
             self._check()
             if flat is not None and hi > lo:
@@ -473,11 +480,18 @@ class SspExchange:
     def _answer(self, src, clock, flags, rd, slow, replies) -> None:
         counts = rd.ints(len(self._names))
         out = [np.array([slow], np.int64).view(np.float32)]
+        refs = []
         for t, n in enumerate(self._names):
             ids = rd.ints(int(counts[t]))
             table = self.tables[n]
-            out.append((table.find_or_create(ids, step=max(0, clock)) if flags & _F_CREATE
-                        else table.find(ids)).reshape(-1))
+            if flags & _F_CREATE:
+                rows, ref = table.find_or_create_ref(ids, step=max(0, clock))
+                refs.append(ref)
+            else:
+                rows = table.find(ids)
+            out.append(rows.reshape(-1))
+        if flags & _F_CREATE:
+            self._refs[(src, clock)] = refs
         if flags & _F_DENSE:
             with self._cv:
                 out.append(self._master.reshape(-1).copy())
@@ -495,8 +509,14 @@ class SspExchange:
     def _apply(self, src, clock, ids, grads, dense_grad) -> None:
         """Apply worker src's push of step `clock` to this rank's rows and dense slice,
         then record its clock (service thread for peers, training thread for itself)."""
+        refs = self._refs.pop((src, clock), None)  # where the pull found these rows
         for t, n in enumerate(self._names):
-            if ids[t].size:
+            if not ids[t].size:
+                continue
+            if refs is not None and refs[t].size == ids[t].size:
+                self.tables[n].apply_gradients_ref(ids[t], refs[t], grads[t], step=max(1, clock),
+                                                   create_missing=True, distinct=True)
+            else:
                 self.tables[n].apply_gradients(ids[t], grads[t], step=max(1, clock),
                                                create_missing=True)
         with self._cv:
