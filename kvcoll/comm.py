@@ -71,9 +71,10 @@ def _poll_until(ready, limit: float, message, spin: float = 0.0) -> None:
         pause = min(pause * 2, 1e-3)
 
 
-# How long a collective's wait polls back to back before it starts sleeping: a BSP
-# step's collectives usually complete within this (the ranks run in lock step).
-_COLLECTIVE_SPIN = 5e-3
+# How long a wait that should end soon polls back to back before it starts sleeping:
+# a BSP step's collectives (the ranks run in lock step), or an SSP/ASP pull's reply
+# (due as soon as the owner has served it).
+SPIN = 5e-3
 
 
 class Comm:
@@ -103,7 +104,7 @@ class Comm:
         _poll_until(req.Test, self.timeout, lambda: (
             f"rank {self.rank}/{self.size}: {op} did not complete within "
             f"{self.timeout:g}s; a peer died or did not issue the same call "
-            "(raise the limit with KVCOLL_COMM_TIMEOUT)"), spin=_COLLECTIVE_SPIN)
+            "(raise the limit with KVCOLL_COMM_TIMEOUT)"), spin=SPIN)
 
     def dup(self) -> "Comm":
         """Another private communicator over the same ranks (e.g. for a service thread)."""
@@ -230,11 +231,12 @@ class Comm:
         return status.Get_source(), status.Get_tag(), buf
 
     def recv(self, source: int = -1, tag: int = -1, op: str = "recv", timeout: float | None = None,
-             poll=None):
-        """Wait for a message (polling with back-off, never spinning) and return it as
-        try_recv does. After `timeout` (default: the communicator's) raises
-        CommTimeoutError naming this rank, the peer and the operation. `poll`, if
-        given, is called while waiting (e.g. to check that a helper thread is alive)."""
+             poll=None, spin: float = 0.0):
+        """Wait for a message (see _poll_until: back to back for `spin` seconds, then
+        with back-off) and return it as try_recv does. After `timeout` (default: the
+        communicator's) raises CommTimeoutError naming this rank, the peer and the
+        operation. `poll`, if given, is called while waiting (e.g. to check that a
+        helper thread is alive)."""
         got = self.try_recv(source, tag)
         if got is not None:
             return got
@@ -254,7 +256,7 @@ class Comm:
         _poll_until(ready, limit, lambda: (
             f"rank {self.rank}/{self.size}: {op}: no answer from {who} within "
             f"{limit:g}s; a peer died or stopped serving (raise the limit with "
-            "KVCOLL_COMM_TIMEOUT)"))
+            "KVCOLL_COMM_TIMEOUT)"), spin=spin)
         return box[0]
 
     def alltoallv(self, send: np.ndarray, counts, op: str = "alltoallv",

@@ -52,7 +52,7 @@ import time
 
 import numpy as np
 
-from ..comm import Comm
+from ..comm import SPIN, Comm
 from ..errors import CommError, CommTimeoutError
 from ..table import KvTable, apply_rows, init_slots, unique_partition
 from .bsp import Pulled
@@ -265,7 +265,7 @@ class SspExchange:
         stale = 0 if slow is None else step - 1 - slow
         for r in owners:
             _, _, buf = self._rep.recv(r, _TAG_REPLY, op=f"ssp:pull from rank {r}",
-                                       poll=self._check)
+                                       poll=self._check, spin=SPIN)
             rd = _Reader(buf)
             slow = int(rd.ints(1)[0])
             stale = max(stale, step - 1 - slow)
