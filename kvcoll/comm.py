@@ -137,8 +137,10 @@ class Comm:
         if isinstance(mpi_op, str):
             mpi_op = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[mpi_op]
         send = np.ascontiguousarray(arr)
-        recv = np.empty_like(send)
         dt = _mpi_type(send.dtype)
+        if self.size == 1:  # one rank: the result is its own array (no MPI call)
+            return send.copy()
+        recv = np.empty_like(send)
         req = self._comm.Iallreduce([send, dt], [recv, dt], mpi_op or MPI.SUM)
         self.wait(req, op)
         return recv
@@ -150,8 +152,10 @@ class Comm:
         """
         self._count(op)
         send = np.ascontiguousarray(arr)
-        recv = np.empty((self.size,) + send.shape, send.dtype)
         dt = _mpi_type(send.dtype)
+        if self.size == 1:
+            return send[None].copy()
+        recv = np.empty((self.size,) + send.shape, send.dtype)
         self.wait(self._comm.Iallgather([send, dt], [recv, dt]), op)
         return recv
 
@@ -269,7 +273,8 @@ class Comm:
         (world,) or (world, k): counts[r].sum() rows go to rank r, split into k parts
         (e.g. one per table) that the receiver learns too. Empty splits are normal.
         `.wait()` returns (recv, recv_counts): rows grouped by source rank and
-        recv_counts[s] = what rank s sent here. Example, 2 ranks, 1-D rows:
+        recv_counts[s] = what rank s sent here (on one rank, recv is `send` itself).
+        Example, 2 ranks, 1-D rows:
 
             rank 0: send=[1, 2, 3], counts=[1, 2]  ->  recv=[1, 7],    recv_counts=[1, 1]
             rank 1: send=[7, 8],    counts=[1, 1]  ->  recv=[2, 3, 8], recv_counts=[2, 1]
@@ -288,22 +293,26 @@ class AllToAllHandle:
         self._send = np.ascontiguousarray(send)
         counts = np.asarray(counts, dtype=np.int64)
         self._flat = counts.ndim == 1
-        self._send_counts = np.ascontiguousarray(counts.reshape(comm.size, -1))
         if counts.shape[:1] != (comm.size,):
             raise CommError(f"rank {comm.rank}: {op}: counts must have one row per rank "
                             f"({comm.size}), got shape {counts.shape}")
+        self._send_counts = np.ascontiguousarray(counts.reshape(comm.size, -1))
         if int(self._send_counts.sum()) != self._send.shape[0]:
             raise CommError(f"rank {comm.rank}: {op}: counts sum to "
                             f"{int(self._send_counts.sum())} but send has {self._send.shape[0]} rows")
+        known = None if recv_counts is None else np.asarray(recv_counts, dtype=np.int64)
+        if known is not None and known.shape != counts.shape:
+            raise CommError(f"rank {comm.rank}: {op}: recv_counts must have the shape of "
+                            f"counts {counts.shape}, got {known.shape}")
+        _mpi_type(self._send.dtype)
         comm._count(op)
         self._result = None
-        if recv_counts is not None:
-            known = np.asarray(recv_counts, dtype=np.int64)
-            if known.shape != counts.shape:
-                raise CommError(f"rank {comm.rank}: {op}: recv_counts must have the shape of "
-                                f"counts {counts.shape}, got {known.shape}")
+        self._req = None
+        if comm.size == 1:  # one rank sends everything to itself (no MPI call)
+            self._result = (self._send, counts.copy())
+            return
+        if known is not None:
             self._recv_counts = np.ascontiguousarray(known.reshape(comm.size, -1))
-            self._req = None
             return
         self._recv_counts = np.empty_like(self._send_counts)
         MPI = _mpi()
