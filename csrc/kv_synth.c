@@ -34,6 +34,7 @@
  * under the default -ftrapping-math).
  */
 #include "kv_synth.h"
+#include "kv_fmath.h"
 
 #include <float.h>
 #include <math.h>
@@ -160,46 +161,12 @@ static inline double fast_exp(double x) {
 
 /* ---- inline float math, branch-free (the numbers) ---------------------------------- */
 
-static inline float as_f32(uint32_t b) {
-    float f;
-    memcpy(&f, &b, sizeof f);
-    return f;
-}
-
-static inline uint32_t as_u32(float f) {
-    uint32_t b;
-    memcpy(&b, &f, sizeof b);
-    return b;
-}
-
-#define LN2F_HI 6.9313812256e-01f /* 0x3f317180 */
-#define LN2F_LO 9.0580006145e-06f /* 0x3717f7d1 */
-#define LGF1 0.66666662693f       /* 0xaaaaaa.0p-24 */
-#define LGF2 0.40000972152f       /* 0xccce13.0p-25 */
-#define LGF3 0.28498786688f       /* 0x91e9ee.0p-25 */
-#define LGF4 0.24279078841f       /* 0xf89e26.0p-26 */
-
-/* logf(x) for normal x > 0 (FreeBSD e_logf.c as in musl; error < 1 ulp). */
-static inline float fast_logf(float x) {
-    uint32_t ix = as_u32(x) + (0x3f800000 - 0x3f3504f3);
-    float k = as_f32(0x4b000000 | (ix >> 23)) - (0x1p23f + 127.0f);
-    float f = as_f32((ix & 0x007fffff) + 0x3f3504f3) - 1.0f;
-    float s = f / (2.0f + f);
-    float z = s * s;
-    float w = z * z;
-    float t1 = w * (LGF2 + w * LGF4);
-    float t2 = z * (LGF1 + w * LGF3);
-    float r = t2 + t1;
-    float hfsq = 0.5f * f * f;
-    return s * (hfsq + r) + k * LN2F_LO - hfsq + f + k * LN2F_HI;
-}
-
 /* log1pf(y) for y > 0: logf(1 + y) plus the rounding error of 1 + y to first order
  * (FreeBSD s_log1pf.c's correction). */
 static inline float fast_log1pf(float y) {
     float u = 1.0f + y;
     float c = y - (u - 1.0f); /* exact: 1 + y = u + c */
-    return fast_logf(u) + c / u;
+    return kv_logf(u) + c / u;
 }
 
 #define INV_LN2F 1.4426950216e+0f
@@ -491,7 +458,7 @@ KV_INLINE void stage_numeric(const kv_synth_t *m, const uint64_t *restrict h,
             float u1 = (float)(int32_t)(hj[s] >> 40);
             u1 += 0.5f;
             u1 *= 0x1p-24f;
-            float t = fast_logf(u1);
+            float t = kv_logf(u1);
             t *= -2.0f;
             float z = sqrtf(t);
             float u2 = (float)(int32_t)(hj[s] & 0xFFFFFF);

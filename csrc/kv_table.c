@@ -88,6 +88,7 @@
 #include <string.h>
 #include <sys/mman.h>
 
+#include "kv_fmath.h"
 #include "kv_route.h"
 
 #ifdef KV_TEST_MAX_ROWS /* tests may lower the row limit to reach KV_EFULL */
@@ -221,55 +222,6 @@ static inline uint64_t draw(uint64_t base, uint64_t counter) {
     return kv_mix64(base + GOLDEN * (counter + 1));
 }
 
-/* ln(x) for x in (0, 1], and sin/cos(2 pi u) for u in [0, 1): Cephes' single-precision
- * polynomials (about 1 ulp), written in plain float arithmetic with no libm call and
- * no data-dependent branch, so every compiler and CPU (vectorised or not) rounds them
- * the same way: a key's initial value is the same everywhere. */
-static inline float ln_unit(float x) {
-    uint32_t b;
-    memcpy(&b, &x, sizeof b);
-    uint32_t mant = b & 0x007fffffu;
-    uint32_t lo = mant < 0x3504f3u;           /* m < sqrt(1/2): use 2m and e - 1 */
-    float e = (float)((int32_t)(b >> 23) - 126 - (int32_t)lo); /* x = m 2^e */
-    b = (mant | 0x3f000000u) + (lo << 23);    /* m in [sqrt(1/2), sqrt(2)) */
-    float m;
-    memcpy(&m, &b, sizeof m);
-    float f = m - 1.0f;
-    float z = f * f;
-    float y = 7.0376836292e-2f;
-    y = y * f - 1.1514610310e-1f;
-    y = y * f + 1.1676998740e-1f;
-    y = y * f - 1.2420140846e-1f;
-    y = y * f + 1.4249322787e-1f;
-    y = y * f - 1.6668057665e-1f;
-    y = y * f + 2.0000714765e-1f;
-    y = y * f - 2.4999993993e-1f;
-    y = y * f + 3.3333331174e-1f;
-    y = y * f * z;
-    y += -2.12194440e-4f * e;
-    y += -0.5f * z;
-    return f + y + 0.693359375f * e;
-}
-
-static inline void sincos_turn(float u, float *s, float *c) {
-    float q = u * 4.0f;                       /* quarter turns, in [0, 4) */
-    int32_t k = (int32_t)(q + 0.5f);          /* nearest quarter: 0 .. 4 */
-    float x = (q - (float)k) * 1.57079632679f; /* in [-pi/4, pi/4] */
-    float z = x * x;
-    float sn = ((-1.9515295891e-4f * z + 8.3321608736e-3f) * z - 1.6666654611e-1f) * z * x + x;
-    float cs = ((2.443315711809948e-5f * z - 1.388731625493765e-3f) * z +
-                4.166664568298827e-2f) * z * z - 0.5f * z + 1.0f;
-    /* rotate by k quarter turns with bit operations (no branch, no rounding):
-     * odd k swaps sin and cos; sin flips sign for k & 2, cos for (k + 1) & 2 */
-    uint32_t bs, bc, swap = 0u - ((uint32_t)k & 1u);
-    memcpy(&bs, &sn, sizeof bs);
-    memcpy(&bc, &cs, sizeof bc);
-    uint32_t rs = ((bc & swap) | (bs & ~swap)) ^ (((uint32_t)k & 2u) << 30);
-    uint32_t rc = ((bs & swap) | (bc & ~swap)) ^ ((((uint32_t)k + 1u) & 2u) << 30);
-    memcpy(s, &rs, sizeof rs);
-    memcpy(c, &rc, sizeof rc);
-}
-
 /* Box-Muller: two standard normals from one draw (24 bits for the radius, 24 for the
  * angle). Pair p of a row uses counter 2p << 24 for elements 2p and 2p + 1 (see
  * initial_rows, which computes the same thing in vectorised passes); a truncated-normal
@@ -278,9 +230,9 @@ static inline void normal_pair(uint64_t base, uint64_t c, float *z0, float *z1) 
     uint64_t h = draw(base, c);
     float u1 = (float)((h >> 40) + 1) * 0x1p-24f;               /* (0, 1] */
     float u2 = (float)((h >> 16) & 0xffffff) * 0x1p-24f;        /* [0, 1) */
-    float r = sqrtf(-2.0f * ln_unit(u1));
+    float r = sqrtf(-2.0f * kv_logf(u1));
     float sn, cs;
-    sincos_turn(u2, &sn, &cs);
+    kv_sincos_turn(u2, &sn, &cs);
     *z0 = r * cs;
     *z1 = r * sn;
 }
@@ -356,8 +308,8 @@ static void initial_rows(const kv_table_config_t *c, const int64_t *keys, int64_
             }
         }
         for (int32_t j = 0; j < m; j++) {
-            float r = sqrtf(-2.0f * ln_unit(u1[j])), sn, cs;
-            sincos_turn(u2[j], &sn, &cs);
+            float r = sqrtf(-2.0f * kv_logf(u1[j])), sn, cs;
+            kv_sincos_turn(u2[j], &sn, &cs);
             z0[j] = r * cs;
             z1[j] = r * sn;
         }
