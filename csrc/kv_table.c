@@ -223,18 +223,25 @@ static inline uint64_t draw(uint64_t base, uint64_t counter) {
 }
 
 /* Box-Muller: two standard normals from one draw (24 bits for the radius, 24 for the
- * angle). Pair p of a row uses counter 2p << 24 for elements 2p and 2p + 1 (see
- * initial_rows, which computes the same thing in vectorised passes); a truncated-normal
- * redraw of element e (attempt >= 1) uses (e << 24) + 2 attempt, which no pair uses. */
-static inline void normal_pair(uint64_t base, uint64_t c, float *z0, float *z1) {
-    uint64_t h = draw(base, c);
-    float u1 = (float)((h >> 40) + 1) * 0x1p-24f;               /* (0, 1] */
-    float u2 = (float)((h >> 16) & 0xffffff) * 0x1p-24f;        /* [0, 1) */
-    float r = sqrtf(-2.0f * kv_logf(u1));
-    float sn, cs;
+ * angle). Pair p of a row uses counter 2p << 24 for elements 2p and 2p + 1 (initial_rows
+ * runs the two halves below in separate, vectorised passes); a truncated-normal redraw
+ * of element e (attempt >= 1) uses (e << 24) + 2 attempt, which no pair uses. */
+static inline void pair_uniforms(uint64_t h, float *u1, float *u2) {
+    *u1 = (float)((h >> 40) + 1) * 0x1p-24f;          /* (0, 1] */
+    *u2 = (float)((h >> 16) & 0xffffff) * 0x1p-24f;   /* [0, 1) */
+}
+
+static inline void box_muller(float u1, float u2, float *z0, float *z1) {
+    float r = sqrtf(-2.0f * kv_logf(u1)), sn, cs;
     kv_sincos_turn(u2, &sn, &cs);
     *z0 = r * cs;
     *z1 = r * sn;
+}
+
+static inline void normal_pair(uint64_t base, uint64_t c, float *z0, float *z1) {
+    float u1, u2;
+    pair_uniforms(draw(base, c), &u1, &u2);
+    box_muller(u1, u2, z0, z1);
 }
 
 static float normal_redraw(uint64_t base, uint64_t e, uint64_t attempt) {
@@ -299,20 +306,13 @@ static void initial_rows(const kv_table_config_t *c, const int64_t *keys, int64_
         int64_t ri = i; /* the block starts at pair p of row i */
         int32_t rp = p, m = 0;
         for (; m < INIT_PAIRS && i < n; m++) {
-            uint64_t h = draw(base, (uint64_t)(2 * p) << 24);
-            u1[m] = (float)((h >> 40) + 1) * 0x1p-24f;          /* (0, 1] */
-            u2[m] = (float)((h >> 16) & 0xffffff) * 0x1p-24f;   /* [0, 1) */
+            pair_uniforms(draw(base, (uint64_t)(2 * p) << 24), &u1[m], &u2[m]);
             if (++p == np) {
                 p = 0;
                 if (++i < n) base = init_base(c, keys[i]);
             }
         }
-        for (int32_t j = 0; j < m; j++) {
-            float r = sqrtf(-2.0f * kv_logf(u1[j])), sn, cs;
-            kv_sincos_turn(u2[j], &sn, &cs);
-            z0[j] = r * cs;
-            z1[j] = r * sn;
-        }
+        for (int32_t j = 0; j < m; j++) box_muller(u1[j], u2[j], &z0[j], &z1[j]);
         for (int32_t j = 0; j < m; j++) {
             int32_t e = 2 * rp;
             out[ri][e] = normal_value(c, keys[ri], e, z0[j]);

@@ -318,6 +318,11 @@ class KvTable:
                 "give one row per id")
         return np.ascontiguousarray(arr, dtype=np.float32)
 
+    def _check_apply_step(self, step) -> None:
+        if not isinstance(step, (int, np.integer)) or step < 1:
+            raise errors.InvalidArgumentError(
+                f"table {self.name!r}: step must be an integer >= 1, got {step!r}")
+
     def _u32(self, values, n: int, what: str) -> np.ndarray | None:
         if values is None:
             return None
@@ -404,9 +409,7 @@ class KvTable:
         k = self._keys(keys)
         g = self._rows(grads, k.size, "gradients")
         r = self._u32(refs, k.size, "refs")
-        if not isinstance(step, (int, np.integer)) or step < 1:
-            raise errors.InvalidArgumentError(
-                f"table {self.name!r}: step must be an integer >= 1, got {step!r}")
+        self._check_apply_step(step)
         missing = ffi.new("int64_t *")
         flags = (lib.KV_APPLY_CREATE_MISSING if create_missing else 0) | \
             (lib.KV_APPLY_DISTINCT if distinct else 0)
@@ -442,9 +445,7 @@ class KvTable:
         skipped (0 with create_missing)."""
         k = self._keys(keys)
         g = self._rows(grads, k.size, "gradients")
-        if not isinstance(step, (int, np.integer)) or step < 1:
-            raise errors.InvalidArgumentError(
-                f"table {self.name!r}: step must be an integer >= 1, got {step!r}")
+        self._check_apply_step(step)
         missing = ffi.new("int64_t *")
         flags = lib.KV_APPLY_CREATE_MISSING if create_missing else 0
         _check(lib.kv_table_apply_gradients(self._handle(), _ptr("int64_t *", k), k.size,
