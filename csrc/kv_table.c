@@ -30,9 +30,12 @@
  * min(8, 32 - rbits) hash bits from bit 32 on, which skips nearly every row read on
  * a probe that passes other keys. Deletion shifts later entries of the cluster back
  * (no tombstones). When live rows would exceed 85 % of the slots, or the arena's row
- * ids outgrow rbits, the index is rebuilt at max(1.4 x, needed) slots by walking
- * the arena; rows are not touched. (1.4 x rather than 1.5 x keeps the load between
- * 0.61 and 0.85, so bytes beyond a row's floats stay under 24 at 1M and 10M rows.)
+ * ids outgrow rbits, the index is rebuilt at max(g x, needed) slots by walking
+ * the arena; rows are not touched. A rebuild reads every row's key, so the growth
+ * factor g sets the rebuild work per inserted row (1 / (g - 1)): g = 2 while the
+ * index has under 2^20 slots (4 MiB: small next to the rows), 1.4 beyond. (1.4 x
+ * rather than 1.5 x keeps the load between 0.61 and 0.85, so bytes beyond a row's
+ * floats stay under 24 at 1M and 10M rows.)
  * A large index is 2 MiB-aligned with THP too, and a whole number of 4 KiB pages.
  *
  * Invariants (between calls, under the lock):
@@ -97,6 +100,7 @@
 #define MAX_ROWS ((uint64_t)UINT32_MAX - 1) /* row id + 1 must fit in 32 bits */
 #endif
 #define MAX_SLOTS ((uint64_t)UINT32_MAX)  /* fastrange product must fit in 64 bits */
+#define SMALL_INDEX_SLOTS ((uint64_t)1 << 20) /* below 4 MiB of index, grow it x 2 */
 #define MAX_BATCH ((int64_t)UINT32_MAX - 1)
 #define MIN_SLOTS 16
 #define HUGE_PAGE ((size_t)2 << 20)
@@ -587,7 +591,9 @@ static int reserve(kv_table_t *t, uint64_t m) {
     if (need_live > t->fill_limit || rb > t->rbits) {
         uint64_t slots = t->n_slots;
         if (need_live > t->fill_limit) {
-            uint64_t grown = slots + slots * 2 / 5; /* x 1.4 */
+            /* x 2 while the index is small (its memory is nothing next to the rows',
+             * and each doubling halves the rebuild work per row), x 1.4 beyond */
+            uint64_t grown = slots < SMALL_INDEX_SLOTS ? slots * 2 : slots + slots * 2 / 5;
             slots = slots_for(need_live);
             if (grown > slots) slots = grown > MAX_SLOTS ? MAX_SLOTS : grown;
             slots = round_slots(slots);

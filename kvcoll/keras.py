@@ -46,6 +46,7 @@ from . import runtime
 from .config import BSP, StepMode
 from .errors import CommError, InvalidArgumentError, NonFiniteError
 from .exchange import BspExchange, SspExchange
+from .exchange.bsp import aligned_empty
 from .table import KvTable, hash_strings
 
 __all__ = ["Embedding", "DistributedOptimizer", "Trainer", "broadcast_variables"]
@@ -461,9 +462,10 @@ class Trainer:
         loss_sum, dense_flat, row_grads = self._train_fn(inputs, rows, labels)
         loss_sum = float(loss_sum)
         dense_np = dense_flat.numpy()
-        row_np = {t: g.numpy() for t, g in row_grads.items()}
+        group_np = {g: v.numpy() for g, v in row_grads.items()}
         finite = bool(np.isfinite(loss_sum) and np.isfinite(dense_np).all()
-                      and all(np.isfinite(g).all() for g in row_np.values()))
+                      and all(np.isfinite(v).all() for v in group_np.values()))
+        row_np = {t: group_np[g][a:b] for t, (g, a, b) in _layout(pulled).items()}
         return loss_sum, dense_np, row_np, finite
 
     def _set_dense(self, flat: np.ndarray) -> None:
@@ -496,10 +498,11 @@ class Trainer:
 
     # -- compiled parts ------------------------------------------------------------------
 
-    def _train_impl(self, inputs, rows, labels):
+    def _train_impl(self, packed, rows, labels):
         with tf.GradientTape() as tape:
             tape.watch(list(rows.values()))
-            with _rows_scope(rows):
+            inputs, table_rows = self._unpack(packed, rows)
+            with _rows_scope(table_rows):
                 out = self.model(inputs, training=True)
             if labels.shape.rank == out.shape.rank - 1:
                 labels = tf.expand_dims(labels, -1)
@@ -510,21 +513,34 @@ class Trainer:
         dense = tf.concat([tf.reshape(tf.convert_to_tensor(g), [-1]) if g is not None
                            else tf.zeros([int(np.prod(v.shape))], tf.float32)
                            for g, v in zip(grads, dense_vars)], axis=0)
-        row_grads = {t: tf.convert_to_tensor(g) if g is not None else tf.zeros_like(rows[t])
-                     for t, g in zip(rows, grads[len(dense_vars):])}
+        row_grads = {k: tf.convert_to_tensor(g) if g is not None else tf.zeros_like(rows[k])
+                     for k, g in zip(rows, grads[len(dense_vars):])}
         return loss_sum, dense, row_grads
 
-    def _predict_impl(self, inputs, rows):
-        with _rows_scope(rows):
+    def _predict_impl(self, packed, rows):
+        inputs, table_rows = self._unpack(packed, rows)
+        with _rows_scope(table_rows):
             return self.model(inputs, training=False)
+
+    def _unpack(self, packed, rows):
+        """The model's inputs and each table's rows from the packed step inputs (see
+        _model_inputs): one row matrix per dim, which every table of that dim shares,
+        its features' positions already offset to that table's rows."""
+        inputs = dict(packed["multi"])
+        inputs.update(packed["dense"])
+        single = [f for f, spec in self.features.items() if not spec.multi_hot]
+        if single:
+            ids = tf.reshape(packed["ids"], [len(single), -1])
+            inputs.update(zip(single, tf.unstack(ids)))
+        return inputs, {t: rows[_group(table.dim)] for t, table in self.tables.items()}
 
     def _compile(self, fn, inputs, rows, labels):
         if not self._jit:
             return fn
-        spec_in = {k: tf.TensorSpec([None] * len(v.shape), v.dtype) if v.dtype.is_integer
-                   else tf.TensorSpec([None] + list(v.shape[1:]), v.dtype)
-                   for k, v in inputs.items()}
-        spec_rows = {t: tf.TensorSpec([None, r.shape[1]], tf.float32) for t, r in rows.items()}
+        spec = lambda v: tf.TensorSpec([None] * len(v.shape), v.dtype) if v.dtype.is_integer \
+            else tf.TensorSpec([None] + list(v.shape[1:]), v.dtype)
+        spec_in = tf.nest.map_structure(spec, inputs)
+        spec_rows = {g: tf.TensorSpec([None, r.shape[1]], tf.float32) for g, r in rows.items()}
         sig = [spec_in, spec_rows]
         if labels is not None:
             sig.append(tf.TensorSpec([None] + list(labels.shape[1:]), labels.dtype))
@@ -574,20 +590,78 @@ class Trainer:
         return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
     def _model_inputs(self, batch, pulled):
-        inputs = {}
-        for table, p in pulled.items():
-            at = 0
-            for f, spec in self.features.items():
-                if spec.table != table:
-                    continue
-                flat, splits = batch["ids"][f]
-                pos = p.inverse[at:at + flat.size]
-                at += flat.size
-                inputs[f] = tf.constant(pos if splits is None else _pad(pos, splits))
-        for name, arr in batch["dense"].items():
-            inputs[name] = tf.constant(arr.astype(np.float32) if arr.dtype.kind == "f" else arr)
-        rows = {t: tf.constant(p.rows) for t, p in pulled.items()}
-        return inputs, rows
+        """The compiled step's inputs, packed into few tensors (each costs a conversion
+        and a function argument): {"ids": the positions of every single-hot feature,
+        one int64 vector, feature after feature; "multi": {feature: [batch, width]
+        positions, -1 padded}; "dense": {input: values}}, and the rows: one float32
+        matrix per dim (_group), its tables' pulled rows one after another. A position
+        indexes its table's dim matrix."""
+        layout = _layout(pulled)
+        n = batch["n"]
+        single = [f for f, spec in self.features.items() if not spec.multi_hot]
+        ids = aligned_empty(len(single) * n, np.int64)
+        multi, at = {}, dict.fromkeys(pulled, 0)
+        slot = {f: j for j, f in enumerate(single)}
+        for f, spec in self.features.items():
+            t = spec.table
+            flat, splits = batch["ids"][f]
+            pos = pulled[t].inverse[at[t]:at[t] + flat.size]
+            at[t] += flat.size
+            start = layout[t][1]
+            if splits is None:
+                j = slot[f]
+                np.add(pos, start, out=ids[j * n:(j + 1) * n])
+            else:
+                multi[f] = tf.constant(_pad(pos + start, splits))
+        dense = {name: tf.constant(arr.astype(np.float32) if arr.dtype.kind == "f" else arr)
+                 for name, arr in batch["dense"].items()}
+        groups = {}
+        for t, (g, _, _) in layout.items():
+            groups.setdefault(g, []).append(pulled[t].rows)
+        rows = {g: _tensor(_joined(parts)) for g, parts in groups.items()}
+        return {"ids": _tensor(ids), "multi": multi, "dense": dense}, rows
+
+
+def _group(dim: int) -> str:
+    """The key of the packed row matrix that holds every table of this dim."""
+    return f"dim{dim}"
+
+
+def _joined(parts: list) -> np.ndarray:
+    """Row matrices as one: a view when they lie back to back in one buffer, as the
+    exchange lays out a pull's tables, else a copy."""
+    owner, ptr = parts[0].base, parts[0].ctypes.data
+    for p in parts:
+        if owner is None or p.base is not owner or not p.flags.c_contiguous \
+                or p.ctypes.data != ptr:
+            return np.concatenate(parts) if len(parts) > 1 else parts[0]
+        ptr += p.nbytes
+    if not owner.flags.c_contiguous:
+        return np.concatenate(parts)
+    off = parts[0].ctypes.data - owner.ctypes.data
+    flat = owner.reshape(-1).view(np.uint8)[off:off + (ptr - parts[0].ctypes.data)]
+    return flat.view(parts[0].dtype).reshape(-1, parts[0].shape[1])
+
+
+def _tensor(arr: np.ndarray):
+    """A tensor of an array kvcoll made for this step and will not write again: it
+    shares the memory when TensorFlow can use it as is (64-byte aligned, contiguous),
+    else it is a copy."""
+    if arr.size and arr.flags.c_contiguous and arr.ctypes.data % 64 == 0:
+        return tf.experimental.dlpack.from_dlpack(arr.__dlpack__())
+    return tf.constant(arr)
+
+
+def _layout(pulled) -> dict:
+    """Where each table's rows sit in the packed row matrices: table -> (group, start,
+    stop), tables in order."""
+    layout, used = {}, {}
+    for t, p in pulled.items():
+        g = _group(p.rows.shape[1])
+        a = used.get(g, 0)
+        used[g] = a + p.rows.shape[0]
+        layout[t] = (g, a, used[g])
+    return layout
 
 
 def _resolve_mode(step_mode, staleness) -> StepMode:

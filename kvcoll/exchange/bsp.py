@@ -71,7 +71,7 @@ class BspExchange:
         # Owner side: rows of every (source, table) segment, written into the reply.
         dims = self._dims
         id_at, row_at = _starts(recv_counts), _starts(recv_counts * dims)
-        reply = np.empty(int((recv_counts * dims).sum()), np.float32)
+        reply = aligned_empty(int((recv_counts * dims).sum()), np.float32)
         refs = np.empty(recv_ids.size, np.uint32) if create else None
         t0 = time.perf_counter()
         for t, name in enumerate(self._names):
@@ -160,10 +160,28 @@ def _group_by_dest(arrays: list[np.ndarray], counts: np.ndarray) -> np.ndarray:
 
 def _split_by_table(payload: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
     """Inverse of _group_by_dest on the receiving side: per table, the elements from
-    every source in source order (views when there is one source)."""
+    every source in source order. The tables lie back to back in one 64-byte aligned
+    buffer (the payload itself when there is one source), so a consumer can take
+    several as one block (see keras._model_inputs)."""
     world, ntab = counts.shape
     starts = _starts(counts)
     if world == 1:
         return [payload[starts[0, t]:starts[0, t] + counts[0, t]] for t in range(ntab)]
-    return [np.concatenate([payload[starts[r, t]:starts[r, t] + counts[r, t]]
-                            for r in range(world)]) for t in range(ntab)]
+    out, at, views = aligned_empty(payload.shape[0], payload.dtype), 0, []
+    for t in range(ntab):
+        begin = at
+        for r in range(world):
+            c = counts[r, t]
+            out[at:at + c] = payload[starts[r, t]:starts[r, t] + c]
+            at += c
+        views.append(out[begin:at])
+    return views
+
+
+def aligned_empty(n: int, dtype, align: int = 64) -> np.ndarray:
+    """np.empty(n, dtype) starting on an `align`-byte boundary (what TensorFlow needs
+    to use the memory without a copy)."""
+    dtype = np.dtype(dtype)
+    raw = np.empty(n * dtype.itemsize + align, np.uint8)
+    off = -raw.ctypes.data % align
+    return raw[off:off + n * dtype.itemsize].view(dtype)
