@@ -167,15 +167,13 @@ def _split_by_table(payload: np.ndarray, counts: np.ndarray) -> list[np.ndarray]
     starts = _starts(counts)
     if world == 1:
         return [payload[starts[0, t]:starts[0, t] + counts[0, t]] for t in range(ntab)]
-    out, at, views = aligned_empty(payload.shape[0], payload.dtype), 0, []
-    for t in range(ntab):
-        begin = at
-        for r in range(world):
-            c = counts[r, t]
-            out[at:at + c] = payload[starts[r, t]:starts[r, t] + c]
-            at += c
-        views.append(out[begin:at])
-    return views
+    ends = starts + counts
+    out = aligned_empty(payload.shape[0], payload.dtype)
+    np.concatenate([payload[starts[r, t]:ends[r, t]] for t in range(ntab) for r in range(world)],
+                   out=out)
+    bounds = np.zeros(ntab + 1, np.int64)
+    np.cumsum(counts.sum(axis=0), out=bounds[1:])
+    return [out[bounds[t]:bounds[t + 1]] for t in range(ntab)]
 
 
 def aligned_empty(n: int, dtype, align: int = 64) -> np.ndarray:

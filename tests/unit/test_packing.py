@@ -17,7 +17,7 @@ from kvcoll.keras import _joined, _tensor  # noqa: E402
 def test_aligned_empty(n, dtype):
     a = aligned_empty(n, dtype)
     assert a.shape == (n,) and a.dtype == dtype and a.flags.c_contiguous
-    assert a.ctypes.data % 64 == 0
+    assert n == 0 or a.ctypes.data % 64 == 0  # an empty array has no memory to align
     a[:] = 7
     assert (a == 7).all()
 
