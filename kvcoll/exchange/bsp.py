@@ -106,19 +106,18 @@ class BspExchange:
             raise RuntimeError("push() needs a pull() first")
         world, dims = self.comm.size, self._dims
         counts = np.stack([self._pulled[n].counts for n in self._names], axis=1)
-        send = np.empty(int((counts * dims).sum()), np.float32)
-        send_at = _starts(counts * dims)
-        for t, n in enumerate(self._names):
-            g = np.asarray(grads[n])
+        flat = []
+        for n in self._names:
+            g = np.asarray(grads[n], np.float32)
             want = self._pulled[n].rows.shape
             if g.shape != want:
                 raise ValueError(f"push: table {n!r}: gradient shape {g.shape}, expected {want}")
-            dim, lo = int(dims[t]), 0
-            for r in range(world):  # scaled straight into the payload
-                c = counts[r, t]
-                np.multiply(g[lo:lo + c], np.float32(scale),
-                            out=send[send_at[r, t]:send_at[r, t] + c * dim].reshape(c, dim))
-                lo += c
+            flat.append(g.reshape(-1))
+        # the payload: grouped by destination, then table (each table's rows are
+        # grouped by owner already), then scaled in place
+        send = np.empty(int((counts * dims).sum()), np.float32)
+        np.concatenate(flat if world == 1 else _by_dest(flat, counts * dims), out=send)
+        send *= np.float32(scale)
         recv_ids, refs, recv_counts = self._served
         got, _ = self.comm.alltoallv(send, (counts * dims).sum(axis=1), op="push:grads",
                                      recv_counts=(recv_counts * dims).sum(axis=1)).wait()
@@ -147,15 +146,20 @@ def _starts(counts: np.ndarray) -> np.ndarray:
 def _group_by_dest(arrays: list[np.ndarray], counts: np.ndarray) -> np.ndarray:
     """Interleave per-table arrays, each already grouped by destination with counts[:, t]
     elements per destination, into one payload grouped by destination, then table."""
-    world, ntab = counts.shape
-    if world == 1:
+    if counts.shape[0] == 1:
         return np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
-    offsets = np.zeros((world + 1, ntab), np.int64)
-    np.cumsum(counts, axis=0, out=offsets[1:])
-    pieces = [arrays[t][offsets[r, t]:offsets[r + 1, t]] for r in range(world) for t in range(ntab)]
+    pieces = _by_dest(arrays, counts)
     if not pieces:
         return np.zeros(0, arrays[0].dtype if arrays else np.int64)
     return np.concatenate(pieces)
+
+
+def _by_dest(arrays: list[np.ndarray], counts: np.ndarray) -> list[np.ndarray]:
+    """The pieces of _group_by_dest's payload, in order (views)."""
+    world, ntab = counts.shape
+    offsets = np.zeros((world + 1, ntab), np.int64)
+    np.cumsum(counts, axis=0, out=offsets[1:])
+    return [arrays[t][offsets[r, t]:offsets[r + 1, t]] for r in range(world) for t in range(ntab)]
 
 
 def _split_by_table(payload: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:

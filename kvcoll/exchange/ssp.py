@@ -55,7 +55,7 @@ import numpy as np
 from ..comm import SPIN, Comm
 from ..errors import CommError, CommTimeoutError
 from ..table import KvTable, apply_rows, init_slots, unique_partition
-from .bsp import Pulled
+from .bsp import Pulled, aligned_empty
 
 __all__ = ["SspExchange"]
 
@@ -74,6 +74,17 @@ class _Trace:
     staleness: int     # step - 1 - slowest clock the owners had seen when they served
     t_start: float     # time.time() after the gate
     t_end: float = 0.0  # time.time() when its pushes were posted
+
+
+def _table_rows(shapes: dict) -> dict:
+    """Empty row matrices, one per table, back to back in one aligned buffer (so the
+    Trainer hands them to TensorFlow as one block without a copy)."""
+    buf = aligned_empty(sum(n * d for n, d in shapes.values()), np.float32)
+    out, at = {}, 0
+    for name, (n, d) in shapes.items():
+        out[name] = buf[at:at + n * d].reshape(n, d)
+        at += n * d
+    return out
 
 
 def _pack(header, ints=(), floats=()) -> np.ndarray:
@@ -238,8 +249,7 @@ class SspExchange:
                         [counts[r], *rids])
             self._send(self._req, msg, r, "ssp:pull")
             owners.append(r)
-        rows = {n: np.empty((parts[n][0].size, self.tables[n].dim), np.float32)
-                for n in self._names}
+        rows = _table_rows({n: (parts[n][0].size, self.tables[n].dim) for n in self._names})
         flat = np.empty(self.dense_size, np.float32) if flags & _F_DENSE else None
         # This rank's own share, served here while the peers work on theirs: the gate
         # (wait_turn) has already checked, on this owner's clocks, what serving needs.
