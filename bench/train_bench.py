@@ -130,7 +130,8 @@ def markdown(records, steps, batch, machine) -> str:
         ms = r.get("ms_per_step") or {}
         split = (f"{ms['data']:.1f} / {ms['exchange']:.1f} ({ms['tables']:.1f}) / "
                  f"{ms['compute']:.1f} / {ms['allreduce']:.1f} / {ms['apply']:.1f} / "
-                 f"{ms['total']:.1f}") if "exchange" in ms else f"{ms.get('total', 0):.1f} total"
+                 f"{ms['total']:.1f}") if "exchange" in ms else \
+            f"{ms.get('total', 1e3 * r['global_batch_size'] / r['samples_per_sec']):.1f} total"
         if r["impl"] == "limit" and world > 1:
             split += f" (each of {world} processes at once)"
         auc = "" if r.get("eval_auc") is None else f"{r['eval_auc']:.4f}"
