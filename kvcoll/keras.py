@@ -220,6 +220,8 @@ class Trainer:
         self.comm = comm if comm is not None else runtime.comm()
         self._per_sample_loss = loss.call if isinstance(loss, keras.losses.Loss) else loss
         self.features, layers = _discover(model)
+        # single-hot features, in the order of their positions in the packed step input
+        self._single = [f for f, spec in self.features.items() if not spec.multi_hot]
         self.tables = _make_tables(layers, optimizer.sparse, self.comm.size)
         self.exchange = BspExchange(self.comm, self.tables)
         self.step = 0
@@ -528,10 +530,9 @@ class Trainer:
         its features' positions already offset to that table's rows."""
         inputs = dict(packed["multi"])
         inputs.update(packed["dense"])
-        single = [f for f, spec in self.features.items() if not spec.multi_hot]
-        if single:
-            ids = tf.reshape(packed["ids"], [len(single), -1])
-            inputs.update(zip(single, tf.unstack(ids)))
+        if self._single:
+            ids = tf.reshape(packed["ids"], [len(self._single), -1])
+            inputs.update(zip(self._single, tf.unstack(ids)))
         return inputs, {t: rows[_group(table.dim)] for t, table in self.tables.items()}
 
     def _compile(self, fn, inputs, rows, labels):
@@ -598,10 +599,9 @@ class Trainer:
         indexes its table's dim matrix."""
         layout = _layout(pulled)
         n = batch["n"]
-        single = [f for f, spec in self.features.items() if not spec.multi_hot]
-        ids = aligned_empty(len(single) * n, np.int64)
+        ids = aligned_empty(len(self._single) * n, np.int64)
         multi, at = {}, dict.fromkeys(pulled, 0)
-        slot = {f: j for j, f in enumerate(single)}
+        slot = {f: j for j, f in enumerate(self._single)}
         for f, spec in self.features.items():
             t = spec.table
             flat, splits = batch["ids"][f]
