@@ -18,7 +18,11 @@ budget, so 1 -> 2 ranks measures scaling, not TensorFlow's own threading):
   of the 1- and 2-rank runs (no table, no exchange): what kvcoll can approach. At the
   2-rank batch it is measured twice: in one process on an otherwise idle machine, and
   as two processes at once (each alone, no communication), which is what each rank of
-  a 2-rank run can approach when both cores are busy.
+  a 2-rank run can approach when both cores are busy;
+- exchange alone on 1 and 2 ranks: the same batches' pulls and pushes through kvcoll's
+  exchange and tables with a fixed gradient and no TensorFlow step. limit / (limit +
+  exchange alone) bounds what kvcoll can reach on this machine even with no glue, no
+  data time and no cache effects.
 
 Writes bench/results/train.json, train.md and train.png.
 """
@@ -68,6 +72,12 @@ def run(args) -> None:
             _mpirun(world, ["--impl", impl, "--steps", str(steps), "--batch-size", str(batch),
                             "--eval-samples", str(evals), "--out", path], timeout=3600)
             records.append(json.load(open(path)))
+        for world in (1, 2):
+            path = os.path.join(tmp, f"exchange{world}.json")
+            print(f"[train] exchange alone on {world} rank(s)", flush=True)
+            _mpirun(world, ["--impl", "exchange", "--steps", str(steps), "--batch-size",
+                            str(batch), "--out", path], timeout=3600)
+            records.append(json.load(open(path)))
         for procs, per_rank in ((1, batch), (1, batch // 2), (2, batch // 2)):
             path = os.path.join(tmp, f"limit{procs}x{per_rank}.json")
             print(f"[train] limit at a per-rank batch of {per_rank}, {procs} process(es) at once",
@@ -98,7 +108,14 @@ def summary(records) -> dict:
     limits = {(r["world_size"], r["global_batch_size"] // r["world_size"]): r["samples_per_sec"]
               / r["world_size"] for r in records if r["impl"] == "limit"}
     b = kv1["global_batch_size"]
+    ex = {r["world_size"]: r["ms_per_step"]["total"] for r in records if r["impl"] == "exchange"}
+    lim_ms = {(r["world_size"], r["global_batch_size"] // r["world_size"]): r["ms_per_step"]["total"]
+              for r in records if r["impl"] == "limit"}
     return {
+        # the most kvcoll could reach if nothing but the dense step and the sparse side
+        # (exchange alone) took time: limit / (limit + exchange)
+        "bound_1": lim_ms[(1, b)] / (lim_ms[(1, b)] + ex[1]) if 1 in ex else None,
+        "bound_2": lim_ms[(1, b // 2)] / (lim_ms[(1, b // 2)] + ex[2]) if 2 in ex else None,
         "kvcoll_vs_baseline_1": kv1["samples_per_sec"] / bl1["samples_per_sec"],
         "kvcoll_vs_baseline_2": kv2["samples_per_sec"] / bl2["samples_per_sec"],
         "kvcoll_vs_gather_1": kv1["samples_per_sec"] / bg1["samples_per_sec"],
@@ -128,6 +145,10 @@ def markdown(records, steps, batch, machine) -> str:
         world = r["world_size"]
         per_rank = r["global_batch_size"] // world
         ms = r.get("ms_per_step") or {}
+        if r["impl"] == "exchange":
+            lines.append(f"| exchange alone | {world} | {per_rank} |  |  | {ms['total']:.1f} total "
+                         f"({ms['tables']:.1f} in the tables), no TensorFlow step |")
+            continue
         split = (f"{ms['data']:.1f} / {ms['exchange']:.1f} ({ms['tables']:.1f}) / "
                  f"{ms['compute']:.1f} / {ms['allreduce']:.1f} / {ms['apply']:.1f} / "
                  f"{ms['total']:.1f}") if "exchange" in ms else \
@@ -153,6 +174,10 @@ def markdown(records, steps, batch, machine) -> str:
         f"{s['kvcoll_2_per_rank_vs_limit']:.0%} on 2 ranks (target >= 75%); on 2 ranks vs "
         f"the limit of two processes running at once: "
         f"{s['kvcoll_2_per_rank_vs_limit_2procs']:.0%}",
+        f"- exchange alone (the same batches' pulls and pushes, kvcoll's tables and MPI, no "
+        f"TensorFlow step): with nothing else taking time, a step would be the limit plus "
+        f"that, so kvcoll can reach at most {s['bound_1']:.0%} of the limit on 1 rank and "
+        f"{s['bound_2']:.0%} on 2 ranks on this machine" if s["bound_1"] else "",
         "- ms/step columns: data = generating the batch (SyntheticCTR); exchange = pull and "
         "push, of which (C tables) = time inside the table's C calls (lookup, create, "
         "update), the rest being MPI and Python glue; compute = the compiled TensorFlow "

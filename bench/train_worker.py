@@ -11,6 +11,10 @@
                  ResourceGather on the underlying tf.Variable (tf.nn.embedding_lookup)
                  instead of keras.layers.Embedding's call, which on TensorFlow 2.21 / Keras
                  3 converts the whole table to a tensor every step
+--impl exchange  kvcoll's sparse side alone: the same batches' pulls and pushes through
+                 the Trainer's exchange and tables (every rank, over MPI), with a fixed
+                 gradient and no TensorFlow step in between: what a step costs beyond
+                 the dense step when nothing else (glue, data, caches) is counted
 --impl limit     kvcoll's compiled dense step alone, fed ready-made rows of each
                  batch's unique ids: no table, no exchange. Under mpirun -np N, N
                  independent processes run it at the same time (no communication while
@@ -42,7 +46,8 @@ NUM_FIELDS, NUM_NUMERIC = 26, 13
 
 def parse(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("--impl", choices=("kvcoll", "baseline", "baseline-gather", "limit"),
+    p.add_argument("--impl", choices=("kvcoll", "baseline", "baseline-gather", "limit",
+                                      "exchange"),
                    required=True)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=10)
@@ -103,6 +108,8 @@ def main(argv=None):
         kv.broadcast_variables(model.variables, root_rank=0, comm=comm)
         if args.impl == "limit":
             return limit(args, trainer, data, tf, world_comm)
+        if args.impl == "exchange":
+            return exchange_only(args, trainer, data, comm)
         step_fn = trainer.train_step
         predict = trainer.predict
         timings = trainer.timings
@@ -183,6 +190,41 @@ def limit(args, trainer, data, tf, world_comm):
               "samples_per_sec": float(rates.sum()), "eval_auc": None,
               "threads_per_rank": args.threads, "ms_per_step": {"total": float(ms.mean())}}
     if world_comm.rank == 0:
+        Path(args.out).write_text(json.dumps(record))
+    kv.shutdown()
+
+
+def exchange_only(args, trainer, data, comm):
+    """Time the pulls and pushes of the same batches as --impl kvcoll (the trainer's
+    exchange and tables, a fixed gradient, no TensorFlow step): the sparse side's cost
+    per step with nothing else in between. Data generation is not timed."""
+    import kvcoll as kv
+
+    rank, world = comm.rank, comm.size
+    ex = trainer.exchange
+
+    def one(step):
+        b = data.batch(step, args.batch_size, rank, world)
+        prepared = trainer._prepare(features(b), b["label"])
+        ids = {t: trainer._table_ids(prepared, t) for t in trainer.tables}
+        t0 = time.perf_counter()
+        pulled = ex.pull(ids, step + 1)
+        ex.push({t: np.full_like(p.rows, 1e-4) for t, p in pulled.items()}, step + 1)
+        return time.perf_counter() - t0
+
+    for step in range(args.warmup):
+        one(step)
+    comm.barrier()
+    t0_tables = ex.table_seconds
+    spent = sum(one(step) for step in range(args.warmup, args.warmup + args.steps))
+    ms = comm.allgather(np.array([spent / args.steps * 1e3,
+                                  (ex.table_seconds - t0_tables) / args.steps * 1e3]),
+                        op="exchange:ms")
+    record = {"impl": "exchange", "world_size": world, "global_batch_size": args.batch_size,
+              "samples_per_sec": args.batch_size / (ms[:, 0].max() / 1e3), "eval_auc": None,
+              "threads_per_rank": args.threads,
+              "ms_per_step": {"total": float(ms[:, 0].mean()), "tables": float(ms[:, 1].mean())}}
+    if rank == 0:
         Path(args.out).write_text(json.dumps(record))
     kv.shutdown()
 
