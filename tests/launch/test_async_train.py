@@ -44,7 +44,9 @@ def test_async_converges_like_bsp(tmp_path, bsp_auc, mode):
     assert len(m["steps_per_sec"]) == 2 and min(m["steps_per_sec"]) > 0
     if mode[1] == "ssp":
         assert m["max_staleness_observed"] <= 4 and m["max_clock_lead"] <= 4
-    assert abs(m["eval_auc"] - bsp_auc) <= 0.01, (m["eval_auc"], bsp_auc, out[-2000:])
+    assert abs(m["eval_auc"] - bsp_auc) <= 0.01, (
+        m["eval_auc"], bsp_auc, "staleness", m["max_staleness_observed"], "lead",
+        m["max_clock_lead"], "steps/s", m["steps_per_sec"], out[-2000:])
     assert out.count("eval AUC") == 1 and "step    50  loss" in out, out[-3000:]
 
 
