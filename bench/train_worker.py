@@ -209,7 +209,7 @@ def exchange_only(args, trainer, data, comm):
         ids = {t: trainer._table_ids(prepared, t) for t in trainer.tables}
         t0 = time.perf_counter()
         pulled = ex.pull(ids, step + 1)
-        ex.push({t: np.full_like(p.rows, 1e-4) for t, p in pulled.items()}, step + 1)
+        ex.push({g: np.full_like(m, 1e-4) for g, m in pulled.rows.items()}, step + 1)
         return time.perf_counter() - t0
 
     for step in range(args.warmup):

@@ -157,6 +157,9 @@ struct kv_table {
     uint64_t log_n, log_cap;
     /* lifecycle counters */
     int64_t n_admitted, n_rejected, n_dropped, n_evicted;
+    /* bumped whenever a row is freed (evict, delete, clear): row ids handed out at
+     * generation g still name the same keys while the generation is g */
+    uint64_t gen;
 };
 
 typedef struct pend {
@@ -784,6 +787,7 @@ static void free_row(kv_table_t *t, uint32_t id) {
     t->free_head = (uint64_t)id + 1;
     t->n_free++;
     t->live--;
+    t->gen++;
 }
 
 /*
@@ -963,6 +967,8 @@ void kv_table_destroy(kv_table_t *t) {
     kv_free(t);
 }
 
+int32_t kv_table_dim(const kv_table_t *t) { return t ? t->dim : 0; }
+
 int64_t kv_table_size(kv_table_t *t) {
     if (!t) return 0;
     pthread_rwlock_rdlock(&t->lock);
@@ -986,10 +992,17 @@ int kv_table_find(kv_table_t *t, const int64_t *keys, int64_t n, float *out,
 /* find_or_create; ref (may be NULL) gets every key's row id + 1 (0: no row). */
 static int find_or_create_impl(kv_table_t *t, const int64_t *keys, int64_t n, float *out,
                                uint32_t step, int64_t *n_created, uint8_t *has_row,
-                               uint32_t *ref) {
+                               uint32_t *ref, uint64_t *gen) {
     if (check_batch(t, keys, n) != KV_OK || (n > 0 && !out)) return KV_EINVAL;
     if (n_created) *n_created = 0;
-    if (n == 0) return KV_OK;
+    if (n == 0) {
+        if (gen) {
+            pthread_rwlock_rdlock(&t->lock);
+            *gen = t->gen;
+            pthread_rwlock_unlock(&t->lock);
+        }
+        return KV_OK;
+    }
     uint32_t *buf = kv_malloc((size_t)n * (ref ? 1 : 2) * sizeof(uint32_t));
     if (!buf) return KV_ENOMEM;
     uint32_t *ids = ref ? ref : buf;
@@ -1007,6 +1020,7 @@ static int find_or_create_impl(kv_table_t *t, const int64_t *keys, int64_t n, fl
         if (n_created) *n_created = nc;
         if (has_row)
             for (int64_t i = 0; i < n; i++) has_row[i] = ids[i] != 0;
+        if (gen) *gen = t->gen;
     }
     pthread_rwlock_unlock(&t->lock);
     kv_free(buf);
@@ -1015,13 +1029,20 @@ static int find_or_create_impl(kv_table_t *t, const int64_t *keys, int64_t n, fl
 
 int kv_table_find_or_create(kv_table_t *t, const int64_t *keys, int64_t n, float *out,
                             uint32_t step, int64_t *n_created, uint8_t *has_row) {
-    return find_or_create_impl(t, keys, n, out, step, n_created, has_row, NULL);
+    return find_or_create_impl(t, keys, n, out, step, n_created, has_row, NULL, NULL);
 }
 
 int kv_table_find_or_create_ref(kv_table_t *t, const int64_t *keys, int64_t n, float *out,
                                 uint32_t step, int64_t *n_created, uint32_t *ref) {
     if (n > 0 && !ref) return KV_EINVAL;
-    return find_or_create_impl(t, keys, n, out, step, n_created, NULL, ref);
+    return find_or_create_impl(t, keys, n, out, step, n_created, NULL, ref, NULL);
+}
+
+int kv_table_find_or_create_gen(kv_table_t *t, const int64_t *keys, int64_t n, float *out,
+                                uint32_t step, int64_t *n_created, uint32_t *ref,
+                                uint64_t *gen) {
+    if ((n > 0 && !ref) || !gen) return KV_EINVAL;
+    return find_or_create_impl(t, keys, n, out, step, n_created, NULL, ref, gen);
 }
 
 /* Look every key up (ids[i] = id + 1 or 0) and count the absent ones. */
@@ -1083,6 +1104,7 @@ int kv_table_clear(kv_table_t *t) {
     if (t->bloom) memset(t->bloom, 0, bloom_bytes(t->bloom_n));
     t->bloom_adds = 0;
     t->log_n = 0;
+    t->gen++;
     pthread_rwlock_unlock(&t->lock);
     return KV_OK;
 }
@@ -1234,6 +1256,37 @@ int kv_table_apply_gradients_ref(kv_table_t *t, const int64_t *keys, const uint3
         return kv_table_apply_gradients(t, keys, n, grads, step,
                                         flags & KV_APPLY_CREATE_MISSING, n_missing);
     return rc;
+}
+
+int kv_table_apply_refs(kv_table_t *t, const int64_t *keys, const uint32_t *ref, int64_t n,
+                        const float *grads, int64_t step, uint64_t gen, int64_t *n_missing) {
+    if (check_batch(t, keys, n) != KV_OK || (n > 0 && (!grads || !ref))) return KV_EINVAL;
+    if (step < 1) return KV_EINVAL;
+    if (n_missing) *n_missing = 0;
+    if (n == 0) return KV_OK;
+    if (!all_finite(grads, (size_t)n * (size_t)t->dim)) return KV_ENONFINITE;
+    pthread_rwlock_wrlock(&t->lock);
+    /* the refs name live rows of their keys while nothing was freed; a ref past the
+     * arena's used ids cannot come from this generation either */
+    int ok = t->gen == gen;
+    int64_t n_zero = 0;
+    for (int64_t i = 0; ok && i < n; i++) {
+        if (!ref[i])
+            n_zero++;
+        else if (ref[i] - 1 >= t->next_id ||
+                 ((ref[i] - 1) & t->chunk_mask) >= chunk_rows(t, (ref[i] - 1) >> t->chunk_shift))
+            ok = 0;
+    }
+    if (ok) {
+        update_rows(t, ref, n, grads, step);
+        t->n_dropped += n_zero;
+        if (n_missing) *n_missing = n_zero;
+    }
+    pthread_rwlock_unlock(&t->lock);
+    if (!ok) /* rows were freed since the refs were taken: by key, the same result */
+        return kv_table_apply_gradients(t, keys, n, grads, step, KV_APPLY_CREATE_MISSING,
+                                        n_missing);
+    return KV_OK;
 }
 
 int kv_table_export(kv_table_t *t, int64_t *cursor, int64_t max_n, int32_t flags,

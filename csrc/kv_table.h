@@ -124,6 +124,9 @@ int kv_table_create(const kv_table_config_t *cfg, kv_table_t **out);
 /* Free everything. t may be NULL. Must be the last call on t. */
 void kv_table_destroy(kv_table_t *t);
 
+/* The row width (fixed at create; no lock). 0 for NULL. */
+int32_t kv_table_dim(const kv_table_t *t);
+
 /* Number of live keys. Read lock. */
 int64_t kv_table_size(kv_table_t *t);
 
@@ -163,6 +166,31 @@ int kv_table_find_or_create_ref(kv_table_t *t, const int64_t *keys, int64_t n, f
 int kv_table_apply_gradients_ref(kv_table_t *t, const int64_t *keys, const uint32_t *ref,
                                  int64_t n, const float *grads, int64_t step, int32_t flags,
                                  int64_t *n_missing);
+
+/*
+ * kv_table_find_or_create_ref that also gives the table's generation (*gen, under the
+ * same lock): a number that changes whenever any row is freed (kv_table_evict,
+ * kv_table_delete, kv_table_clear). While it has not changed, every ref still names
+ * the row of its key. Write lock. KV_OK, KV_EINVAL, KV_ENOMEM, KV_EFULL.
+ */
+int kv_table_find_or_create_gen(kv_table_t *t, const int64_t *keys, int64_t n, float *out,
+                                uint32_t step, int64_t *n_created, uint32_t *ref,
+                                uint64_t *gen);
+
+/*
+ * Apply grads[i] to the row ref[i] names, for refs (and distinct keys) from a
+ * kv_table_find_or_create_gen at generation `gen`: no key is looked up and no row is
+ * read before its update. Keys must be distinct (one ref per row). Refs of 0 (no row:
+ * not admitted) are skipped and counted in n_missing and stats.dropped_grads. If the
+ * generation has changed since (a row was freed), or a ref lies outside the arena,
+ * the batch goes by key (kv_table_apply_gradients with KV_APPLY_CREATE_MISSING): the
+ * same result. The caller is trusted to pass each key with the ref it got for it
+ * (kvcoll's exchange keeps both); a mismatched pair updates the wrong row but never
+ * touches memory outside the table. NaN/Inf anywhere: KV_ENONFINITE, nothing
+ * changed. Write lock. KV_OK, KV_EINVAL, KV_ENONFINITE, KV_ENOMEM, KV_EFULL.
+ */
+int kv_table_apply_refs(kv_table_t *t, const int64_t *keys, const uint32_t *ref, int64_t n,
+                        const float *grads, int64_t step, uint64_t gen, int64_t *n_missing);
 
 /* Assign embedding values: values[i][dim] becomes the row of keys[i], creating the
  * row (slots initialised) if absent. Duplicate keys: the last one wins. Marks rows

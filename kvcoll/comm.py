@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 
+from ._buffers import aligned_empty
 from .errors import CommError, CommTimeoutError
 
 __all__ = ["Comm", "AllToAllHandle", "SendHandle"]
@@ -328,7 +329,9 @@ class AllToAllHandle:
             c.wait(self._req, self._op + ":counts")
         width = int(np.prod(self._send.shape[1:], dtype=np.int64))
         recv_rows = self._recv_counts.sum(axis=1)
-        recv = np.empty((int(recv_rows.sum()),) + self._send.shape[1:], self._send.dtype)
+        # 64-byte aligned: received rows go to TensorFlow without a copy
+        recv = aligned_empty(int(recv_rows.sum()) * width, self._send.dtype).reshape(
+            (int(recv_rows.sum()),) + self._send.shape[1:])
         sc = self._send_counts.sum(axis=1) * width
         rc = recv_rows * width
         sd = np.concatenate([[0], np.cumsum(sc)[:-1]]).astype(np.int64)

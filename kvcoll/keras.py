@@ -46,7 +46,8 @@ from . import runtime
 from .config import BSP, StepMode
 from .errors import CommError, InvalidArgumentError, NonFiniteError
 from .exchange import BspExchange, SspExchange
-from .exchange.bsp import aligned_empty
+from ._buffers import aligned_empty
+from .exchange.bsp import Pull, group_key
 from .table import KvTable, hash_strings
 
 __all__ = ["Embedding", "DistributedOptimizer", "Trainer", "broadcast_variables"]
@@ -371,7 +372,7 @@ class Trainer:
         else:
             loss_sum, n_local, finite = 0.0, 0, True
             dense_np = np.zeros(self._n_dense, np.float32)
-            row_np = {t: np.zeros_like(p.rows) for t, p in pulled.items()}
+            row_np = {g: np.zeros_like(m) for g, m in pulled.rows.items()}
         t2 = time.perf_counter()
         bad = np.zeros(self.comm.size, np.float32)
         bad[self.comm.rank] = 0.0 if finite else 1.0
@@ -432,13 +433,14 @@ class Trainer:
         if n_local:
             if flat is not None:
                 self._set_dense(flat)
-            loss_sum, dense_np, row_np, finite = self._compute(batch, pulled)
+            loss_sum, dense_np, group_np, finite = self._compute(batch, pulled)
             if not finite:
                 raise NonFiniteError(
                     f"rank {self.comm.rank}, step {step}: the loss or a gradient is NaN/Inf; "
                     "nothing was pushed (lower the learning rate or check the inputs)")
             scale = np.float32(1.0 / (n_local * self.comm.size))
-            row_np = {t: g * scale for t, g in row_np.items()}
+            grouped = Pull.from_tables(pulled)
+            row_np = {t: grouped.table_rows(t, group_np) * scale for t in pulled}
             dense_np = dense_np * scale
         else:
             loss_sum, dense_np = 0.0, None
@@ -455,8 +457,9 @@ class Trainer:
         return loss_sum / n_local if n_local else 0.0
 
     def _compute(self, batch, pulled):
-        """The compiled dense step on one batch: (loss sum, flat dense gradient, row
-        gradient per table, whether all of them are finite), as numpy."""
+        """The compiled dense step on one batch: (loss sum, flat dense gradient, the
+        gradient of each group's rows matrix (see _model_inputs), whether all of them are
+        finite), as numpy."""
         inputs, rows = self._model_inputs(batch, pulled)
         labels = tf.convert_to_tensor(batch["labels"])
         if self._train_fn is None:
@@ -467,8 +470,7 @@ class Trainer:
         group_np = {g: v.numpy() for g, v in row_grads.items()}
         finite = bool(np.isfinite(loss_sum) and np.isfinite(dense_np).all()
                       and all(np.isfinite(v).all() for v in group_np.values()))
-        row_np = {t: group_np[g][a:b] for t, (g, a, b) in _layout(pulled).items()}
-        return loss_sum, dense_np, row_np, finite
+        return loss_sum, dense_np, group_np, finite
 
     def _set_dense(self, flat: np.ndarray) -> None:
         """Assign the flat dense vector to the model's trainable variables."""
@@ -533,7 +535,7 @@ class Trainer:
         if self._single:
             ids = tf.reshape(packed["ids"], [len(self._single), -1])
             inputs.update(zip(self._single, tf.unstack(ids)))
-        return inputs, {t: rows[_group(table.dim)] for t, table in self.tables.items()}
+        return inputs, {t: rows[group_key(table.dim)] for t, table in self.tables.items()}
 
     def _compile(self, fn, inputs, rows, labels):
         if not self._jit:
@@ -595,52 +597,28 @@ class Trainer:
         and a function argument): {"ids": the positions of every single-hot feature,
         one int64 vector, feature after feature; "multi": {feature: [batch, width]
         positions, -1 padded}; "dense": {input: values}}, and the rows: one float32
-        matrix per dim (_group), its tables' pulled rows one after another. A position
-        indexes its table's dim matrix."""
-        layout = _layout(pulled)
+        matrix per dim (a pull's rows, see kvcoll.exchange.bsp.Pull). A position indexes
+        its table's dim matrix."""
+        if not isinstance(pulled, Pull):
+            pulled = Pull.from_tables(pulled)
         n = batch["n"]
         ids = aligned_empty(len(self._single) * n, np.int64)
-        multi, at = {}, dict.fromkeys(pulled, 0)
+        multi, at = {}, dict.fromkeys(pulled.pos, 0)
         slot = {f: j for j, f in enumerate(self._single)}
         for f, spec in self.features.items():
             t = spec.table
             flat, splits = batch["ids"][f]
-            pos = pulled[t].inverse[at[t]:at[t] + flat.size]
+            pos = pulled.pos[t][at[t]:at[t] + flat.size]
             at[t] += flat.size
-            start = layout[t][1]
             if splits is None:
                 j = slot[f]
-                np.add(pos, start, out=ids[j * n:(j + 1) * n])
+                ids[j * n:(j + 1) * n] = pos
             else:
-                multi[f] = tf.constant(_pad(pos + start, splits))
+                multi[f] = tf.constant(_pad(pos, splits))
         dense = {name: tf.constant(arr.astype(np.float32) if arr.dtype.kind == "f" else arr)
                  for name, arr in batch["dense"].items()}
-        groups = {}
-        for t, (g, _, _) in layout.items():
-            groups.setdefault(g, []).append(pulled[t].rows)
-        rows = {g: _tensor(_joined(parts)) for g, parts in groups.items()}
+        rows = {g: _tensor(m) for g, m in pulled.rows.items()}
         return {"ids": _tensor(ids), "multi": multi, "dense": dense}, rows
-
-
-def _group(dim: int) -> str:
-    """The key of the packed row matrix that holds every table of this dim."""
-    return f"dim{dim}"
-
-
-def _joined(parts: list) -> np.ndarray:
-    """Row matrices as one: a view when they lie back to back in one buffer, as the
-    exchange lays out a pull's tables, else a copy."""
-    owner, ptr = parts[0].base, parts[0].ctypes.data
-    for p in parts:
-        if owner is None or p.base is not owner or not p.flags.c_contiguous \
-                or p.ctypes.data != ptr:
-            return np.concatenate(parts) if len(parts) > 1 else parts[0]
-        ptr += p.nbytes
-    if not owner.flags.c_contiguous:
-        return np.concatenate(parts)
-    off = parts[0].ctypes.data - owner.ctypes.data
-    flat = owner.reshape(-1).view(np.uint8)[off:off + (ptr - parts[0].ctypes.data)]
-    return flat.view(parts[0].dtype).reshape(-1, parts[0].shape[1])
 
 
 def _tensor(arr: np.ndarray):
@@ -650,18 +628,6 @@ def _tensor(arr: np.ndarray):
     if arr.size and arr.flags.c_contiguous and arr.ctypes.data % 64 == 0:
         return tf.experimental.dlpack.from_dlpack(arr.__dlpack__())
     return tf.constant(arr)
-
-
-def _layout(pulled) -> dict:
-    """Where each table's rows sit in the packed row matrices: table -> (group, start,
-    stop), tables in order."""
-    layout, used = {}, {}
-    for t, p in pulled.items():
-        g = _group(p.rows.shape[1])
-        a = used.get(g, 0)
-        used[g] = a + p.rows.shape[0]
-        layout[t] = (g, a, used[g])
-    return layout
 
 
 def _resolve_mode(step_mode, staleness) -> StepMode:

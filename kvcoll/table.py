@@ -42,7 +42,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without a build
         f"from the kvcoll checkout ({exc})"
     ) from exc
 
-__all__ = ["KvTable", "Initializer", "TableStats", "owner_of", "unique_partition",
+__all__ = ["KvTable", "TableSet", "Initializer", "TableStats", "owner_of", "unique_partition",
            "segment_sum", "hash64", "hash_strings", "STRING_HASH_SEED", "slot_floats", "init_slots", "apply_rows",
            "SynthPermutation", "SynthModel", "SYNTH_PERM_ROUNDS"]
 
@@ -716,6 +716,117 @@ def hash64(keys) -> np.ndarray:
     out = np.empty(k.size, np.uint64)
     _check(lib.kv_hash_batch(_ptr("int64_t *", k), k.size, _ptr("uint64_t *", out)), "hash64")
     return out
+
+
+class TableSet:
+    """An ordered set of this rank's table shards, for the exchange kernels
+    (csrc/kv_exchange.h): each phase of a BSP exchange is one C call over every table.
+
+    Tables of one dim form a group (numbered in order of first appearance); a pull's
+    rows come back as one matrix per group. Arrays are checked by the caller
+    (kvcoll.exchange.bsp builds them); this class only checks what C needs to stay in
+    bounds (dtype, contiguity, sizes).
+    """
+
+    def __init__(self, tables):
+        self.tables = list(tables)
+        if not self.tables:
+            raise errors.InvalidArgumentError("TableSet needs at least one table")
+        self.dims = np.array([t.dim for t in self.tables], np.int32)
+        first = {}
+        self.group = np.array([first.setdefault(int(d), len(first)) for d in self.dims], np.int32)
+        self.group_dims = list(first)  # dim of each group
+
+    def _handles(self):
+        return ffi.new("kv_table_t *[]", [t._handle() for t in self.tables])
+
+    def plan(self, ids: list, world: int):
+        """Sender side of a pull (kv_xplan): returns (send_ids, counts (world, ntab),
+        inverse, upos, pos, n_unique); ids[t] are int64 C-contiguous arrays."""
+        ntab = len(self.tables)
+        n = np.array([a.size for a in ids], np.int64)
+        bufs = [ffi.from_buffer(a if a.size else _EMPTY) for a in ids]
+        ptrs = ffi.new("int64_t *[]", [ffi.cast("int64_t *", b) for b in bufs])
+        total = int(n.sum())
+        send = np.empty(total, np.int64)
+        counts = np.empty((int(world), ntab), np.int64)
+        inverse = np.empty(total, np.int64)
+        upos = np.empty(total, np.int64)
+        pos = np.empty(total, np.int64)
+        nu = np.empty(ntab, np.int64)
+        _check(lib.kv_xplan(ntab, int(world), ptrs, _ptr("int64_t *", n),
+                            _ptr("int32_t *", self.group), _ptr("int64_t *", send),
+                            _ptr("int64_t *", counts), _ptr("int64_t *", inverse),
+                            _ptr("int64_t *", upos), _ptr("int64_t *", pos),
+                            _ptr("int64_t *", nu)), "exchange: plan")
+        return send[:int(nu.sum())], counts, inverse, upos[:int(nu.sum())], pos, nu
+
+    def serve(self, recv_ids: np.ndarray, recv_counts: np.ndarray, step: int, create: bool,
+              reply: np.ndarray):
+        """Owner side of a pull (kv_xserve): writes the rows into `reply` (float32, payload
+        layout). Returns the state kv_xapply needs (create=True), else None."""
+        ntab, world = len(self.tables), recv_counts.shape[0]
+        rc = np.ascontiguousarray(recv_counts, np.int64)
+        total = int(rc.sum())
+        if recv_ids.dtype != np.int64 or recv_ids.size != total or \
+                reply.dtype != np.float32 or reply.size != int((rc * self.dims).sum()):
+            raise errors.InvalidArgumentError("exchange: serve: payload sizes do not match counts")
+        if not create:
+            _check(lib.kv_xserve(self._handles(), ntab, world, _ptr("int64_t *", recv_ids),
+                                 _ptr("int64_t *", rc), _step32(step), 0, _ptr("float *", reply),
+                                 ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL),
+                   "exchange: serve")
+            return None
+        uidx = np.empty(total, np.int64)
+        ukeys = np.empty(total, np.int64)
+        urefs = np.empty(total, np.uint32)
+        ustart = np.empty(ntab + 1, np.int64)
+        gens = np.empty(ntab, np.uint64)
+        _check(lib.kv_xserve(self._handles(), ntab, world, _ptr("int64_t *", recv_ids),
+                             _ptr("int64_t *", rc), _step32(step), 1, _ptr("float *", reply),
+                             _ptr("int64_t *", uidx), _ptr("int64_t *", ukeys),
+                             _ptr("uint32_t *", urefs), _ptr("int64_t *", ustart),
+                             _ptr("uint64_t *", gens)), "exchange: serve")
+        return (rc, uidx, ukeys, urefs, ustart, gens)
+
+    def apply(self, state, grads: np.ndarray, step: int, scale: float = 1.0) -> np.ndarray:
+        """Owner side of a push (kv_xapply): scale * grads (float32, payload layout) of
+        the ids a serve returned `state` for. Returns the ids without a row, per table."""
+        rc, uidx, ukeys, urefs, ustart, gens = state
+        if grads.dtype != np.float32 or not grads.flags.c_contiguous or \
+                grads.size != int((rc * self.dims).sum()):
+            raise errors.InvalidArgumentError("exchange: apply: gradient payload does not match "
+                                              "the served ids")
+        if not isinstance(step, (int, np.integer)) or step < 1:
+            raise errors.InvalidArgumentError(f"exchange: step must be an integer >= 1, got {step!r}")
+        missing = np.zeros(len(self.tables), np.int64)
+        _check(lib.kv_xapply(self._handles(), len(self.tables), rc.shape[0], _ptr("int64_t *", rc),
+                             _ptr("float *", grads), float(scale), int(step),
+                             _ptr("int64_t *", uidx),
+                             _ptr("int64_t *", ukeys), _ptr("uint32_t *", urefs),
+                             _ptr("int64_t *", ustart), _ptr("uint64_t *", gens),
+                             _ptr("int64_t *", missing)), "exchange: apply gradients")
+        return missing
+
+    def regroup(self, counts: np.ndarray, payload: np.ndarray, out: list) -> None:
+        """Payload rows (layout of counts) into out[g], one float32 matrix per group."""
+        bufs = [ffi.from_buffer(o) for o in out]
+        _check(lib.kv_xregroup(len(self.tables), counts.shape[0],
+                               _ptr("int64_t *", np.ascontiguousarray(counts, np.int64)),
+                               _ptr("int32_t *", self.dims), _ptr("int32_t *", self.group),
+                               _ptr("float *", payload),
+                               ffi.new("float *[]", [ffi.cast("float *", b) for b in bufs])),
+               "exchange: regroup")
+
+    def ungroup(self, counts: np.ndarray, mats: list, scale: float, payload: np.ndarray) -> None:
+        """scale * the group matrices mats[g] into payload (layout of counts)."""
+        bufs = [ffi.from_buffer(m) for m in mats]
+        _check(lib.kv_xungroup(len(self.tables), counts.shape[0],
+                               _ptr("int64_t *", np.ascontiguousarray(counts, np.int64)),
+                               _ptr("int32_t *", self.dims), _ptr("int32_t *", self.group),
+                               ffi.new("float *[]", [ffi.cast("float *", b) for b in bufs]),
+                               float(scale), _ptr("float *", payload)),
+               "exchange: ungroup")
 
 
 def owner_of(keys, world: int) -> np.ndarray:

@@ -5,7 +5,7 @@ worker clocks and a staleness bound; asp.py: the same with no bound.
 """
 
 from .asp import AspExchange
-from .bsp import BspExchange, Pulled
+from .bsp import BspExchange, Pull, Pulled
 from .ssp import SspExchange
 
-__all__ = ["BspExchange", "SspExchange", "AspExchange", "Pulled"]
+__all__ = ["BspExchange", "SspExchange", "AspExchange", "Pull", "Pulled"]

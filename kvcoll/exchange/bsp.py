@@ -1,40 +1,137 @@
 """BSP exchange: blocking, deterministic pull and push of embedding rows.
 
 One pull, for every table at once:
-  1. per table, unique + partition the batch's ids by owner (one C call);
+  1. the sender plans it in one C call (kv_xplan): per table, unique + partition of
+     the batch's ids by owner, the payload of every table's unique ids grouped by
+     destination, then table, and for every id the row its embedding will land in;
   2. ONE fused all-to-all carries the ids of every table (counts first: a
-     (world, tables) matrix, then the payload, grouped by source, then table);
-  3. each owner looks its ids up, creating new keys, one C call per (source, table)
-     segment, which writes the rows straight into the reply and remembers where
-     each row lives (its "ref");
-  4. ONE fused all-to-all returns the rows (flattened floats, same layout).
-The caller receives, per table, the unique rows in `uniq` order and the inverse
-index: the batch's rows are `rows[inverse]`, never the whole table.
+     (world, tables) matrix, then the payload);
+  3. each owner serves every (source, table) segment in one C call (kv_xserve): an id
+     several ranks sent is looked up (or created) once, and the rows are written
+     straight into the reply;
+  4. ONE fused all-to-all returns the rows, grouped by owner, then table.
+The rows that come back ARE the rows the model reads, with no copy when every table has
+one dim (else one copy splits them into one matrix per dim): Pull.rows[group] is a
+(n, dim) matrix and Pull.pos[table] says which row each of the table's ids reads. A
+batch's rows are a matrix sized by its unique ids, never the whole table.
 
-One push sends the gradient of every unique row back over the same routing (one
-all-to-all); owners apply their row optimizer in C at the remembered refs (no second
-lookup), summing duplicates (the same id pushed by several ranks) first.
+One push sends the gradient of every row back over the same routing: the gradient of
+Pull.rows is already laid out as the owners want it (one all-to-all); each owner sums
+what several ranks sent for one id and applies its row optimizer in C at the rows its
+serve found, no second lookup (kv_xapply).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 
 import numpy as np
 
+from .._buffers import aligned_empty
 from ..comm import Comm
-from ..table import KvTable, unique_partition
+from ..table import KvTable, TableSet
+
+
+def group_key(dim: int) -> str:
+    """The key of the row matrix that holds every table of this dim."""
+    return f"dim{dim}"
 
 
 @dataclasses.dataclass
 class Pulled:
-    """What a pull returns for one table (rank-local)."""
+    """One table's part of a pull (rank-local), in per-table form."""
 
     uniq: np.ndarray      # unique ids of this rank's batch, grouped by owner
     inverse: np.ndarray   # batch position -> index into uniq
     rows: np.ndarray      # (len(uniq), dim) float32
     counts: np.ndarray    # unique ids sent to each owner
+
+
+class Pull(Mapping):
+    """What a pull returns: the rows of every table's ids on this rank.
+
+    rows[g]: one float32 matrix per dim group g (group_key(dim)), the rows of every
+        table of that dim; pos[t]: for each id table t was given (in order), its row in
+        rows[group[t]]. As a mapping, pull[t] is table t's Pulled (uniq, inverse, rows,
+        counts), built on demand (a copy).
+
+    upos (flat, table after table) gives each table's unique ids' rows, n_unique and
+    n_given the unique and given ids per table; counts, send_ids and inverse are the
+    plan's (kv_xplan), from which the per-table form is rebuilt."""
+
+    def __init__(self, names, group, rows, pos, upos, n_unique, n_given, counts=None,
+                 send_ids=None, inverse=None, blocks=None):
+        self.names = list(names)
+        self.group = dict(zip(self.names, group))
+        self.rows = rows
+        self.pos = pos
+        self.counts = counts
+        self._upos = upos
+        self._ustart = np.concatenate([[0], np.cumsum(n_unique)]).astype(np.int64)
+        self._gstart = np.concatenate([[0], np.cumsum(n_given)]).astype(np.int64)
+        self._send, self._inverse = send_ids, inverse
+        self._blocks = blocks or {}  # table -> (a, b): its rows are rows[g][a:b]
+        self._cache = {}
+
+    @classmethod
+    def from_tables(cls, pulled: dict[str, Pulled]) -> "Pull":
+        """The grouped form of per-table pulls (SSP/ASP): each group's tables' rows one
+        after another."""
+        used, blocks, rows = {}, {}, {}
+        for t, p in pulled.items():
+            g = group_key(p.rows.shape[1])
+            a = used.get(g, 0)
+            used[g] = a + p.rows.shape[0]
+            blocks[t] = (a, used[g])
+            rows.setdefault(g, []).append(p.rows)
+        rows = {g: _joined(parts) for g, parts in rows.items()}
+        pos = {t: p.inverse + blocks[t][0] for t, p in pulled.items()}
+        upos = np.concatenate([np.arange(a, b) for a, b in blocks.values()] or [np.zeros(0)])
+        self = cls(list(pulled), [group_key(p.rows.shape[1]) for p in pulled.values()], rows,
+                   pos, upos.astype(np.int64), [p.rows.shape[0] for p in pulled.values()],
+                   [p.inverse.size for p in pulled.values()], blocks=blocks)
+        self._cache = dict(pulled)
+        return self
+
+    def __getitem__(self, name: str) -> Pulled:
+        if name not in self._cache:
+            if name not in self.group:
+                raise KeyError(name)
+            t = self.names.index(name)
+            counts = self.counts
+            # table t's unique ids: its segment of every destination, in rank order
+            seg = np.zeros(counts.size, np.int64)
+            np.cumsum(counts.reshape(-1)[:-1], out=seg[1:])
+            seg = seg.reshape(counts.shape)
+            uniq = np.concatenate([self._send[seg[r, t]:seg[r, t] + counts[r, t]]
+                                   for r in range(counts.shape[0])])
+            inverse = self._inverse[self._gstart[t]:self._gstart[t + 1]]
+            self._cache[name] = Pulled(uniq, inverse, self.table_rows(name, self.rows),
+                                       counts[:, t].copy())
+        return self._cache[name]
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def table_rows(self, name: str, mats: dict) -> np.ndarray:
+        """Table `name`'s rows, in its uniq order, of matrices shaped like self.rows
+        (the rows themselves, or their gradients): a view where they are one block."""
+        g = self.group[name]
+        if name in self._blocks:
+            a, b = self._blocks[name]
+            return mats[g][a:b]
+        t = self.names.index(name)
+        return mats[g][self._upos[self._ustart[t]:self._ustart[t + 1]]]
+
+    def table_slice(self, name: str) -> np.ndarray:
+        """The rows (in the group matrix) of table `name`'s unique ids, in uniq order."""
+        t = self.names.index(name)
+        return self._upos[self._ustart[t]:self._ustart[t + 1]]
 
 
 class BspExchange:
@@ -48,13 +145,14 @@ class BspExchange:
         self.comm = comm
         self.tables = dict(tables)
         self._names = list(self.tables)
-        self._dims = np.array([self.tables[n].dim for n in self._names], np.int64)
+        self._set = TableSet([self.tables[n] for n in self._names])
+        self._dims = self._set.dims.astype(np.int64)
+        self._gkeys = [group_key(d) for d in self._set.group_dims]
         self._served = None  # what this rank served in the last pull, for push
         self._pulled = None
         self.table_seconds = 0.0  # time spent in the tables' C calls (lookups, updates)
 
-    def pull(self, ids: dict[str, np.ndarray], step: int, create: bool = True
-             ) -> dict[str, Pulled]:
+    def pull(self, ids: dict[str, np.ndarray], step: int, create: bool = True) -> Pull:
         """Rows of every table's ids. create=False (evaluation) reads absent ids as
         zeros and changes nothing; create=True creates them and prepares push()."""
         world = self.comm.size
@@ -63,127 +161,102 @@ class BspExchange:
             missing = sorted(set(self._names) - set(ids))
             raise ValueError(f"pull: ids must name every table exactly; unknown {unknown}, "
                              f"missing {missing}")
-        parts = [unique_partition(ids[n], world) for n in self._names]
-        # Fused id payload: for each destination, table 0's ids, then table 1's, ...
-        counts = np.stack([p[2] for p in parts], axis=1)  # (world, T)
-        send = _group_by_dest([p[0] for p in parts], counts)
+        given = [np.ascontiguousarray(ids[n], np.int64) for n in self._names]
+        send, counts, inverse, upos, pos, nu = self._set.plan(given, world)
         recv_ids, recv_counts = self.comm.alltoallv(send, counts, op="pull:ids").wait()
-        # Owner side: rows of every (source, table) segment, written into the reply.
         dims = self._dims
-        id_at, row_at = _starts(recv_counts), _starts(recv_counts * dims)
         reply = aligned_empty(int((recv_counts * dims).sum()), np.float32)
-        refs = np.empty(recv_ids.size, np.uint32) if create else None
         t0 = time.perf_counter()
-        for t, name in enumerate(self._names):
-            table, dim = self.tables[name], int(dims[t])
-            for r in range(world):
-                a, n, b = id_at[r, t], recv_counts[r, t], row_at[r, t]
-                keys, out = recv_ids[a:a + n], reply[b:b + n * dim].reshape(n, dim)
-                if create:
-                    _, refs[a:a + n] = table.find_or_create_ref(keys, step=step, out=out)
-                else:
-                    table.find(keys, out=out)
+        state = self._set.serve(recv_ids, recv_counts, step, create, reply)
         self.table_seconds += time.perf_counter() - t0
         if create:
-            self._served = (recv_ids, refs, recv_counts)
+            self._served = state
         got, _ = self.comm.alltoallv(reply, (recv_counts * dims).sum(axis=1), op="pull:rows",
                                      recv_counts=(counts * dims).sum(axis=1)).wait()
-        out = {}
-        mine = _split_by_table(got, counts * dims)
-        for t, n in enumerate(self._names):
-            uniq, inverse, c = parts[t]
-            out[n] = Pulled(uniq, inverse, mine[t].reshape(-1, int(dims[t])), c)
+        rows = self._grouped(got, counts)
+        at = np.zeros(len(given) + 1, np.int64)
+        np.cumsum([a.size for a in given], out=at[1:])
+        out = Pull(self._names, [self._gkeys[g] for g in self._set.group], rows,
+                   {n: pos[at[t]:at[t + 1]] for t, n in enumerate(self._names)},
+                   upos, nu, np.diff(at), counts, send, inverse)
         if create:
             self._pulled = out
         return out
+
+    def _grouped(self, got: np.ndarray, counts: np.ndarray) -> dict[str, np.ndarray]:
+        """The received rows as one matrix per group: the payload itself with one group."""
+        if len(self._gkeys) == 1:
+            return {self._gkeys[0]: got.reshape(-1, int(self._set.group_dims[0]))}
+        n = [int(counts[:, self._set.group == g].sum()) for g in range(len(self._gkeys))]
+        mats = [aligned_empty(k * d, np.float32).reshape(k, d)
+                for k, d in zip(n, self._set.group_dims)]
+        self._set.regroup(counts, got, mats)
+        return dict(zip(self._gkeys, mats))
 
     def push(self, grads: dict[str, np.ndarray], step: int, scale: float = 1.0) -> None:
         """Send scale * d(loss)/d(rows) of the last pull back to the owners and apply
         them.
 
-        grads[name] has the shape of the pulled rows: (len(uniq), dim)."""
+        grads: per group, a matrix shaped like the pull's rows[group]; or per table,
+        (len(uniq), dim) as its Pulled rows."""
         if self._served is None:
             raise RuntimeError("push() needs a pull() first")
-        world, dims = self.comm.size, self._dims
-        counts = np.stack([self._pulled[n].counts for n in self._names], axis=1)
-        flat = []
-        for n in self._names:
-            g = np.asarray(grads[n], np.float32)
-            want = self._pulled[n].rows.shape
-            if g.shape != want:
-                raise ValueError(f"push: table {n!r}: gradient shape {g.shape}, expected {want}")
-            flat.append(g.reshape(-1))
-        # the payload: grouped by destination, then table (each table's rows are
-        # grouped by owner already), then scaled in place
-        send = np.empty(int((counts * dims).sum()), np.float32)
-        np.concatenate(flat if world == 1 else _by_dest(flat, counts * dims), out=send)
-        send *= np.float32(scale)
-        recv_ids, refs, recv_counts = self._served
+        pulled, dims = self._pulled, self._dims
+        mats = self._group_grads(grads, pulled)
+        counts = pulled.counts
+        if len(mats) == 1:  # the gradient of the rows is the payload (scaled by the owners)
+            send = np.ascontiguousarray(mats[0]).reshape(-1)
+        else:
+            send = np.empty(int((counts * dims).sum()), np.float32)
+            self._set.ungroup(counts, [np.ascontiguousarray(m) for m in mats], 1.0, send)
+        state = self._served
+        recv_counts = state[0]
         got, _ = self.comm.alltoallv(send, (counts * dims).sum(axis=1), op="push:grads",
                                      recv_counts=(recv_counts * dims).sum(axis=1)).wait()
-        keys = _split_by_table(recv_ids, recv_counts)
-        ref = _split_by_table(refs, recv_counts)
-        per_table_grads = _split_by_table(got, recv_counts * dims)
         t0 = time.perf_counter()
-        for t, n in enumerate(self._names):
-            # one source sends each id once; several may send the same id
-            self.tables[n].apply_gradients_ref(
-                keys[t], ref[t], per_table_grads[t].reshape(-1, int(dims[t])),
-                step=step, create_missing=True, distinct=world == 1)
+        self._set.apply(state, np.ascontiguousarray(got, np.float32), step, scale)
         self.table_seconds += time.perf_counter() - t0
         self._served = None
 
-
-def _starts(counts: np.ndarray) -> np.ndarray:
-    """Start offsets of the (source, table) segments of a payload laid out source by
-    source, table by table, with counts[r, t] elements each."""
-    flat = counts.reshape(-1)
-    starts = np.zeros(flat.size, np.int64)
-    np.cumsum(flat[:-1], out=starts[1:])
-    return starts.reshape(counts.shape)
-
-
-def _group_by_dest(arrays: list[np.ndarray], counts: np.ndarray) -> np.ndarray:
-    """Interleave per-table arrays, each already grouped by destination with counts[:, t]
-    elements per destination, into one payload grouped by destination, then table."""
-    if counts.shape[0] == 1:
-        return np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
-    pieces = _by_dest(arrays, counts)
-    if not pieces:
-        return np.zeros(0, arrays[0].dtype if arrays else np.int64)
-    return np.concatenate(pieces)
-
-
-def _by_dest(arrays: list[np.ndarray], counts: np.ndarray) -> list[np.ndarray]:
-    """The pieces of _group_by_dest's payload, in order (views)."""
-    world, ntab = counts.shape
-    offsets = np.zeros((world + 1, ntab), np.int64)
-    np.cumsum(counts, axis=0, out=offsets[1:])
-    return [arrays[t][offsets[r, t]:offsets[r + 1, t]] for r in range(world) for t in range(ntab)]
+    def _group_grads(self, grads: dict, pulled: Pull) -> list[np.ndarray]:
+        """The gradient as one float32 matrix per group, checked against the pull."""
+        if set(grads) == set(pulled.rows):
+            out = []
+            for g in self._gkeys:
+                m = np.asarray(grads[g])
+                if m.shape != pulled.rows[g].shape:
+                    raise ValueError(f"push: group {g!r}: gradient shape {m.shape}, expected "
+                                     f"{pulled.rows[g].shape}")
+                out.append(m if m.dtype == np.float32 else m.astype(np.float32))
+            return out
+        if set(grads) != set(self._names):
+            raise ValueError(f"push: gradients must be given per table {self._names} or per "
+                             f"group {self._gkeys}, got {sorted(grads)}")
+        mats = {g: np.empty_like(m) for g, m in pulled.rows.items()}
+        for t, n in enumerate(self._names):
+            g = np.asarray(grads[n], np.float32)
+            rows = pulled.table_slice(n)
+            want = (rows.size, int(self._dims[t]))
+            if g.shape != want:
+                raise ValueError(f"push: table {n!r}: gradient shape {g.shape}, expected {want}")
+            mats[pulled.group[n]][rows] = g
+        return [mats[g] for g in self._gkeys]
 
 
-def _split_by_table(payload: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
-    """Inverse of _group_by_dest on the receiving side: per table, the elements from
-    every source in source order. The tables lie back to back in one 64-byte aligned
-    buffer (the payload itself when there is one source), so a consumer can take
-    several as one block (see keras._model_inputs)."""
-    world, ntab = counts.shape
-    starts = _starts(counts)
-    if world == 1:
-        return [payload[starts[0, t]:starts[0, t] + counts[0, t]] for t in range(ntab)]
-    ends = starts + counts
-    out = aligned_empty(payload.shape[0], payload.dtype)
-    np.concatenate([payload[starts[r, t]:ends[r, t]] for t in range(ntab) for r in range(world)],
-                   out=out)
-    bounds = np.zeros(ntab + 1, np.int64)
-    np.cumsum(counts.sum(axis=0), out=bounds[1:])
-    return [out[bounds[t]:bounds[t + 1]] for t in range(ntab)]
-
-
-def aligned_empty(n: int, dtype, align: int = 64) -> np.ndarray:
-    """np.empty(n, dtype) starting on an `align`-byte boundary (what TensorFlow needs
-    to use the memory without a copy)."""
-    dtype = np.dtype(dtype)
-    raw = np.empty(n * dtype.itemsize + align, np.uint8)
-    off = -raw.ctypes.data % align
-    return raw[off:off + n * dtype.itemsize].view(dtype)
+def _joined(parts: list) -> np.ndarray:
+    """Row matrices as one: a view when they lie back to back in one buffer, else a
+    copy (64-byte aligned, for TensorFlow)."""
+    owner, ptr = parts[0].base, parts[0].ctypes.data
+    for p in parts:
+        if owner is None or p.base is not owner or not p.flags.c_contiguous \
+                or p.ctypes.data != ptr:
+            break
+        ptr += p.nbytes
+    else:
+        if owner.flags.c_contiguous:
+            off = parts[0].ctypes.data - owner.ctypes.data
+            flat = owner.reshape(-1).view(np.uint8)[off:off + (ptr - parts[0].ctypes.data)]
+            return flat.view(parts[0].dtype).reshape(-1, parts[0].shape[1])
+    out = aligned_empty(sum(p.size for p in parts), np.float32).reshape(-1, parts[0].shape[1])
+    np.concatenate(parts, out=out)
+    return out

@@ -55,7 +55,8 @@ import numpy as np
 from ..comm import SPIN, Comm
 from ..errors import CommError, CommTimeoutError
 from ..table import KvTable, apply_rows, init_slots, unique_partition
-from .bsp import Pulled, aligned_empty
+from .._buffers import aligned_empty
+from .bsp import Pulled
 
 __all__ = ["SspExchange"]
 

@@ -1,0 +1,348 @@
+/*
+ * kv_exchange.c - one BSP exchange's work on either side of the all-to-alls, for every
+ * table in one call (see kv_exchange.h for the layouts).
+ *
+ * kv_xplan runs kv_unique_partition per table (unique ids grouped by owner, first
+ * appearance inside a group), then walks the segments r-major to copy the unique ids
+ * into the send payload and to number the rows each group's matrix will hold: a
+ * group's rows are its tables' segments in payload order, so a running base per group
+ * gives every unique id its row (upos), and pos = upos[inverse].
+ *
+ * kv_xserve serves table by table. From one source (world 1) a table's ids are
+ * distinct (kv_xplan made them so), and it looks them up straight into the reply. From
+ * several sources one id may come from more than one: the table's ids are gathered
+ * source after source, deduplicated (kv_unique_partition), looked up once into a
+ * scratch block and copied to every place in the reply that asked for them; uidx
+ * records, per received id, which distinct id it was. So a key counts as seen once per
+ * step (admission) whatever the number of ranks, and is updated once per step.
+ *
+ * kv_xapply sums each distinct id's gradients in payload order (the first one copied,
+ * the next ones added: a fixed float order) and hands each table's sums to
+ * kv_table_apply_refs with the refs and generation of the serve, so the update reads
+ * each row once and looks nothing up while no row was freed in between.
+ *
+ * Nothing here keeps state; the tables' own locks are taken table by table.
+ */
+#include "kv_exchange.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "kv_route.h"
+
+#define XMAX_N ((int64_t)UINT32_MAX - 1) /* kv_unique_partition's limit */
+
+static int bad_counts(int32_t ntab, int32_t world, const int64_t *counts, int64_t *total) {
+    int64_t sum = 0;
+    for (int64_t k = 0; k < (int64_t)ntab * world; k++) {
+        if (counts[k] < 0 || counts[k] > XMAX_N - sum) return 1;
+        sum += counts[k];
+    }
+    *total = sum;
+    return 0;
+}
+
+int kv_xplan(int32_t ntab, int32_t world, const int64_t *const *ids, const int64_t *n,
+             const int32_t *group, int64_t *send_ids, int64_t *counts, int64_t *inverse,
+             int64_t *upos, int64_t *pos, int64_t *n_unique) {
+    if (ntab < 1 || world < 1 || !ids || !n || !group || !counts || !n_unique) return KV_EINVAL;
+    int64_t total = 0;
+    for (int32_t t = 0; t < ntab; t++) {
+        if (n[t] < 0 || n[t] > XMAX_N - total || (n[t] > 0 && !ids[t])) return KV_EINVAL;
+        if (group[t] < 0 || group[t] >= ntab) return KV_EINVAL;
+        total += n[t];
+    }
+    if (total > 0 && (!send_ids || !inverse || !upos || !pos)) return KV_EINVAL;
+    /* scratch: the unique ids of every table; per table where they start and the
+     * running start of its next segment; per group its next row; per rank a count */
+    int64_t *uq = kv_malloc(((size_t)total + 3 * (size_t)ntab + (size_t)world) * sizeof(int64_t));
+    if (!uq) return KV_ENOMEM;
+    int64_t *uoff = uq + total, *seg = uoff + ntab, *gb = seg + ntab, *cnt = gb + ntab;
+    int64_t off = 0, us = 0;
+    for (int32_t t = 0; t < ntab; t++) {
+        int64_t nu = 0;
+        int rc = kv_unique_partition(ids[t], n[t], world, uq + us, inverse + off, cnt, &nu);
+        if (rc != KV_OK) {
+            kv_free(uq);
+            return rc;
+        }
+        for (int32_t r = 0; r < world; r++) counts[(int64_t)r * ntab + t] = cnt[r];
+        uoff[t] = us;
+        n_unique[t] = nu;
+        seg[t] = 0;
+        off += n[t];
+        us += nu;
+    }
+    /* send payload and rows: segments r-major; a group's rows run on across ranks */
+    memset(gb, 0, (size_t)ntab * sizeof(int64_t));
+    int64_t at = 0;
+    for (int32_t r = 0; r < world; r++) {
+        for (int32_t t = 0; t < ntab; t++) {
+            int64_t c = counts[(int64_t)r * ntab + t], u0 = uoff[t] + seg[t];
+            if (c) memcpy(send_ids + at, uq + u0, (size_t)c * sizeof(int64_t));
+            int64_t base = gb[group[t]];
+            for (int64_t j = 0; j < c; j++) upos[u0 + j] = base + j;
+            gb[group[t]] = base + c;
+            seg[t] += c;
+            at += c;
+        }
+    }
+    off = 0;
+    for (int32_t t = 0; t < ntab; t++) {
+        const int64_t *up = upos + uoff[t];
+        for (int64_t i = 0; i < n[t]; i++) pos[off + i] = up[inverse[off + i]];
+        off += n[t];
+    }
+    kv_free(uq);
+    return KV_OK;
+}
+
+/* Start of every segment's ids and floats (payload layout). */
+static void seg_starts(int32_t ntab, int32_t world, const int64_t *counts, const int32_t *dims,
+                       int64_t *id_at, int64_t *fl_at) {
+    int64_t a = 0, b = 0;
+    for (int32_t r = 0; r < world; r++)
+        for (int32_t t = 0; t < ntab; t++) {
+            int64_t k = (int64_t)r * ntab + t;
+            id_at[k] = a;
+            fl_at[k] = b;
+            a += counts[k];
+            b += counts[k] * dims[t];
+        }
+}
+
+int kv_xserve(kv_table_t *const *tables, int32_t ntab, int32_t world, const int64_t *recv_ids,
+              const int64_t *recv_counts, uint32_t step, int32_t create, float *reply,
+              int64_t *uidx, int64_t *ukeys, uint32_t *urefs, int64_t *ustart, uint64_t *gens) {
+    if (!tables || ntab < 1 || world < 1 || !recv_counts) return KV_EINVAL;
+    int64_t total = 0;
+    if (bad_counts(ntab, world, recv_counts, &total)) return KV_EINVAL;
+    if (total > 0 && (!recv_ids || !reply)) return KV_EINVAL;
+    if (create && (!ustart || !gens || (total > 0 && (!uidx || !ukeys || !urefs))))
+        return KV_EINVAL;
+    for (int32_t t = 0; t < ntab; t++)
+        if (!tables[t]) return KV_EINVAL;
+    size_t k2 = (size_t)ntab * (size_t)world;
+    int64_t *id_at = kv_malloc(2 * k2 * sizeof(int64_t) + (size_t)ntab * sizeof(int32_t));
+    if (!id_at) return KV_ENOMEM;
+    int64_t *fl_at = id_at + k2;
+    int32_t *dims = (int32_t *)(void *)(fl_at + k2);
+    for (int32_t t = 0; t < ntab; t++) dims[t] = kv_table_dim(tables[t]);
+    seg_starts(ntab, world, recv_counts, dims, id_at, fl_at);
+    int rc = KV_OK;
+    if (!create) {
+        for (int64_t k = 0; rc == KV_OK && k < (int64_t)k2; k++)
+            rc = kv_table_find(tables[k % ntab], recv_ids + id_at[k], recv_counts[k],
+                               reply + fl_at[k], NULL, NULL);
+        kv_free(id_at);
+        return rc;
+    }
+    int64_t us = 0;
+    if (world == 1) { /* one source: every table's ids are distinct */
+        for (int32_t t = 0; rc == KV_OK && t < ntab; t++) {
+            int64_t c = recv_counts[t], a = id_at[t];
+            ustart[t] = us;
+            rc = kv_table_find_or_create_gen(tables[t], recv_ids + a, c, reply + fl_at[t], step,
+                                             NULL, urefs + us, &gens[t]);
+            if (c) memcpy(ukeys + us, recv_ids + a, (size_t)c * sizeof(int64_t));
+            for (int64_t j = 0; j < c; j++) uidx[a + j] = j;
+            us += c;
+        }
+        ustart[ntab] = us;
+        kv_free(id_at);
+        return rc;
+    }
+    /* several sources: per table, gather, dedup, serve once, copy out */
+    int64_t most = 0, most_rows = 0;
+    for (int32_t t = 0; t < ntab; t++) {
+        int64_t m = 0;
+        for (int32_t r = 0; r < world; r++) m += recv_counts[(int64_t)r * ntab + t];
+        if (m > most) most = m;
+        if (m * dims[t] > most_rows) most_rows = m * dims[t];
+    }
+    int64_t *keys = kv_malloc((size_t)(2 * most + world + 1) * sizeof(int64_t));
+    float *rows = kv_malloc((size_t)(most_rows ? most_rows : 1) * sizeof(float));
+    if (!keys || !rows) {
+        kv_free(keys);
+        kv_free(rows);
+        kv_free(id_at);
+        return KV_ENOMEM;
+    }
+    int64_t *inv = keys + most, *cnt = inv + most;
+    for (int32_t t = 0; rc == KV_OK && t < ntab; t++) {
+        size_t d = (size_t)dims[t];
+        int64_t m = 0, nu = 0;
+        for (int32_t r = 0; r < world; r++) {
+            int64_t k = (int64_t)r * ntab + t;
+            if (recv_counts[k])
+                memcpy(keys + m, recv_ids + id_at[k], (size_t)recv_counts[k] * sizeof(int64_t));
+            m += recv_counts[k];
+        }
+        ustart[t] = us;
+        rc = kv_unique_partition(keys, m, 1, ukeys + us, inv, cnt, &nu);
+        if (rc == KV_OK)
+            rc = kv_table_find_or_create_gen(tables[t], ukeys + us, nu, rows, step, NULL,
+                                             urefs + us, &gens[t]);
+        if (rc != KV_OK) break;
+        m = 0;
+        for (int32_t r = 0; r < world; r++) {
+            int64_t k = (int64_t)r * ntab + t, a = id_at[k];
+            float *out = reply + fl_at[k];
+            for (int64_t j = 0; j < recv_counts[k]; j++, m++) {
+                uidx[a + j] = inv[m];
+                memcpy(out + (size_t)j * d, rows + (size_t)inv[m] * d, d * sizeof(float));
+            }
+        }
+        us += nu;
+    }
+    ustart[ntab] = us;
+    kv_free(keys);
+    kv_free(rows);
+    kv_free(id_at);
+    return rc;
+}
+
+static int all_finite_f(const float *v, size_t n) {
+    uint32_t bad = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, v + i, sizeof u);
+        bad |= (uint32_t)((u & 0x7f800000u) == 0x7f800000u);
+    }
+    return !bad;
+}
+
+int kv_xapply(kv_table_t *const *tables, int32_t ntab, int32_t world, const int64_t *recv_counts,
+              const float *grads, float scale, int64_t step, const int64_t *uidx,
+              const int64_t *ukeys,
+              const uint32_t *urefs, const int64_t *ustart, const uint64_t *gens,
+              int64_t *n_missing) {
+    if (!tables || ntab < 1 || world < 1 || !recv_counts || !ustart || !gens || step < 1 ||
+        !isfinite(scale))
+        return KV_EINVAL;
+    int64_t total = 0;
+    if (bad_counts(ntab, world, recv_counts, &total)) return KV_EINVAL;
+    if (total > 0 && (!grads || !uidx || !ukeys || !urefs)) return KV_EINVAL;
+    if (ustart[0] != 0) return KV_EINVAL;
+    for (int32_t t = 0; t < ntab; t++) {
+        int64_t m = 0;
+        for (int32_t r = 0; r < world; r++) m += recv_counts[(int64_t)r * ntab + t];
+        int64_t nu = ustart[t + 1] - ustart[t];
+        if (!tables[t] || nu < 0 || nu > m || (world == 1 && nu != m)) return KV_EINVAL;
+    }
+    size_t k2 = (size_t)ntab * (size_t)world;
+    int64_t *id_at = kv_malloc(2 * k2 * sizeof(int64_t) + (size_t)ntab * sizeof(int32_t));
+    if (!id_at) return KV_ENOMEM;
+    int64_t *fl_at = id_at + k2;
+    int32_t *dims = (int32_t *)(void *)(fl_at + k2);
+    int64_t floats = 0, most = 0;
+    for (int32_t t = 0; t < ntab; t++) {
+        dims[t] = kv_table_dim(tables[t]);
+        int64_t nu = ustart[t + 1] - ustart[t];
+        if (nu * dims[t] > most) most = nu * dims[t];
+    }
+    seg_starts(ntab, world, recv_counts, dims, id_at, fl_at);
+    for (size_t k = 0; k < k2; k++) floats += recv_counts[k] * dims[k % (size_t)ntab];
+    if (!all_finite_f(grads, (size_t)floats)) {
+        kv_free(id_at);
+        return KV_ENONFINITE;
+    }
+    /* uidx must index each table's distinct ids (the sums below write there) */
+    for (size_t k = 0; k < k2; k++) {
+        int32_t t = (int32_t)(k % (size_t)ntab);
+        int64_t nu = ustart[t + 1] - ustart[t];
+        for (int64_t j = 0; j < recv_counts[k]; j++)
+            if ((uint64_t)uidx[id_at[k] + j] >= (uint64_t)nu) {
+                kv_free(id_at);
+                return KV_EINVAL;
+            }
+    }
+    float *sums = kv_malloc((size_t)(most ? most : 1) * sizeof(float));
+    uint8_t *seen = kv_malloc((size_t)(total ? total : 1));
+    if (!sums || !seen) {
+        kv_free(sums);
+        kv_free(seen);
+        kv_free(id_at);
+        return KV_ENOMEM;
+    }
+    int rc = KV_OK;
+    for (int32_t t = 0; rc == KV_OK && t < ntab; t++) {
+        size_t d = (size_t)dims[t];
+        int64_t us = ustart[t], nu = ustart[t + 1] - us, miss = 0;
+        /* sums[u] = the scaled gradients of distinct id u, added in payload order */
+        if (world == 1) { /* one source, distinct ids, in uniq order */
+            const float *src = grads + fl_at[t];
+            for (size_t e = 0; e < (size_t)nu * d; e++) sums[e] = scale * src[e];
+        } else {
+            memset(seen, 0, (size_t)nu);
+            for (int32_t r = 0; r < world; r++) {
+                int64_t k = (int64_t)r * ntab + t;
+                const float *src = grads + fl_at[k];
+                for (int64_t j = 0; j < recv_counts[k]; j++, src += d) {
+                    int64_t u = uidx[id_at[k] + j];
+                    float *dst = sums + (size_t)u * d;
+                    if (!seen[u]) {
+                        seen[u] = 1;
+                        for (size_t e = 0; e < d; e++) dst[e] = scale * src[e];
+                    } else {
+                        for (size_t e = 0; e < d; e++) dst[e] += scale * src[e];
+                    }
+                }
+            }
+        }
+        rc = kv_table_apply_refs(tables[t], ukeys + us, urefs + us, nu, sums, step, gens[t],
+                                 &miss);
+        if (n_missing) n_missing[t] = miss;
+    }
+    kv_free(sums);
+    kv_free(seen);
+    kv_free(id_at);
+    return rc;
+}
+
+static int check_groups(int32_t ntab, int32_t world, const int64_t *counts, const int32_t *dims,
+                        const int32_t *group) {
+    int64_t total;
+    if (ntab < 1 || world < 1 || !counts || !dims || !group) return 0;
+    if (bad_counts(ntab, world, counts, &total)) return 0;
+    for (int32_t t = 0; t < ntab; t++)
+        if (dims[t] < 1 || group[t] < 0 || group[t] >= ntab) return 0;
+    return 1;
+}
+
+int kv_xregroup(int32_t ntab, int32_t world, const int64_t *counts, const int32_t *dims,
+                const int32_t *group, const float *payload, float *const *out) {
+    if (!check_groups(ntab, world, counts, dims, group) || !out) return KV_EINVAL;
+    size_t at = 0;
+    int64_t gb[64], *g = ntab <= 64 ? gb : kv_calloc((size_t)ntab, sizeof(int64_t));
+    if (!g) return KV_ENOMEM;
+    memset(g, 0, (size_t)ntab * sizeof(int64_t));
+    for (int32_t r = 0; r < world; r++)
+        for (int32_t t = 0; t < ntab; t++) {
+            size_t n = (size_t)counts[(int64_t)r * ntab + t] * (size_t)dims[t];
+            if (n) memcpy(out[group[t]] + g[group[t]], payload + at, n * sizeof(float));
+            g[group[t]] += (int64_t)n;
+            at += n;
+        }
+    if (g != gb) kv_free(g);
+    return KV_OK;
+}
+
+int kv_xungroup(int32_t ntab, int32_t world, const int64_t *counts, const int32_t *dims,
+                const int32_t *group, const float *const *in, float scale, float *payload) {
+    if (!check_groups(ntab, world, counts, dims, group) || !in) return KV_EINVAL;
+    size_t at = 0;
+    int64_t gb[64], *g = ntab <= 64 ? gb : kv_calloc((size_t)ntab, sizeof(int64_t));
+    if (!g) return KV_ENOMEM;
+    memset(g, 0, (size_t)ntab * sizeof(int64_t));
+    for (int32_t r = 0; r < world; r++)
+        for (int32_t t = 0; t < ntab; t++) {
+            size_t n = (size_t)counts[(int64_t)r * ntab + t] * (size_t)dims[t];
+            const float *src = in[group[t]] + g[group[t]];
+            for (size_t e = 0; e < n; e++) payload[at + e] = scale * src[e];
+            g[group[t]] += (int64_t)n;
+            at += n;
+        }
+    if (g != gb) kv_free(g);
+    return KV_OK;
+}

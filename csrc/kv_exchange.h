@@ -1,0 +1,108 @@
+/*
+ * kv_exchange.h - the batch kernels of one BSP exchange, for every table at once.
+ *
+ * A pull moves, per table t, a rank's ids to their owners and the rows back; a push
+ * moves the rows' gradients the same way. Python does the all-to-alls (kvcoll/comm.py);
+ * these kernels do everything on either side of them in one C call each, so a step
+ * costs a few calls whatever the number of tables:
+ *
+ *   kv_xplan    sender: unique + partition every table's ids by owner, lay the unique
+ *               ids out for the id all-to-all (by destination, then table), and say
+ *               where each id's row will sit in the rows that come back;
+ *   kv_xserve   owner: look up (creating) the ids of every (source, table) segment and
+ *               write their rows into the reply, in the same layout;
+ *   kv_xapply   owner: sum the gradients of an id sent by several sources and apply
+ *               them at the rows the serve found (kv_table_apply_refs);
+ *   kv_xregroup / kv_xungroup: move rows between the payload layout and one matrix
+ *               per group of tables (tables of one dim), when there is more than one.
+ *
+ * Layouts. A payload of ntab tables from/to `world` ranks is a sequence of segments
+ * (rank r, table t), r-major: counts[r * ntab + t] ids, or as many rows of dims[t]
+ * floats. The rows a pull returns to a rank are such a payload (r = owner); its rows
+ * for the tables of group g, taken segment by segment in payload order, form group
+ * g's matrix, and kv_xplan's pos/upos index rows of that matrix. With one group the
+ * payload is the matrix.
+ *
+ * None of these functions keeps state. kv_xserve and kv_xapply take each table's lock
+ * in turn (see kv_table.h); kv_xplan and the regroup kernels lock nothing.
+ */
+#ifndef KV_EXCHANGE_H
+#define KV_EXCHANGE_H
+
+#include <stdint.h>
+#include "kv_status.h"
+#include "kv_table.h"
+
+/*
+ * Plan a pull.
+ *   ntab, world      tables (>= 1), ranks (>= 1)
+ *   ids[t], n[t]     table t's ids (duplicates allowed; n[t] >= 0)
+ *   group[t]         table t's group, 0 <= group[t] < ntab
+ *   send_ids         out, capacity sum(n): the unique ids, segment (r, t) = table t's
+ *                    ids owned by rank r, in first-appearance order
+ *   counts           out [world * ntab]: ids of segment (r, t)
+ *   inverse          out, sum(n): for table t's i-th id (at offset sum(n[<t]) + i), the
+ *                    index of its unique id in table t's unique ids, which are table t's
+ *                    segments r = 0, 1, .. one after another
+ *   upos             out, capacity sum(n): for table t's u-th unique id (at offset
+ *                    sum(nu[<t]) + u), its row in group[t]'s matrix
+ *   pos              out, sum(n): upos of each id (the row its embedding will be in)
+ *   n_unique         out [ntab]: unique ids per table
+ * Returns KV_OK, KV_EINVAL (sizes, groups, NULL buffers), KV_ENOMEM.
+ */
+int kv_xplan(int32_t ntab, int32_t world, const int64_t *const *ids, const int64_t *n,
+             const int32_t *group, int64_t *send_ids, int64_t *counts, int64_t *inverse,
+             int64_t *upos, int64_t *pos, int64_t *n_unique);
+
+/*
+ * Serve a pull on the owner.
+ *   tables[ntab]     this rank's shards (all dims = dims of the payload)
+ *   recv_ids         the ids received, payload layout; recv_counts [world * ntab]
+ *   step             stamped on every row (last_step)
+ *   create           0: read only (absent ids read zeros, nothing changes; the outputs
+ *                    below but reply may be NULL); 1: absent ids are created (admission
+ *                    permitting)
+ *   reply            out: recv_counts rows of dims[t] floats, payload layout
+ * With create = 1, for the push (kv_xapply):
+ *   uidx             out [total ids]: each received id's index among its table's
+ *                    distinct ids (an id sent by several sources is served once)
+ *   ukeys, urefs     out [capacity total ids]: the distinct ids of every table, table
+ *                    after table, and their row refs (0: no row, not admitted)
+ *   ustart           out [ntab + 1]: where each table's distinct ids start
+ *   gens             out [ntab]: each table's generation at the serve
+ * Returns KV_OK, KV_EINVAL, KV_ENOMEM, KV_EFULL. On an error, tables served before the
+ * failing one keep their new rows (a retry serves the same values).
+ */
+int kv_xserve(kv_table_t *const *tables, int32_t ntab, int32_t world, const int64_t *recv_ids,
+              const int64_t *recv_counts, uint32_t step, int32_t create, float *reply,
+              int64_t *uidx, int64_t *ukeys, uint32_t *urefs, int64_t *ustart, uint64_t *gens);
+
+/*
+ * Apply a push on the owner: grads (payload layout, like kv_xserve's reply) belong to
+ * the ids kv_xserve served (its uidx, ukeys, urefs, ustart, gens). Per table, each
+ * gradient is multiplied by `scale` and those of one id from several sources are
+ * summed in payload order, then applied with the table's row optimizer
+ * (kv_table_apply_refs). Every gradient is checked finite before any table changes
+ * (KV_ENONFINITE). n_missing [ntab] (may be NULL): ids without a row, per table.
+ * Returns KV_OK, KV_EINVAL, KV_ENONFINITE, KV_ENOMEM, KV_EFULL; KV_ENOMEM or KV_EFULL
+ * can only come from a table whose rows were freed since the serve (it then goes by
+ * key), and leaves the tables before it updated.
+ */
+int kv_xapply(kv_table_t *const *tables, int32_t ntab, int32_t world, const int64_t *recv_counts,
+              const float *grads, float scale, int64_t step, const int64_t *uidx,
+              const int64_t *ukeys,
+              const uint32_t *urefs, const int64_t *ustart, const uint64_t *gens,
+              int64_t *n_missing);
+
+/*
+ * Payload rows (layout above, dims[t] floats per row) <-> one matrix per group:
+ * kv_xregroup copies payload -> out[g], kv_xungroup copies (scale *) in[g] -> payload.
+ * out[g]/in[g] hold group g's rows, dim of its tables wide (groups[t] as kv_xplan's).
+ * Returns KV_OK or KV_EINVAL.
+ */
+int kv_xregroup(int32_t ntab, int32_t world, const int64_t *counts, const int32_t *dims,
+                const int32_t *group, const float *payload, float *const *out);
+int kv_xungroup(int32_t ntab, int32_t world, const int64_t *counts, const int32_t *dims,
+                const int32_t *group, const float *const *in, float scale, float *payload);
+
+#endif
