@@ -265,10 +265,11 @@ class Comm:
         return box[0]
 
     def alltoallv(self, send: np.ndarray, counts, op: str = "alltoallv",
-                  recv_counts=None) -> "AllToAllHandle":
+                  recv_counts=None, header=None) -> "AllToAllHandle":
         """Start a two-phase all-to-all: counts first, then the payload (one phase
         when the caller already knows `recv_counts`, e.g. replies to an earlier
-        all-to-all: then it must be what the peers send, in the shape of counts).
+        all-to-all: then it must be what the peers send, in the shape of counts, and
+        the payload is posted at once).
 
         `send` holds rows (axis 0) grouped by destination rank. counts has shape
         (world,) or (world, k): counts[r].sum() rows go to rank r, split into k parts
@@ -279,16 +280,49 @@ class Comm:
 
             rank 0: send=[1, 2, 3], counts=[1, 2]  ->  recv=[1, 7],    recv_counts=[1, 1]
             rank 1: send=[7, 8],    counts=[1, 1]  ->  recv=[2, 3, 8], recv_counts=[2, 1]
+
+        header (int64, shape (m,)) rides along with the counts to every rank:
+        `.headers()` waits for the counts only and returns every rank's header,
+        (world, m), so the ranks can agree to go on (`.wait()`) or not (drop the
+        handle: the payload is never posted). Only without recv_counts.
+
+            rank 0: header=[1, 0]   rank 1: header=[0, 0]  ->  both: [[1, 0], [0, 0]]
         """
-        return AllToAllHandle(self, send, counts, op, recv_counts)
+        return AllToAllHandle(self, send, counts, op, recv_counts, header)
+
+    def iallreduce(self, arr: np.ndarray, op: str = "allreduce") -> "ReduceHandle":
+        """Start an elementwise sum over all ranks (see allreduce); `.wait()` returns it.
+        Another collective may be started before waiting for this one."""
+        self._count(op)
+        send = np.ascontiguousarray(arr)
+        dt = _mpi_type(send.dtype)
+        if self.size == 1:
+            return ReduceHandle(self, None, send.copy(), op)
+        recv = np.empty_like(send)
+        return ReduceHandle(self, self._comm.Iallreduce([send, dt], [recv, dt], _mpi().SUM),
+                            recv, op, send)
+
+
+class ReduceHandle:
+    """An allreduce in flight (Comm.iallreduce)."""
+
+    def __init__(self, comm: Comm, req, recv: np.ndarray, op: str, send=None):
+        self._c, self._req, self._recv, self._op, self._send = comm, req, recv, op, send
+
+    def wait(self) -> np.ndarray:
+        if self._req is not None:
+            self._c.wait(self._req, self._op)
+            self._req = self._send = None
+        return self._recv
 
 
 class AllToAllHandle:
     """An all-to-all in flight; `wait()` finishes it. The counts exchange (unless the
     receive counts are known) is posted at creation, the payload as soon as the counts
-    are in."""
+    are in (at once when they are known)."""
 
-    def __init__(self, comm: Comm, send: np.ndarray, counts, op: str, recv_counts=None):
+    def __init__(self, comm: Comm, send: np.ndarray, counts, op: str, recv_counts=None,
+                 header=None):
         self._c = comm
         self._op = op
         self._send = np.ascontiguousarray(send)
@@ -305,28 +339,54 @@ class AllToAllHandle:
         if known is not None and known.shape != counts.shape:
             raise CommError(f"rank {comm.rank}: {op}: recv_counts must have the shape of "
                             f"counts {counts.shape}, got {known.shape}")
+        hdr = None if header is None else np.ascontiguousarray(header, np.int64).reshape(-1)
+        if hdr is not None and known is not None:
+            raise CommError(f"rank {comm.rank}: {op}: a header needs the counts phase "
+                            "(no recv_counts)")
         _mpi_type(self._send.dtype)
         comm._count(op)
         self._result = None
         self._req = None
+        self._payload = None
+        self._headers = None
         if comm.size == 1:  # one rank sends everything to itself (no MPI call)
             self._result = (self._send, counts.copy())
+            self._headers = None if hdr is None else hdr[None].copy()
             return
         if known is not None:
             self._recv_counts = np.ascontiguousarray(known.reshape(comm.size, -1))
+            self._post_payload()
             return
-        self._recv_counts = np.empty_like(self._send_counts)
-        MPI = _mpi()
         k = self._send_counts.shape[1]
-        self._req = comm._comm.Ialltoall([self._send_counts, k, MPI.INT64_T],
-                                         [self._recv_counts, k, MPI.INT64_T])
+        sc = self._send_counts
+        if hdr is not None:  # the header: extra columns, the same to every rank
+            sc = np.concatenate([sc, np.broadcast_to(hdr, (comm.size, hdr.size))], axis=1)
+        self._hdr_cols = 0 if hdr is None else hdr.size
+        self._recv_all = np.empty_like(sc)
+        self._recv_counts = self._recv_all[:, :k]
+        MPI = _mpi()
+        w = sc.shape[1]
+        self._req = comm._comm.Ialltoall([np.ascontiguousarray(sc), w, MPI.INT64_T],
+                                         [self._recv_all, w, MPI.INT64_T])
 
-    def wait(self):
-        if self._result is not None:
-            return self._result
-        c = self._c
+    def _counts_in(self) -> None:
         if self._req is not None:
-            c.wait(self._req, self._op + ":counts")
+            self._c.wait(self._req, self._op + ":counts")
+            self._req = None
+            k = self._send_counts.shape[1]
+            self._recv_counts = np.ascontiguousarray(self._recv_all[:, :k])
+            if self._hdr_cols:
+                self._headers = np.ascontiguousarray(self._recv_all[:, k:])
+
+    def headers(self) -> np.ndarray:
+        """Every rank's header, (world, m), once the counts are in (see alltoallv)."""
+        self._counts_in()
+        if self._headers is None:
+            raise CommError(f"rank {self._c.rank}: {self._op}: no header was sent")
+        return self._headers
+
+    def _post_payload(self) -> None:
+        c = self._c
         width = int(np.prod(self._send.shape[1:], dtype=np.int64))
         recv_rows = self._recv_counts.sum(axis=1)
         # 64-byte aligned: received rows go to TensorFlow without a copy
@@ -339,10 +399,19 @@ class AllToAllHandle:
         dt = _mpi_type(self._send.dtype)
         send = self._send if self._send.size else np.zeros(1, self._send.dtype)
         rbuf = recv if recv.size else np.zeros(1, recv.dtype)
-        req = c._comm.Ialltoallv([send, (sc, sd), dt], [rbuf, (rc, rd), dt])
-        c.wait(req, self._op)
+        self._payload = (c._comm.Ialltoallv([send, (sc, sd), dt], [rbuf, (rc, rd), dt]), recv)
+
+    def wait(self):
+        if self._result is not None:
+            return self._result
+        self._counts_in()
+        if self._payload is None:
+            self._post_payload()
+        req, recv = self._payload
+        self._c.wait(req, self._op)
         counts = self._recv_counts[:, 0] if self._flat else self._recv_counts
         self._result = (recv, counts)
+        self._payload = None
         return self._result
 
 

@@ -273,15 +273,7 @@ class Trainer:
             err = None
         except InvalidArgumentError as exc:
             batch, err = None, exc
-        try:
-            self._header(active=True, ok=err is None)
-        except InvalidArgumentError:
-            if err is not None:
-                raise err from None  # this rank's own, more precise message
-            raise
-        if err is not None:
-            raise err
-        loss = self._step(batch)
+        loss = self._step(batch, active=True, err=err)  # raises on every rank if any rank's batch is bad
         self.local_steps += 1
         return loss
 
@@ -303,8 +295,7 @@ class Trainer:
                 self.opt.optimizer.iterations.assign(updates)
             return 0
         served = 0
-        while self._header(active=False, ok=True):
-            self._step(None)
+        while self._step(None, active=False) is not None:
             served += 1
         return served
 
@@ -347,63 +338,79 @@ class Trainer:
 
     # -- one step -----------------------------------------------------------------------
 
-    def _header(self, active: bool, ok: bool) -> bool:
-        """The per-step agreement: who still has data, and whether every rank's batch
-        was valid. Returns whether any rank is active."""
-        flags = self.comm.allgather(np.array([int(active), int(ok)], np.int32), op="step:header")
-        bad = [r for r in range(self.comm.size) if not flags[r, 1]]
+    def _agree(self, headers: np.ndarray, step: int, err) -> bool:
+        """The per-step agreement, from every rank's header [active, ok, samples] (sent
+        with the pull's id counts): raise on every rank if any rank's batch was bad
+        (this rank's own error if it was one of them); else whether any rank is
+        active."""
+        bad = [r for r in range(self.comm.size) if not headers[r, 1]]
         if bad:
+            if err is not None:
+                raise err
             raise InvalidArgumentError(
-                f"rank(s) {bad} rejected their batch at step {self.step + 1}; "
+                f"rank(s) {bad} rejected their batch at step {step}; "
                 "see the error on those ranks")
-        return bool(flags[:, 0].any())
+        return bool(headers[:, 0].any())
 
-    def _step(self, batch) -> float:
-        self.step += 1
-        step = self.step
+    def _step(self, batch, active: bool, err=None):
+        """One BSP step; batch None: this rank has no samples (finished, or its batch
+        was bad: err). Returns the global mean loss, or None when no rank was active
+        (nothing happened)."""
+        step = self.step + 1
         t0 = time.perf_counter()
         ids = {t: (self._table_ids(batch, t) if batch else np.zeros(0, np.int64))
                for t in self.tables}
-        pulled = self.exchange.pull(ids, step)
+        n_local = batch["n"] if batch else 0
+        header = np.array([int(active), int(err is None), n_local], np.int64)
+        pulled = self.exchange.pull(ids, step, header=header,
+                                    proceed=lambda h: self._agree(h, step, err))
+        if pulled is None:
+            return None
+        self.step = step
+        n_total = float(pulled.headers[:, 2].sum())
         t1 = time.perf_counter()
-        if batch and batch["n"]:
+        if n_local:
             loss_sum, dense_np, row_np, finite = self._compute(batch, pulled)
-            n_local = batch["n"]
         else:
-            loss_sum, n_local, finite = 0.0, 0, True
+            loss_sum, finite = 0.0, True
             dense_np = np.zeros(self._n_dense, np.float32)
             row_np = {g: np.zeros_like(m) for g, m in pulled.rows.items()}
         t2 = time.perf_counter()
+        # The row gradients leave at once; one fused allreduce of the dense gradients,
+        # the loss sum and the non-finite flags runs meanwhile; the owners apply the
+        # rows only once every rank is known to be finite.
+        push = self.exchange.push_start(row_np)
         bad = np.zeros(self.comm.size, np.float32)
         bad[self.comm.rank] = 0.0 if finite else 1.0
-        # One fused allreduce: dense gradients, loss sum, sample count, non-finite flags.
-        flat = np.concatenate([dense_np, np.array([loss_sum, n_local], np.float32), bad])
+        flat = np.concatenate([dense_np, np.array([loss_sum], np.float32), bad])
         if not finite:
             flat[:-self.comm.size] = 0.0
-        total = self.comm.allreduce(flat, op="allreduce:dense")
-        nd = total.size - 2 - self.comm.size
+        t3 = time.perf_counter()
+        total = self.comm.iallreduce(flat, op="allreduce:dense").wait()
+        t4 = time.perf_counter()
+        nd = total.size - 1 - self.comm.size
         flags = total[-self.comm.size:]
         if flags.any():
+            push.finish(step, apply=False)
             ranks = [r for r in range(self.comm.size) if flags[r]]
             raise NonFiniteError(
                 f"step {step}: the loss or a gradient is NaN/Inf on rank(s) {ranks}; "
                 "no update was applied (lower the learning rate or check the inputs)")
-        loss_total, n_total = float(total[nd]), float(total[nd + 1])
-        t3 = time.perf_counter()
         if n_total == 0:
+            push.finish(step, apply=False)
             raise CommError(f"step {step}: no rank had samples")
         scale = np.float32(1.0 / n_total)
-        self.exchange.push(row_np, step, scale=scale)
-        t4 = time.perf_counter()
-        self._apply_dense(total[:nd] * scale)
+        push.finish(step, scale=scale)
         t5 = time.perf_counter()
+        self._apply_dense(total[:nd] * scale)
+        t6 = time.perf_counter()
         tm = self.timings
-        tm["exchange"] += (t1 - t0) + (t4 - t3)
+        tm["exchange"] += (t1 - t0) + (t3 - t2) + (t5 - t4)
         tm["tables"] = self.exchange.table_seconds
         tm["compute"] += t2 - t1
-        tm["allreduce"] += t3 - t2
-        tm["apply"] += t5 - t4
-        return loss_total / n_total
+        tm["allreduce"] += t4 - t3
+        tm["apply"] += t6 - t5
+        return float(total[nd]) / n_total
 
     # -- one SSP/ASP step ---------------------------------------------------------------
 

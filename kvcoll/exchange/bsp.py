@@ -152,9 +152,16 @@ class BspExchange:
         self._pulled = None
         self.table_seconds = 0.0  # time spent in the tables' C calls (lookups, updates)
 
-    def pull(self, ids: dict[str, np.ndarray], step: int, create: bool = True) -> Pull:
+    def pull(self, ids: dict[str, np.ndarray], step: int, create: bool = True,
+             header=None, proceed=None) -> Pull | None:
         """Rows of every table's ids. create=False (evaluation) reads absent ids as
-        zeros and changes nothing; create=True creates them and prepares push()."""
+        zeros and changes nothing; create=True creates them and prepares push().
+
+        header: a few int64 this rank sends every rank with its id counts (e.g. "I
+        have data", "my batch is valid"); the returned Pull's `headers` holds every
+        rank's, (world, m). proceed(headers), called on every rank as soon as they are
+        in, may raise (then nothing was served anywhere) or return False: then the
+        pull stops there on every rank and returns None."""
         world = self.comm.size
         if set(ids) != set(self._names):
             unknown = sorted(set(ids) - set(self._names))
@@ -163,7 +170,11 @@ class BspExchange:
                              f"missing {missing}")
         given = [np.ascontiguousarray(ids[n], np.int64) for n in self._names]
         send, counts, inverse, upos, pos, nu = self._set.plan(given, world)
-        recv_ids, recv_counts = self.comm.alltoallv(send, counts, op="pull:ids").wait()
+        handle = self.comm.alltoallv(send, counts, op="pull:ids", header=header)
+        headers = None if header is None else handle.headers()
+        if proceed is not None and not proceed(headers):
+            return None
+        recv_ids, recv_counts = handle.wait()
         dims = self._dims
         reply = aligned_empty(int((recv_counts * dims).sum()), np.float32)
         t0 = time.perf_counter()
@@ -179,6 +190,7 @@ class BspExchange:
         out = Pull(self._names, [self._gkeys[g] for g in self._set.group], rows,
                    {n: pos[at[t]:at[t + 1]] for t, n in enumerate(self._names)},
                    upos, nu, np.diff(at), counts, send, inverse)
+        out.headers = headers
         if create:
             self._pulled = out
         return out
@@ -199,6 +211,12 @@ class BspExchange:
 
         grads: per group, a matrix shaped like the pull's rows[group]; or per table,
         (len(uniq), dim) as its Pulled rows."""
+        self.push_start(grads).finish(step, scale=scale)
+
+    def push_start(self, grads: dict[str, np.ndarray]) -> "PushHandle":
+        """Post the gradients of the last pull (as push()) and return at once; the
+        handle's finish() waits for them and applies them (other collectives may run
+        in between, in the same order on every rank)."""
         if self._served is None:
             raise RuntimeError("push() needs a pull() first")
         pulled, dims = self._pulled, self._dims
@@ -209,14 +227,11 @@ class BspExchange:
         else:
             send = np.empty(int((counts * dims).sum()), np.float32)
             self._set.ungroup(counts, [np.ascontiguousarray(m) for m in mats], 1.0, send)
-        state = self._served
+        state, self._served = self._served, None
         recv_counts = state[0]
-        got, _ = self.comm.alltoallv(send, (counts * dims).sum(axis=1), op="push:grads",
-                                     recv_counts=(recv_counts * dims).sum(axis=1)).wait()
-        t0 = time.perf_counter()
-        self._set.apply(state, np.ascontiguousarray(got, np.float32), step, scale)
-        self.table_seconds += time.perf_counter() - t0
-        self._served = None
+        handle = self.comm.alltoallv(send, (counts * dims).sum(axis=1), op="push:grads",
+                                     recv_counts=(recv_counts * dims).sum(axis=1))
+        return PushHandle(self, handle, state)
 
     def _group_grads(self, grads: dict, pulled: Pull) -> list[np.ndarray]:
         """The gradient as one float32 matrix per group, checked against the pull."""
@@ -241,6 +256,22 @@ class BspExchange:
                 raise ValueError(f"push: table {n!r}: gradient shape {g.shape}, expected {want}")
             mats[pulled.group[n]][rows] = g
         return [mats[g] for g in self._gkeys]
+
+
+class PushHandle:
+    """A push in flight (BspExchange.push_start)."""
+
+    def __init__(self, exchange: BspExchange, handle, state):
+        self._ex, self._handle, self._state = exchange, handle, state
+
+    def finish(self, step: int, scale: float = 1.0, apply: bool = True) -> None:
+        """Wait for the gradients this rank owns and apply scale * them (apply=False:
+        only complete the exchange, change nothing)."""
+        got, _ = self._handle.wait()
+        if apply:
+            t0 = time.perf_counter()
+            self._ex._set.apply(self._state, np.ascontiguousarray(got, np.float32), step, scale)
+            self._ex.table_seconds += time.perf_counter() - t0
 
 
 def _joined(parts: list) -> np.ndarray:

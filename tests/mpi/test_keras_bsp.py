@@ -74,14 +74,17 @@ def test_bsp_equals_one_rank_step_by_step(comm):
     steps = 8
     ref_losses = run(ref, steps, (0, B))
     dist_losses = run(dist, steps, split(world, rank))
+    calls = {k: dist.comm.calls.get(k, 0) - before.get(k, 0) for k in dist.comm.calls}
     np.testing.assert_allclose(dist_losses, ref_losses, rtol=1e-5)
     for a, b in zip(dist.model.get_weights(), ref.model.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     compare_tables(dist, ref, world, rank)
-    calls = {k: dist.comm.calls.get(k, 0) - before.get(k, 0) for k in dist.comm.calls}
     # 3 tables, one id all-to-all and one row all-to-all per step, one dense allreduce
     assert calls["pull:ids"] == steps and calls["pull:rows"] == steps
     assert calls["push:grads"] == steps and calls["allreduce:dense"] == steps
+    # and nothing else: the step's agreement (who has data, is every batch valid)
+    # rides on the id all-to-all's counts
+    assert sum(calls.values()) == 4 * steps, calls
     # the unique count changes every step; the compiled step was traced once
     assert dist._train_fn.experimental_get_tracing_count() == 1
     for t in (ref, dist):
