@@ -28,6 +28,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "kv_fmath.h"
 #include "kv_route.h"
 
 #define XMAX_N ((int64_t)UINT32_MAX - 1) /* kv_unique_partition's limit */
@@ -202,16 +203,6 @@ int kv_xserve(kv_table_t *const *tables, int32_t ntab, int32_t world, const int6
     return rc;
 }
 
-static int all_finite_f(const float *v, size_t n) {
-    uint32_t bad = 0;
-    for (size_t i = 0; i < n; i++) {
-        uint32_t u;
-        memcpy(&u, v + i, sizeof u);
-        bad |= (uint32_t)((u & 0x7f800000u) == 0x7f800000u);
-    }
-    return !bad;
-}
-
 int kv_xapply(kv_table_t *const *tables, int32_t ntab, int32_t world, const int64_t *recv_counts,
               const float *grads, float scale, int64_t step, const int64_t *uidx,
               const int64_t *ukeys,
@@ -243,7 +234,7 @@ int kv_xapply(kv_table_t *const *tables, int32_t ntab, int32_t world, const int6
     }
     seg_starts(ntab, world, recv_counts, dims, id_at, fl_at);
     for (size_t k = 0; k < k2; k++) floats += recv_counts[k] * dims[k % (size_t)ntab];
-    if (!all_finite_f(grads, (size_t)floats)) {
+    if (!kv_all_finite(grads, (size_t)floats)) {
         kv_free(id_at);
         return KV_ENONFINITE;
     }
@@ -310,39 +301,37 @@ static int check_groups(int32_t ntab, int32_t world, const int64_t *counts, cons
     return 1;
 }
 
-int kv_xregroup(int32_t ntab, int32_t world, const int64_t *counts, const int32_t *dims,
-                const int32_t *group, const float *payload, float *const *out) {
-    if (!check_groups(ntab, world, counts, dims, group) || !out) return KV_EINVAL;
+/* Copy between a payload (layout of counts) and group matrices: to_groups, payload
+ * -> mats[g]; else scale * mats[g] -> payload. */
+static int xgroup(int32_t ntab, int32_t world, const int64_t *counts, const int32_t *dims,
+                  const int32_t *group, float *const *mats, float *payload, int to_groups,
+                  float scale) {
+    if (!check_groups(ntab, world, counts, dims, group) || !mats || !payload) return KV_EINVAL;
     size_t at = 0;
-    int64_t gb[64], *g = ntab <= 64 ? gb : kv_calloc((size_t)ntab, sizeof(int64_t));
+    int64_t *g = kv_calloc((size_t)ntab, sizeof(int64_t));
     if (!g) return KV_ENOMEM;
-    memset(g, 0, (size_t)ntab * sizeof(int64_t));
     for (int32_t r = 0; r < world; r++)
         for (int32_t t = 0; t < ntab; t++) {
             size_t n = (size_t)counts[(int64_t)r * ntab + t] * (size_t)dims[t];
-            if (n) memcpy(out[group[t]] + g[group[t]], payload + at, n * sizeof(float));
+            float *m = mats[group[t]] + g[group[t]];
+            if (to_groups)
+                memcpy(m, payload + at, n * sizeof(float));
+            else
+                for (size_t e = 0; e < n; e++) payload[at + e] = scale * m[e];
             g[group[t]] += (int64_t)n;
             at += n;
         }
-    if (g != gb) kv_free(g);
+    kv_free(g);
     return KV_OK;
+}
+
+int kv_xregroup(int32_t ntab, int32_t world, const int64_t *counts, const int32_t *dims,
+                const int32_t *group, const float *payload, float *const *out) {
+    return xgroup(ntab, world, counts, dims, group, out, (float *)(uintptr_t)payload, 1, 1.0f);
 }
 
 int kv_xungroup(int32_t ntab, int32_t world, const int64_t *counts, const int32_t *dims,
                 const int32_t *group, const float *const *in, float scale, float *payload) {
-    if (!check_groups(ntab, world, counts, dims, group) || !in) return KV_EINVAL;
-    size_t at = 0;
-    int64_t gb[64], *g = ntab <= 64 ? gb : kv_calloc((size_t)ntab, sizeof(int64_t));
-    if (!g) return KV_ENOMEM;
-    memset(g, 0, (size_t)ntab * sizeof(int64_t));
-    for (int32_t r = 0; r < world; r++)
-        for (int32_t t = 0; t < ntab; t++) {
-            size_t n = (size_t)counts[(int64_t)r * ntab + t] * (size_t)dims[t];
-            const float *src = in[group[t]] + g[group[t]];
-            for (size_t e = 0; e < n; e++) payload[at + e] = scale * src[e];
-            g[group[t]] += (int64_t)n;
-            at += n;
-        }
-    if (g != gb) kv_free(g);
-    return KV_OK;
+    return xgroup(ntab, world, counts, dims, group, (float *const *)(uintptr_t)in, payload, 0,
+                  scale);
 }

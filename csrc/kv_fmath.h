@@ -64,4 +64,11 @@ static inline void kv_sincos_turn(float u, float *s, float *c) {
     *c = as_f32(((bs & swap) | (bc & ~swap)) ^ ((((uint32_t)k + 1u) & 2u) << 30));
 }
 
+/* Whether no element of v[0..n) is Inf or NaN (an exponent of all ones). */
+static inline int kv_all_finite(const float *v, size_t n) {
+    uint32_t bad = 0;
+    for (size_t i = 0; i < n; i++) bad |= (uint32_t)((as_u32(v[i]) & 0x7f800000u) == 0x7f800000u);
+    return !bad;
+}
+
 #endif

@@ -21,7 +21,7 @@
  * give the same bits: no value depends on another, every float operation is an IEEE
  * one on one lane (integer to float conversions are of integers below 2^24 + 1, so
  * exact), nothing is reassociated (no -ffast-math) and nothing is contracted into an
- * FMA (ISO C mode, or the clang pragma; see KV_INIT_CLONES). csrc/tests/test_init.c
+ * FMA (ISO C mode, or the clang pragma; see KV_ISA_CLONES). csrc/tests/test_init.c
  * checks every copy the CPU runs against a plain per-element reference.
  */
 #include "kv_init.h"
@@ -30,26 +30,9 @@
 #include <string.h>
 
 #include "kv_fmath.h"
+#include "kv_isa.h"
 #include "kv_route.h"
 
-#if defined(__GNUC__)
-#define KV_INLINE static inline __attribute__((always_inline))
-#else
-#define KV_INLINE static inline
-#endif
-
-/* The AVX2 and AVX-512 copies need a compiler that does not contract a * b + c into
- * an FMA (AVX-512 has FMA): GCC in ISO C mode (-std=c99, as kvcoll builds it: GCC
- * then defaults to -ffp-contract=off), or clang with the pragma. Elsewhere only the
- * baseline copy exists. */
-#if defined(__x86_64__) && defined(__GNUC__) && (defined(__clang__) || defined(__STRICT_ANSI__))
-#define KV_INIT_CLONES 1
-#ifdef __clang__
-#pragma STDC FP_CONTRACT OFF
-#endif
-#else
-#define KV_INIT_CLONES 0
-#endif
 
 #define GOLDEN 0x9e3779b97f4a7c15ULL
 #define BLOCK 128    /* draws per pass of rows_kernel, a multiple of every `lanes` */
@@ -308,21 +291,19 @@ static void rows_base(const init_params_t *p, const int64_t *keys, int64_t n, fl
     rows_kernel(p, keys, n, out, 4, 0);
 }
 
-#if KV_INIT_CLONES
-#define TARGET_AVX2 __attribute__((target("avx2")))
-#define TARGET_AVX512 __attribute__((target("avx2,avx512f,avx512dq,avx512vl,avx512bw")))
-TARGET_AVX2 static void rows_avx2(const init_params_t *p, const int64_t *keys, int64_t n,
+#if KV_ISA_CLONES
+KV_TARGET_AVX2 static void rows_avx2(const init_params_t *p, const int64_t *keys, int64_t n,
                                   float *const *out) {
     rows_kernel(p, keys, n, out, 8, 1);
 }
-TARGET_AVX512 static void rows_avx512(const init_params_t *p, const int64_t *keys, int64_t n,
+KV_TARGET_AVX512 static void rows_avx512(const init_params_t *p, const int64_t *keys, int64_t n,
                                       float *const *out) {
     rows_kernel(p, keys, n, out, 16, 1);
 }
 #endif
 
 static int detect_isa(void) {
-#if KV_INIT_CLONES
+#if KV_ISA_CLONES
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw"))
@@ -345,7 +326,7 @@ int kv_init_best_isa(void) {
 
 static rows_fn rows_for(int32_t isa) {
     switch (isa == KV_INIT_ISA_BEST ? kv_init_best_isa() : isa) {
-#if KV_INIT_CLONES
+#if KV_ISA_CLONES
     case KV_INIT_ISA_AVX512: return rows_avx512;
     case KV_INIT_ISA_AVX2: return rows_avx2;
 #endif

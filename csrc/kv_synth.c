@@ -29,12 +29,13 @@
  * the same bits: no value of a sample depends on another sample, every float
  * operation is an IEEE one on one lane, nothing is reassociated (no -ffast-math)
  * and nothing is contracted into an FMA (ISO C mode, or the pragma; see
- * KV_SYNTH_CLONES). Loops are written for GCC's vectoriser: selects between
+ * KV_ISA_CLONES). Loops are written for GCC's vectoriser: selects between
  * values, never a float operation under a condition (which it will not if-convert
  * under the default -ftrapping-math).
  */
 #include "kv_synth.h"
 #include "kv_fmath.h"
+#include "kv_isa.h"
 
 #include <float.h>
 #include <math.h>
@@ -50,23 +51,6 @@
 #define TWO_62 ((uint64_t)1 << 62)
 #define RANK_UNSURE UINT64_MAX      /* stage 3: let libm decide */
 
-#if defined(__GNUC__)
-#define KV_INLINE static inline __attribute__((always_inline))
-#else
-#define KV_INLINE static inline
-#endif
-
-/* The AVX2 and AVX-512 copies need a compiler that does not contract a * b + c into
- * an FMA (AVX-512 has FMA): GCC in ISO C mode (-std=c99, as kvcoll builds it), or
- * clang with the pragma. Elsewhere only the baseline copy exists. */
-#if defined(__x86_64__) && defined(__GNUC__) && (defined(__clang__) || defined(__STRICT_ANSI__))
-#define KV_SYNTH_CLONES 1
-#ifdef __clang__
-#pragma STDC FP_CONTRACT OFF
-#endif
-#else
-#define KV_SYNTH_CLONES 0
-#endif
 
 /* splitmix64's finaliser (not kv_mix64: the data set is defined with this one). */
 static inline uint64_t splitmix(uint64_t x) {
@@ -624,29 +608,27 @@ static void run_block_base(const kv_synth_t *m, const uint64_t *keys, uint64_t f
 }
 static void block_logit_base(const kv_synth_t *m, const block_t *b) { block_logit(m, b); }
 
-#if KV_SYNTH_CLONES
-#define TARGET_AVX2 __attribute__((target("avx2")))
-#define TARGET_AVX512 __attribute__((target("avx2,avx512f,avx512dq,avx512vl,avx512bw")))
-TARGET_AVX2 static void run_block_avx2(const kv_synth_t *m, const uint64_t *keys,
+#if KV_ISA_CLONES
+KV_TARGET_AVX2 static void run_block_avx2(const kv_synth_t *m, const uint64_t *keys,
                                        uint64_t first, int with_logit, int with_labels,
                                        const block_t *b) {
     run_block(m, keys, first, with_logit, with_labels, b);
 }
-TARGET_AVX2 static void block_logit_avx2(const kv_synth_t *m, const block_t *b) {
+KV_TARGET_AVX2 static void block_logit_avx2(const kv_synth_t *m, const block_t *b) {
     block_logit(m, b);
 }
-TARGET_AVX512 static void run_block_avx512(const kv_synth_t *m, const uint64_t *keys,
+KV_TARGET_AVX512 static void run_block_avx512(const kv_synth_t *m, const uint64_t *keys,
                                            uint64_t first, int with_logit, int with_labels,
                                            const block_t *b) {
     run_block(m, keys, first, with_logit, with_labels, b);
 }
-TARGET_AVX512 static void block_logit_avx512(const kv_synth_t *m, const block_t *b) {
+KV_TARGET_AVX512 static void block_logit_avx512(const kv_synth_t *m, const block_t *b) {
     block_logit(m, b);
 }
 #endif
 
 int kv_synth_best_isa(void) {
-#if KV_SYNTH_CLONES
+#if KV_ISA_CLONES
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw"))
@@ -663,7 +645,7 @@ static int isa_of(const kv_synth_t *m) {
 
 static run_block_fn pick_run_block(const kv_synth_t *m) {
     switch (isa_of(m)) {
-#if KV_SYNTH_CLONES
+#if KV_ISA_CLONES
     case KV_SYNTH_ISA_AVX512: return run_block_avx512;
     case KV_SYNTH_ISA_AVX2: return run_block_avx2;
 #endif
@@ -673,7 +655,7 @@ static run_block_fn pick_run_block(const kv_synth_t *m) {
 
 static block_logit_fn pick_block_logit(const kv_synth_t *m) {
     switch (isa_of(m)) {
-#if KV_SYNTH_CLONES
+#if KV_ISA_CLONES
     case KV_SYNTH_ISA_AVX512: return block_logit_avx512;
     case KV_SYNTH_ISA_AVX2: return block_logit_avx2;
 #endif

@@ -91,6 +91,7 @@
 #include <sys/mman.h>
 
 #include "kv_init.h"
+#include "kv_fmath.h"
 #include "kv_route.h"
 
 #ifdef KV_TEST_MAX_ROWS /* tests may lower the row limit to reach KV_EFULL */
@@ -763,16 +764,6 @@ static int create_absent(kv_table_t *t, const int64_t *keys, int64_t n, uint32_t
 
 /* ---- argument checks ------------------------------------------------------------- */
 
-static int all_finite(const float *v, size_t n) {
-    /* an exponent of all ones (Inf or NaN) in any element */
-    uint32_t bad = 0;
-    for (size_t i = 0; i < n; i++) {
-        uint32_t u;
-        memcpy(&u, v + i, sizeof u);
-        bad |= (uint32_t)((u & 0x7f800000u) == 0x7f800000u);
-    }
-    return !bad;
-}
 
 static int check_batch(const kv_table_t *t, const int64_t *keys, int64_t n) {
     if (!t || n < 0 || n > MAX_BATCH || (n > 0 && !keys)) return KV_EINVAL;
@@ -935,7 +926,7 @@ int kv_table_update(kv_table_t *t, const int64_t *keys, int64_t n, const float *
     if (check_batch(t, keys, n) != KV_OK || (n > 0 && !values)) return KV_EINVAL;
     if (n == 0) return KV_OK;
     size_t d = (size_t)t->dim;
-    if (!all_finite(values, (size_t)n * d)) return KV_ENONFINITE;
+    if (!kv_all_finite(values, (size_t)n * d)) return KV_ENONFINITE;
     uint32_t *ids = kv_malloc((size_t)n * sizeof(uint32_t));
     if (!ids) return KV_ENOMEM;
     pthread_rwlock_wrlock(&t->lock);
@@ -1013,7 +1004,7 @@ int kv_table_apply_gradients(kv_table_t *t, const int64_t *keys, int64_t n,
     if (n_missing) *n_missing = 0;
     if (n == 0) return KV_OK;
     size_t d = (size_t)t->dim;
-    if (!all_finite(grads, (size_t)n * d)) return KV_ENONFINITE;
+    if (!kv_all_finite(grads, (size_t)n * d)) return KV_ENONFINITE;
     /* Sum duplicates outside the lock: uniq[nu], sums[nu][dim], ids[nu]. */
     int64_t *uniq = kv_malloc((size_t)n * (sizeof(int64_t) + sizeof(uint32_t)));
     float *sums = kv_malloc((size_t)n * d * sizeof(float));
@@ -1025,7 +1016,7 @@ int kv_table_apply_gradients(kv_table_t *t, const int64_t *keys, int64_t n,
     uint32_t *ids = (uint32_t *)(void *)(uniq + n);
     int64_t nu = 0;
     int rc = kv_segment_sum(keys, n, grads, t->dim, uniq, sums, &nu);
-    if (rc == KV_OK && !all_finite(sums, (size_t)nu * d)) rc = KV_ENONFINITE;
+    if (rc == KV_OK && !kv_all_finite(sums, (size_t)nu * d)) rc = KV_ENONFINITE;
     if (rc != KV_OK) {
         kv_free(uniq);
         kv_free(sums);
@@ -1083,7 +1074,7 @@ int kv_table_apply_gradients_ref(kv_table_t *t, const int64_t *keys, const uint3
     if (n_missing) *n_missing = 0;
     if (n == 0) return KV_OK;
     size_t d = (size_t)t->dim;
-    if (!all_finite(grads, (size_t)n * d)) return KV_ENONFINITE;
+    if (!kv_all_finite(grads, (size_t)n * d)) return KV_ENONFINITE;
     int distinct = (flags & KV_APPLY_DISTINCT) != 0;
     int64_t *uniq = NULL, nu = n, n_zero = 0;
     float *sums = NULL;
@@ -1109,7 +1100,7 @@ int kv_table_apply_gradients_ref(kv_table_t *t, const int64_t *keys, const uint3
             for (int64_t i = 0; i < n; i++) as_key[i] = ref[i];
             rc = kv_segment_sum(as_key, n, grads, t->dim, uniq, sums, &nu);
             for (int64_t u = 0; rc == KV_OK && u < nu; u++) {
-                if (uniq[u] && !all_finite(sums + (size_t)u * d, d)) rc = KV_ENONFINITE;
+                if (uniq[u] && !kv_all_finite(sums + (size_t)u * d, d)) rc = KV_ENONFINITE;
                 u32[u] = (uint32_t)uniq[u];
             }
             if (rc == KV_OK && n_zero) {
@@ -1142,7 +1133,7 @@ int kv_table_apply_refs(kv_table_t *t, const int64_t *keys, const uint32_t *ref,
     if (step < 1) return KV_EINVAL;
     if (n_missing) *n_missing = 0;
     if (n == 0) return KV_OK;
-    if (!all_finite(grads, (size_t)n * (size_t)t->dim)) return KV_ENONFINITE;
+    if (!kv_all_finite(grads, (size_t)n * (size_t)t->dim)) return KV_ENONFINITE;
     pthread_rwlock_wrlock(&t->lock);
     /* the refs name live rows of their keys while nothing was freed; a ref past the
      * arena's used ids cannot come from this generation either */
@@ -1210,8 +1201,8 @@ int kv_table_import(kv_table_t *t, const int64_t *keys, int64_t n, const float *
     if (check_batch(t, keys, n) != KV_OK || (n > 0 && !values)) return KV_EINVAL;
     if (n == 0) return KV_OK;
     size_t d = (size_t)t->dim, s = (size_t)t->nslot;
-    if (!all_finite(values, (size_t)n * d)) return KV_ENONFINITE;
-    if (slots && !all_finite(slots, (size_t)n * s)) return KV_ENONFINITE;
+    if (!kv_all_finite(values, (size_t)n * d)) return KV_ENONFINITE;
+    if (slots && !kv_all_finite(slots, (size_t)n * s)) return KV_ENONFINITE;
     uint32_t *ids = kv_malloc((size_t)n * sizeof(uint32_t));
     if (!ids) return KV_ENOMEM;
     pthread_rwlock_wrlock(&t->lock);
