@@ -362,17 +362,18 @@ class AllToAllHandle:
         if hdr is not None:  # the header: extra columns, the same to every rank
             sc = np.concatenate([sc, np.broadcast_to(hdr, (comm.size, hdr.size))], axis=1)
         self._hdr_cols = 0 if hdr is None else hdr.size
-        self._recv_all = np.empty_like(sc)
+        self._send_all = np.ascontiguousarray(sc)  # MPI reads it until the counts are in
+        self._recv_all = np.empty_like(self._send_all)
         self._recv_counts = self._recv_all[:, :k]
         MPI = _mpi()
         w = sc.shape[1]
-        self._req = comm._comm.Ialltoall([np.ascontiguousarray(sc), w, MPI.INT64_T],
+        self._req = comm._comm.Ialltoall([self._send_all, w, MPI.INT64_T],
                                          [self._recv_all, w, MPI.INT64_T])
 
     def _counts_in(self) -> None:
         if self._req is not None:
             self._c.wait(self._req, self._op + ":counts")
-            self._req = None
+            self._req = self._send_all = None
             k = self._send_counts.shape[1]
             self._recv_counts = np.ascontiguousarray(self._recv_all[:, :k])
             if self._hdr_cols:
@@ -399,7 +400,9 @@ class AllToAllHandle:
         dt = _mpi_type(self._send.dtype)
         send = self._send if self._send.size else np.zeros(1, self._send.dtype)
         rbuf = recv if recv.size else np.zeros(1, recv.dtype)
-        self._payload = (c._comm.Ialltoallv([send, (sc, sd), dt], [rbuf, (rc, rd), dt]), recv)
+        req = c._comm.Ialltoallv([send, (sc, sd), dt], [rbuf, (rc, rd), dt])
+        # MPI reads and writes these until the request completes: keep them alive
+        self._payload = (req, recv, (send, rbuf, sc, sd, rc, rd))
 
     def wait(self):
         if self._result is not None:
@@ -407,7 +410,7 @@ class AllToAllHandle:
         self._counts_in()
         if self._payload is None:
             self._post_payload()
-        req, recv = self._payload
+        req, recv, _ = self._payload
         self._c.wait(req, self._op)
         counts = self._recv_counts[:, 0] if self._flat else self._recv_counts
         self._result = (recv, counts)

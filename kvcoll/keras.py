@@ -440,13 +440,13 @@ class Trainer:
         if n_local:
             if flat is not None:
                 self._set_dense(flat)
-            loss_sum, dense_np, group_np, finite = self._compute(batch, pulled)
+            grouped = Pull.from_tables(pulled)
+            loss_sum, dense_np, group_np, finite = self._compute(batch, grouped)
             if not finite:
                 raise NonFiniteError(
                     f"rank {self.comm.rank}, step {step}: the loss or a gradient is NaN/Inf; "
                     "nothing was pushed (lower the learning rate or check the inputs)")
             scale = np.float32(1.0 / (n_local * self.comm.size))
-            grouped = Pull.from_tables(pulled)
             row_np = {t: grouped.table_rows(t, group_np) * scale for t in pulled}
             dense_np = dense_np * scale
         else:

@@ -112,3 +112,44 @@ def test_point_to_point_ring_in_order_and_timeout(comm):
         c.recv(left, 5, op="quiet", timeout=0.2)
     comm.barrier()
     c.free()
+
+
+def test_alltoallv_header_rides_with_the_counts(comm):
+    """Every rank's header arrives with the counts; the ranks can then agree to stop
+    before the payload (never posted) or go on with it."""
+    world, me = comm.size, comm.rank
+    plan = sends(world, seed=2)
+    send = np.concatenate(plan[me]).astype(np.int64).reshape(-1, 2)
+    counts = [len(x) for x in plan[me]]
+    h = comm.alltoallv(send, counts, op="hdr:stop", header=[me, 7, -me])
+    headers = h.headers()
+    assert headers.tolist() == [[s, 7, -s] for s in range(world)]
+    # all agree to stop here: the next all-to-all still matches up on every rank
+    h = comm.alltoallv(send, counts, op="hdr:go", header=np.array([1], np.int64))
+    assert h.headers()[:, 0].tolist() == [1] * world
+    recv, rc = h.wait()
+    assert rc.tolist() == [len(plan[s][me]) for s in range(world)]
+    np.testing.assert_array_equal(
+        recv, np.concatenate([plan[s][me] for s in range(world)]).reshape(-1, 2))
+    with pytest.raises(CommError, match="header needs the counts phase"):
+        comm.alltoallv(send, counts, recv_counts=counts, header=[1])
+    with pytest.raises(CommError, match="no header was sent"):
+        comm.alltoallv(send, counts).headers()
+    comm.barrier()
+
+
+def test_iallreduce_overlaps_an_alltoallv(comm):
+    """A posted all-to-all and an allreduce started after it complete in either wait
+    order, with the results of the blocking calls."""
+    world, me = comm.size, comm.rank
+    plan = sends(world, seed=3)
+    send = np.concatenate(plan[me]).astype(np.int64).reshape(-1, 2)
+    counts = [len(x) for x in plan[me]]
+    known = [len(plan[s][me]) for s in range(world)]
+    a2a = comm.alltoallv(send, counts, recv_counts=known)
+    red = comm.iallreduce(np.array([me + 1.5, 1.0], np.float64))
+    total = red.wait()
+    recv, _ = a2a.wait()
+    assert total.tolist() == [sum(s + 1.5 for s in range(world)), float(world)]
+    np.testing.assert_array_equal(
+        recv, np.concatenate([plan[s][me] for s in range(world)]).reshape(-1, 2))
