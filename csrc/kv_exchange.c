@@ -302,10 +302,9 @@ static int check_groups(int32_t ntab, int32_t world, const int64_t *counts, cons
 }
 
 /* Copy between a payload (layout of counts) and group matrices: to_groups, payload
- * -> mats[g]; else scale * mats[g] -> payload. */
+ * -> mats[g]; else mats[g] -> payload. */
 static int xgroup(int32_t ntab, int32_t world, const int64_t *counts, const int32_t *dims,
-                  const int32_t *group, float *const *mats, float *payload, int to_groups,
-                  float scale) {
+                  const int32_t *group, float *const *mats, float *payload, int to_groups) {
     if (!check_groups(ntab, world, counts, dims, group) || !mats || !payload) return KV_EINVAL;
     size_t at = 0;
     int64_t *g = kv_calloc((size_t)ntab, sizeof(int64_t));
@@ -317,7 +316,7 @@ static int xgroup(int32_t ntab, int32_t world, const int64_t *counts, const int3
             if (to_groups)
                 memcpy(m, payload + at, n * sizeof(float));
             else
-                for (size_t e = 0; e < n; e++) payload[at + e] = scale * m[e];
+                memcpy(payload + at, m, n * sizeof(float));
             g[group[t]] += (int64_t)n;
             at += n;
         }
@@ -327,11 +326,10 @@ static int xgroup(int32_t ntab, int32_t world, const int64_t *counts, const int3
 
 int kv_xregroup(int32_t ntab, int32_t world, const int64_t *counts, const int32_t *dims,
                 const int32_t *group, const float *payload, float *const *out) {
-    return xgroup(ntab, world, counts, dims, group, out, (float *)(uintptr_t)payload, 1, 1.0f);
+    return xgroup(ntab, world, counts, dims, group, out, (float *)(uintptr_t)payload, 1);
 }
 
 int kv_xungroup(int32_t ntab, int32_t world, const int64_t *counts, const int32_t *dims,
-                const int32_t *group, const float *const *in, float scale, float *payload) {
-    return xgroup(ntab, world, counts, dims, group, (float *const *)(uintptr_t)in, payload, 0,
-                  scale);
+                const int32_t *group, const float *const *in, float *payload) {
+    return xgroup(ntab, world, counts, dims, group, (float *const *)(uintptr_t)in, payload, 0);
 }

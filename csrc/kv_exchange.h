@@ -96,13 +96,13 @@ int kv_xapply(kv_table_t *const *tables, int32_t ntab, int32_t world, const int6
 
 /*
  * Payload rows (layout above, dims[t] floats per row) <-> one matrix per group:
- * kv_xregroup copies payload -> out[g], kv_xungroup copies (scale *) in[g] -> payload.
+ * kv_xregroup copies payload -> out[g], kv_xungroup copies in[g] -> payload.
  * out[g]/in[g] hold group g's rows, dim of its tables wide (groups[t] as kv_xplan's).
  * Returns KV_OK or KV_EINVAL.
  */
 int kv_xregroup(int32_t ntab, int32_t world, const int64_t *counts, const int32_t *dims,
                 const int32_t *group, const float *payload, float *const *out);
 int kv_xungroup(int32_t ntab, int32_t world, const int64_t *counts, const int32_t *dims,
-                const int32_t *group, const float *const *in, float scale, float *payload);
+                const int32_t *group, const float *const *in, float *payload);
 
 #endif

@@ -818,14 +818,14 @@ class TableSet:
                                ffi.new("float *[]", [ffi.cast("float *", b) for b in bufs])),
                "exchange: regroup")
 
-    def ungroup(self, counts: np.ndarray, mats: list, scale: float, payload: np.ndarray) -> None:
-        """scale * the group matrices mats[g] into payload (layout of counts)."""
+    def ungroup(self, counts: np.ndarray, mats: list, payload: np.ndarray) -> None:
+        """The group matrices mats[g] into payload (layout of counts)."""
         bufs = [ffi.from_buffer(m) for m in mats]
         _check(lib.kv_xungroup(len(self.tables), counts.shape[0],
                                _ptr("int64_t *", np.ascontiguousarray(counts, np.int64)),
                                _ptr("int32_t *", self.dims), _ptr("int32_t *", self.group),
                                ffi.new("float *[]", [ffi.cast("float *", b) for b in bufs]),
-                               float(scale), _ptr("float *", payload)),
+                               _ptr("float *", payload)),
                "exchange: ungroup")
 
 

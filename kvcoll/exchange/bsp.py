@@ -57,7 +57,8 @@ class Pull(Mapping):
         rows[group[t]]. As a mapping, pull[t] is table t's Pulled (uniq, inverse, rows,
         counts), built on demand (a copy).
 
-    upos (flat, table after table) gives each table's unique ids' rows, n_unique and
+    upos (flat, table after table; None where blocks give each table one block of rows)
+    gives each table's unique ids' rows, n_unique and
     n_given the unique and given ids per table; counts, send_ids and inverse are the
     plan's (kv_xplan), from which the per-table form is rebuilt."""
 
@@ -88,9 +89,8 @@ class Pull(Mapping):
             rows.setdefault(g, []).append(p.rows)
         rows = {g: _joined(parts) for g, parts in rows.items()}
         pos = {t: p.inverse + blocks[t][0] for t, p in pulled.items()}
-        upos = np.concatenate([np.arange(a, b) for a, b in blocks.values()] or [np.zeros(0)])
         self = cls(list(pulled), [group_key(p.rows.shape[1]) for p in pulled.values()], rows,
-                   pos, upos.astype(np.int64), [p.rows.shape[0] for p in pulled.values()],
+                   pos, None, [p.rows.shape[0] for p in pulled.values()],
                    [p.inverse.size for p in pulled.values()], blocks=blocks)
         self._cache = dict(pulled)
         return self
@@ -130,6 +130,8 @@ class Pull(Mapping):
 
     def table_slice(self, name: str) -> np.ndarray:
         """The rows (in the group matrix) of table `name`'s unique ids, in uniq order."""
+        if name in self._blocks:
+            return np.arange(*self._blocks[name])
         t = self.names.index(name)
         return self._upos[self._ustart[t]:self._ustart[t + 1]]
 
@@ -226,7 +228,7 @@ class BspExchange:
             send = np.ascontiguousarray(mats[0]).reshape(-1)
         else:
             send = np.empty(int((counts * dims).sum()), np.float32)
-            self._set.ungroup(counts, [np.ascontiguousarray(m) for m in mats], 1.0, send)
+            self._set.ungroup(counts, [np.ascontiguousarray(m) for m in mats], send)
         state, self._served = self._served, None
         recv_counts = state[0]
         handle = self.comm.alltoallv(send, (counts * dims).sum(axis=1), op="push:grads",
