@@ -47,7 +47,7 @@ from .config import BSP, StepMode
 from .errors import CommError, InvalidArgumentError, NonFiniteError
 from .exchange import BspExchange, SspExchange
 from ._buffers import aligned_empty
-from .exchange.bsp import Pull, group_key
+from .exchange.bsp import group_key
 from .table import KvTable, hash_strings
 
 __all__ = ["Embedding", "DistributedOptimizer", "Trainer", "broadcast_variables"]
@@ -440,18 +440,17 @@ class Trainer:
         if n_local:
             if flat is not None:
                 self._set_dense(flat)
-            grouped = Pull.from_tables(pulled)
-            loss_sum, dense_np, group_np, finite = self._compute(batch, grouped)
+            loss_sum, dense_np, group_np, finite = self._compute(batch, pulled)
             if not finite:
                 raise NonFiniteError(
                     f"rank {self.comm.rank}, step {step}: the loss or a gradient is NaN/Inf; "
                     "nothing was pushed (lower the learning rate or check the inputs)")
             scale = np.float32(1.0 / (n_local * self.comm.size))
-            row_np = {t: grouped.table_rows(t, group_np) * scale for t in pulled}
+            row_np = {g: m * scale for g, m in group_np.items()}
             dense_np = dense_np * scale
         else:
             loss_sum, dense_np = 0.0, None
-            row_np = {t: np.zeros_like(p.rows) for t, p in pulled.items()}
+            row_np = {g: np.zeros_like(m) for g, m in pulled.rows.items()}
         t3 = time.perf_counter()
         ex.push(row_np, dense_np, step)
         t4 = time.perf_counter()
@@ -606,8 +605,6 @@ class Trainer:
         positions, -1 padded}; "dense": {input: values}}, and the rows: one float32
         matrix per dim (a pull's rows, see kvcoll.exchange.bsp.Pull). A position indexes
         its table's dim matrix."""
-        if not isinstance(pulled, Pull):
-            pulled = Pull.from_tables(pulled)
         n = batch["n"]
         ids = aligned_empty(len(self._single) * n, np.int64)
         multi, at = {}, dict.fromkeys(pulled.pos, 0)

@@ -53,47 +53,43 @@ class Pull(Mapping):
     """What a pull returns: the rows of every table's ids on this rank.
 
     rows[g]: one float32 matrix per dim group g (group_key(dim)), the rows of every
-        table of that dim; pos[t]: for each id table t was given (in order), its row in
-        rows[group[t]]. As a mapping, pull[t] is table t's Pulled (uniq, inverse, rows,
-        counts), built on demand (a copy).
+        table of that dim, owner after owner, then table after table (the layout of
+        the reply payload: with one group, rows[g] IS the payload); pos[t]: for each id
+        table t was given (in order), its row in rows[group[t]]. As a mapping, pull[t]
+        is table t's Pulled (uniq, inverse, rows, counts), built on demand (a copy).
 
-    upos (flat, table after table; None where blocks give each table one block of rows)
-    gives each table's unique ids' rows, n_unique and
-    n_given the unique and given ids per table; counts, send_ids and inverse are the
-    plan's (kv_xplan), from which the per-table form is rebuilt."""
+    Built from the sender's plan (TableSet.plan: send_ids, counts (world, tables),
+    inverse, upos, pos, n_unique) and the received rows payload."""
 
-    def __init__(self, names, group, rows, pos, upos, n_unique, n_given, counts=None,
-                 send_ids=None, inverse=None, blocks=None):
+    def __init__(self, tset: TableSet, names, n_given, payload: np.ndarray, plan):
+        send, counts, inverse, upos, pos, nu = plan
         self.names = list(names)
-        self.group = dict(zip(self.names, group))
-        self.rows = rows
-        self.pos = pos
+        self._tset = tset
+        self._gkeys = [group_key(d) for d in tset.group_dims]
+        self.group = {n: self._gkeys[g] for n, g in zip(self.names, tset.group)}
         self.counts = counts
+        self.rows = self._grouped(payload)
+        self._gstart = np.zeros(len(self.names) + 1, np.int64)
+        np.cumsum(n_given, out=self._gstart[1:])
+        at = self._gstart
+        self.pos = {n: pos[at[t]:at[t + 1]] for t, n in enumerate(self.names)}
         self._upos = upos
-        self._ustart = np.concatenate([[0], np.cumsum(n_unique)]).astype(np.int64)
-        self._gstart = np.concatenate([[0], np.cumsum(n_given)]).astype(np.int64)
-        self._send, self._inverse = send_ids, inverse
-        self._blocks = blocks or {}  # table -> (a, b): its rows are rows[g][a:b]
+        self._ustart = np.zeros(len(self.names) + 1, np.int64)
+        np.cumsum(nu, out=self._ustart[1:])
+        self._send, self._inverse = send, inverse
+        self.headers = None
         self._cache = {}
 
-    @classmethod
-    def from_tables(cls, pulled: dict[str, Pulled]) -> "Pull":
-        """The grouped form of per-table pulls (SSP/ASP): each group's tables' rows one
-        after another."""
-        used, blocks, rows = {}, {}, {}
-        for t, p in pulled.items():
-            g = group_key(p.rows.shape[1])
-            a = used.get(g, 0)
-            used[g] = a + p.rows.shape[0]
-            blocks[t] = (a, used[g])
-            rows.setdefault(g, []).append(p.rows)
-        rows = {g: _joined(parts) for g, parts in rows.items()}
-        pos = {t: p.inverse + blocks[t][0] for t, p in pulled.items()}
-        self = cls(list(pulled), [group_key(p.rows.shape[1]) for p in pulled.values()], rows,
-                   pos, None, [p.rows.shape[0] for p in pulled.values()],
-                   [p.inverse.size for p in pulled.values()], blocks=blocks)
-        self._cache = dict(pulled)
-        return self
+    def _grouped(self, payload: np.ndarray) -> dict[str, np.ndarray]:
+        """The received rows as one matrix per group: the payload itself with one group."""
+        tset = self._tset
+        if len(self._gkeys) == 1:
+            return {self._gkeys[0]: payload.reshape(-1, int(tset.group_dims[0]))}
+        n = [int(self.counts[:, tset.group == g].sum()) for g in range(len(self._gkeys))]
+        mats = [aligned_empty(k * d, np.float32).reshape(k, d)
+                for k, d in zip(n, tset.group_dims)]
+        tset.regroup(self.counts, payload, mats)
+        return dict(zip(self._gkeys, mats))
 
     def __getitem__(self, name: str) -> Pulled:
         if name not in self._cache:
@@ -120,20 +116,49 @@ class Pull(Mapping):
 
     def table_rows(self, name: str, mats: dict) -> np.ndarray:
         """Table `name`'s rows, in its uniq order, of matrices shaped like self.rows
-        (the rows themselves, or their gradients): a view where they are one block."""
-        g = self.group[name]
-        if name in self._blocks:
-            a, b = self._blocks[name]
-            return mats[g][a:b]
-        t = self.names.index(name)
-        return mats[g][self._upos[self._ustart[t]:self._ustart[t + 1]]]
+        (the rows themselves, or their gradients)."""
+        return mats[self.group[name]][self.table_slice(name)]
 
     def table_slice(self, name: str) -> np.ndarray:
         """The rows (in the group matrix) of table `name`'s unique ids, in uniq order."""
-        if name in self._blocks:
-            return np.arange(*self._blocks[name])
         t = self.names.index(name)
         return self._upos[self._ustart[t]:self._ustart[t + 1]]
+
+    def payload_of(self, grads: dict) -> np.ndarray:
+        """A gradient of these rows as the float32 payload the owners take (the layout
+        of the rows that came back). grads: per group, matrices shaped like rows[g]
+        (with one group, its matrix is the payload, no copy); or per table, (len(uniq),
+        dim) as its Pulled rows."""
+        mats = self._group_grads(grads)
+        if len(mats) == 1:
+            return np.ascontiguousarray(mats[0]).reshape(-1)
+        send = np.empty(sum(m.size for m in mats), np.float32)
+        self._tset.ungroup(self.counts, [np.ascontiguousarray(m) for m in mats], send)
+        return send
+
+    def _group_grads(self, grads: dict) -> list[np.ndarray]:
+        """The gradient as one float32 matrix per group, checked against the rows."""
+        if set(grads) == set(self.rows):
+            out = []
+            for g in self._gkeys:
+                m = np.asarray(grads[g])
+                if m.shape != self.rows[g].shape:
+                    raise ValueError(f"push: group {g!r}: gradient shape {m.shape}, expected "
+                                     f"{self.rows[g].shape}")
+                out.append(m if m.dtype == np.float32 else m.astype(np.float32))
+            return out
+        if set(grads) != set(self.names):
+            raise ValueError(f"push: gradients must be given per table {self.names} or per "
+                             f"group {self._gkeys}, got {sorted(grads)}")
+        mats = {g: np.empty_like(m) for g, m in self.rows.items()}
+        for t, n in enumerate(self.names):
+            g = np.asarray(grads[n], np.float32)
+            rows = self.table_slice(n)
+            want = (rows.size, int(self._tset.dims[t]))
+            if g.shape != want:
+                raise ValueError(f"push: table {n!r}: gradient shape {g.shape}, expected {want}")
+            mats[self.group[n]][rows] = g
+        return [mats[g] for g in self._gkeys]
 
 
 class BspExchange:
@@ -149,7 +174,6 @@ class BspExchange:
         self._names = list(self.tables)
         self._set = TableSet([self.tables[n] for n in self._names])
         self._dims = self._set.dims.astype(np.int64)
-        self._gkeys = [group_key(d) for d in self._set.group_dims]
         self._served = None  # what this rank served in the last pull, for push
         self._pulled = None
         self.table_seconds = 0.0  # time spent in the tables' C calls (lookups, updates)
@@ -171,7 +195,8 @@ class BspExchange:
             raise ValueError(f"pull: ids must name every table exactly; unknown {unknown}, "
                              f"missing {missing}")
         given = [np.ascontiguousarray(ids[n], np.int64) for n in self._names]
-        send, counts, inverse, upos, pos, nu = self._set.plan(given, world)
+        plan = self._set.plan(given, world)
+        send, counts = plan[0], plan[1]
         handle = self.comm.alltoallv(send, counts, op="pull:ids", header=header)
         headers = None if header is None else handle.headers()
         if proceed is not None and not proceed(headers):
@@ -186,26 +211,11 @@ class BspExchange:
             self._served = state
         got, _ = self.comm.alltoallv(reply, (recv_counts * dims).sum(axis=1), op="pull:rows",
                                      recv_counts=(counts * dims).sum(axis=1)).wait()
-        rows = self._grouped(got, counts)
-        at = np.zeros(len(given) + 1, np.int64)
-        np.cumsum([a.size for a in given], out=at[1:])
-        out = Pull(self._names, [self._gkeys[g] for g in self._set.group], rows,
-                   {n: pos[at[t]:at[t + 1]] for t, n in enumerate(self._names)},
-                   upos, nu, np.diff(at), counts, send, inverse)
+        out = Pull(self._set, self._names, [a.size for a in given], got, plan)
         out.headers = headers
         if create:
             self._pulled = out
         return out
-
-    def _grouped(self, got: np.ndarray, counts: np.ndarray) -> dict[str, np.ndarray]:
-        """The received rows as one matrix per group: the payload itself with one group."""
-        if len(self._gkeys) == 1:
-            return {self._gkeys[0]: got.reshape(-1, int(self._set.group_dims[0]))}
-        n = [int(counts[:, self._set.group == g].sum()) for g in range(len(self._gkeys))]
-        mats = [aligned_empty(k * d, np.float32).reshape(k, d)
-                for k, d in zip(n, self._set.group_dims)]
-        self._set.regroup(counts, got, mats)
-        return dict(zip(self._gkeys, mats))
 
     def push(self, grads: dict[str, np.ndarray], step: int, scale: float = 1.0) -> None:
         """Send scale * d(loss)/d(rows) of the last pull back to the owners and apply
@@ -222,42 +232,12 @@ class BspExchange:
         if self._served is None:
             raise RuntimeError("push() needs a pull() first")
         pulled, dims = self._pulled, self._dims
-        mats = self._group_grads(grads, pulled)
-        counts = pulled.counts
-        if len(mats) == 1:  # the gradient of the rows is the payload (scaled by the owners)
-            send = np.ascontiguousarray(mats[0]).reshape(-1)
-        else:
-            send = np.empty(int((counts * dims).sum()), np.float32)
-            self._set.ungroup(counts, [np.ascontiguousarray(m) for m in mats], send)
+        send = pulled.payload_of(grads)  # the owners scale it
         state, self._served = self._served, None
         recv_counts = state[0]
-        handle = self.comm.alltoallv(send, (counts * dims).sum(axis=1), op="push:grads",
+        handle = self.comm.alltoallv(send, (pulled.counts * dims).sum(axis=1), op="push:grads",
                                      recv_counts=(recv_counts * dims).sum(axis=1))
         return PushHandle(self, handle, state)
-
-    def _group_grads(self, grads: dict, pulled: Pull) -> list[np.ndarray]:
-        """The gradient as one float32 matrix per group, checked against the pull."""
-        if set(grads) == set(pulled.rows):
-            out = []
-            for g in self._gkeys:
-                m = np.asarray(grads[g])
-                if m.shape != pulled.rows[g].shape:
-                    raise ValueError(f"push: group {g!r}: gradient shape {m.shape}, expected "
-                                     f"{pulled.rows[g].shape}")
-                out.append(m if m.dtype == np.float32 else m.astype(np.float32))
-            return out
-        if set(grads) != set(self._names):
-            raise ValueError(f"push: gradients must be given per table {self._names} or per "
-                             f"group {self._gkeys}, got {sorted(grads)}")
-        mats = {g: np.empty_like(m) for g, m in pulled.rows.items()}
-        for t, n in enumerate(self._names):
-            g = np.asarray(grads[n], np.float32)
-            rows = pulled.table_slice(n)
-            want = (rows.size, int(self._dims[t]))
-            if g.shape != want:
-                raise ValueError(f"push: table {n!r}: gradient shape {g.shape}, expected {want}")
-            mats[pulled.group[n]][rows] = g
-        return [mats[g] for g in self._gkeys]
 
 
 class PushHandle:
@@ -275,21 +255,3 @@ class PushHandle:
             self._ex._set.apply(self._state, np.ascontiguousarray(got, np.float32), step, scale)
             self._ex.table_seconds += time.perf_counter() - t0
 
-
-def _joined(parts: list) -> np.ndarray:
-    """Row matrices as one: a view when they lie back to back in one buffer, else a
-    copy (64-byte aligned, for TensorFlow)."""
-    owner, ptr = parts[0].base, parts[0].ctypes.data
-    for p in parts:
-        if owner is None or p.base is not owner or not p.flags.c_contiguous \
-                or p.ctypes.data != ptr:
-            break
-        ptr += p.nbytes
-    else:
-        if owner.flags.c_contiguous:
-            off = parts[0].ctypes.data - owner.ctypes.data
-            flat = owner.reshape(-1).view(np.uint8)[off:off + (ptr - parts[0].ctypes.data)]
-            return flat.view(parts[0].dtype).reshape(-1, parts[0].shape[1])
-    out = aligned_empty(sum(p.size for p in parts), np.float32).reshape(-1, parts[0].shape[1])
-    np.concatenate(parts, out=out)
-    return out

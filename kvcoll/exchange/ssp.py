@@ -54,9 +54,9 @@ import numpy as np
 
 from ..comm import SPIN, Comm
 from ..errors import CommError, CommTimeoutError
-from ..table import KvTable, apply_rows, init_slots, unique_partition
+from ..table import KvTable, TableSet, apply_rows, init_slots
 from .._buffers import aligned_empty
-from .bsp import Pulled
+from .bsp import Pull
 
 __all__ = ["SspExchange"]
 
@@ -75,17 +75,6 @@ class _Trace:
     staleness: int     # step - 1 - slowest clock the owners had seen when they served
     t_start: float     # time.time() after the gate
     t_end: float = 0.0  # time.time() when its pushes were posted
-
-
-def _table_rows(shapes: dict) -> dict:
-    """Empty row matrices, one per table, back to back in one aligned buffer (so the
-    Trainer hands them to TensorFlow as one block without a copy)."""
-    buf = aligned_empty(sum(n * d for n, d in shapes.values()), np.float32)
-    out, at = {}, 0
-    for name, (n, d) in shapes.items():
-        out[name] = buf[at:at + n * d].reshape(n, d)
-        at += n * d
-    return out
 
 
 def _pack(header, ints=(), floats=()) -> np.ndarray:
@@ -130,6 +119,8 @@ class SspExchange:
         self.comm = comm
         self.tables = dict(tables)
         self._names = list(self.tables)
+        self._set = TableSet([self.tables[n] for n in self._names])
+        self._dims = self._set.dims.astype(np.int64)
         self.staleness = staleness
         world, rank = comm.size, comm.rank
         self._world, self._rank = world, rank
@@ -152,14 +143,14 @@ class SspExchange:
         self._stop = False
         # Worker side (training thread only).
         self._sends: collections.deque = collections.deque()
-        self._last: dict[str, Pulled] | None = None   # the last pull, for push
+        self._last: Pull | None = None   # the last pull, for push
         self.trace: list[_Trace] = []
         self.staleness_observed = 0
         self.max_lead = 0
         self.pushes_applied = 0   # service side: pushes applied here (rows or dense)
-        # Owner side: where each served pull found its rows, by (worker, step), until
-        # that push arrives (apply_gradients_ref then needs no lookup).
-        self._refs: dict[tuple[int, int], list[np.ndarray]] = {}
+        # Owner side: what each served pull found (TableSet.serve's state: the rows, to
+        # apply that push at without a lookup), by (worker, step), until the push.
+        self._served: dict[tuple[int, int], tuple] = {}
         self._thread = threading.Thread(target=self._serve, name=f"kvcoll-service-{rank}",
                                          daemon=True)
         self._thread.start()
@@ -229,42 +220,35 @@ class SspExchange:
              create: bool = True):
         """Rows of every table's ids (created if new, with create) and, with dense, the
         whole dense vector, as served by the owners under the staleness rule.
-        Returns ({table: Pulled}, dense flat or None)."""
-        world = self._world
+        Returns (Pull, dense flat or None): the rows in the layout of a BSP pull (owner
+        after owner, then table after table)."""
+        world, me = self._world, self._rank
         if set(ids) != set(self._names):
             raise ValueError(f"pull: ids must name every table exactly; got {sorted(ids)}, "
                              f"tables {self._names}")
-        parts = {n: unique_partition(ids[n], world) for n in self._names}
-        counts = np.stack([parts[n][2] for n in self._names], axis=1) \
-            if self._names else np.zeros((world, 0), np.int64)  # (world, T)
-        starts = np.zeros((world + 1, len(self._names)), np.int64)
-        np.cumsum(counts, axis=0, out=starts[1:])
+        given = [np.ascontiguousarray(ids[n], np.int64) for n in self._names]
+        plan = self._set.plan(given, world)
+        send, counts = plan[0], plan[1]                     # ids by owner, then table
+        id_at, fl_at = self._offsets(counts)
         flags = (_F_CREATE if create else 0) | (_F_DENSE if dense and self.dense_size else 0)
         owners = []
         for r in range(world):
             has_dense = bool(flags & _F_DENSE) and self._bounds[r + 1] > self._bounds[r]
-            if r == self._rank or (not has_dense and not counts[r].any()):
+            if r == me or (not has_dense and not counts[r].any()):
                 continue
-            rids = [parts[n][0][starts[r, t]:starts[r + 1, t]] for t, n in enumerate(self._names)]
             msg = _pack([_PULL, step, flags if has_dense else flags & ~_F_DENSE, 0],
-                        [counts[r], *rids])
+                        [counts[r], send[id_at[r]:id_at[r + 1]]])
             self._send(self._req, msg, r, "ssp:pull")
             owners.append(r)
-        rows = _table_rows({n: (parts[n][0].size, self.tables[n].dim) for n in self._names})
+        payload = aligned_empty(int(fl_at[-1]), np.float32)
         flat = np.empty(self.dense_size, np.float32) if flags & _F_DENSE else None
         # This rank's own share, served here while the peers work on theirs: the gate
         # (wait_turn) has already checked, on this owner's clocks, what serving needs.
-        me, lo, hi = self._rank, self._bounds[self._rank], self._bounds[self._rank + 1]
-        refs = []
-        for t, n in enumerate(self._names):
-            mine = parts[n][0][starts[me, t]:starts[me + 1, t]]
-            out = rows[n][starts[me, t]:starts[me + 1, t]]
-            if create:
-                refs.append(self.tables[n].find_or_create_ref(mine, step=step, out=out)[1])
-            elif mine.size:
-                self.tables[n].find(mine, out=out)
+        lo, hi = self._bounds[me], self._bounds[me + 1]
+        state = self._set.serve(send[id_at[me]:id_at[me + 1]], counts[me:me + 1], step, create,
+                                payload[fl_at[me]:fl_at[me + 1]])
         if create:
-            self._refs[(me, step)] = refs
+            self._served[(me, step)] = state
         with self._cv:
             self._check()
             if flat is not None and hi > lo:
@@ -280,10 +264,7 @@ class SspExchange:
             rd = _Reader(buf)
             slow = int(rd.ints(1)[0])
             stale = max(stale, step - 1 - slow)
-            for t, n in enumerate(self._names):
-                k = int(counts[r, t])
-                rows[n][starts[r, t]:starts[r + 1, t]] = \
-                    rd.floats(k * self.tables[n].dim).reshape(k, self.tables[n].dim)
+            payload[fl_at[r]:fl_at[r + 1]] = rd.floats(int(fl_at[r + 1] - fl_at[r]))
             if flat is not None and self._bounds[r + 1] > self._bounds[r]:
                 flat[self._bounds[r]:self._bounds[r + 1]] = \
                     rd.floats(self._bounds[r + 1] - self._bounds[r])
@@ -291,44 +272,47 @@ class SspExchange:
         self.staleness_observed = max(self.staleness_observed, stale)
         if self.trace and self.trace[-1].step == step:
             self.trace[-1].staleness = stale
-        out = {n: Pulled(parts[n][0], parts[n][1], rows[n], parts[n][2]) for n in self._names}
-        self._last = out
+        out = Pull(self._set, self._names, [a.size for a in given], payload, plan)
+        self._last = out if create else None
         return out, flat
+
+    def _offsets(self, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Where each owner's ids and rows start in a pull's payloads (counts: (world,
+        tables))."""
+        id_at = np.zeros(self._world + 1, np.int64)
+        fl_at = np.zeros(self._world + 1, np.int64)
+        np.cumsum(counts.sum(axis=1), out=id_at[1:])
+        np.cumsum((counts * self._dims).sum(axis=1), out=fl_at[1:])
+        return id_at, fl_at
 
     def push(self, grads: dict[str, np.ndarray], dense_grad: np.ndarray | None, step: int) -> None:
         """Send the gradients of the last pull's rows (and of the dense vector) to their
         owners, and announce that this worker finished `step`. Does not wait for them
-        to be applied."""
-        world = self._world
-        last = self._last
-        counts = np.stack([last[n].counts for n in self._names], axis=1) if last and self._names \
-            else np.zeros((world, len(self._names)), np.int64)
-        starts = np.zeros((world + 1, len(self._names)), np.int64)
-        np.cumsum(counts, axis=0, out=starts[1:])
-        gs = []
-        for n in self._names:
-            g = np.zeros((0, self.tables[n].dim), np.float32) if last is None \
-                else np.ascontiguousarray(grads[n], np.float32)
-            want = (starts[-1, self._names.index(n)], self.tables[n].dim)
-            if g.shape != want:
-                raise ValueError(f"push: table {n!r}: gradient shape {g.shape}, expected {want}")
-            gs.append(g)
+        to be applied. grads: per group or per table, as for a BSP push (see
+        Pull.payload_of); the owners apply them as they are."""
+        world, last = self._world, self._last
+        if last is None:
+            if any(np.size(g) for g in grads.values()):
+                raise ValueError("push: row gradients without a pull (create=True) before")
+            counts = np.zeros((world, len(self._names)), np.int64)
+            payload = np.zeros(0, np.float32)
+        else:
+            counts, payload = last.counts, last.payload_of(grads)
+        _, fl_at = self._offsets(counts)
         if dense_grad is not None:
             dense_grad = np.ascontiguousarray(dense_grad, np.float32).reshape(-1)
             if dense_grad.size != self.dense_size:
                 raise ValueError(f"push: dense gradient of {dense_grad.size} values, "
                                  f"expected {self.dense_size}")
         for r in range(world):
-            rids = [last[n].uniq[starts[r, t]:starts[r + 1, t]] if last else np.zeros(0, np.int64)
-                    for t, n in enumerate(self._names)]
-            rg = [gs[t][starts[r, t]:starts[r + 1, t]] for t in range(len(self._names))]
+            rg = payload[fl_at[r]:fl_at[r + 1]]
             dg = dense_grad[self._bounds[r]:self._bounds[r + 1]] if dense_grad is not None \
                 else None
             if r == self._rank:  # this rank's own share: applied here, in order, at once
-                self._apply(r, step, rids, rg, dg)
+                self._apply(r, step, counts[r], rg, dg)
                 continue
-            msg = _pack([_PUSH, step, int(dg is not None), 0], [counts[r], *rids],
-                        [*rg, dg if dg is not None else np.zeros(0, np.float32)])
+            msg = _pack([_PUSH, step, int(dg is not None), 0], [counts[r]],
+                        [rg, dg if dg is not None else np.zeros(0, np.float32)])
             self._send(self._req, msg, r, "ssp:push")
         self._last = None
         if self.trace and self.trace[-1].step == step:
@@ -490,46 +474,40 @@ class SspExchange:
 
     def _answer(self, src, clock, flags, rd, slow, replies) -> None:
         counts = rd.ints(len(self._names))
-        out = [np.array([slow], np.int64).view(np.float32)]
-        refs = []
-        for t, n in enumerate(self._names):
-            ids = rd.ints(int(counts[t]))
-            table = self.tables[n]
-            if flags & _F_CREATE:
-                rows, ref = table.find_or_create_ref(ids, step=max(0, clock))
-                refs.append(ref)
-            else:
-                rows = table.find(ids)
-            out.append(rows.reshape(-1))
+        ids = rd.ints(int(counts.sum()))
+        n_rows = int((counts * self._dims).sum())
+        n_dense = self._bounds[self._rank + 1] - self._bounds[self._rank] \
+            if flags & _F_DENSE else 0
+        # the reply: [slow clock (int64)][rows (float32, served in place)][dense slice]
+        msg = np.empty(8 + 4 * (n_rows + n_dense), np.uint8)
+        msg[:8].view(np.int64)[0] = slow
+        body = msg[8:].view(np.float32)
+        state = self._set.serve(ids, counts.reshape(1, -1), max(0, clock),
+                                bool(flags & _F_CREATE), body[:n_rows])
         if flags & _F_CREATE:
-            self._refs[(src, clock)] = refs
-        if flags & _F_DENSE:
+            self._served[(src, clock)] = state
+        if n_dense:
             with self._cv:
-                out.append(self._master.reshape(-1).copy())
-        msg = np.concatenate([o.view(np.uint8) for o in out])
+                body[n_rows:] = self._master.reshape(-1)
         replies.append(self._rep.isend(msg, src, _TAG_REPLY, "ssp:reply"))
 
     def _apply_push(self, src, clock, has_dense, rd) -> None:
         counts = rd.ints(len(self._names))
-        ids = [rd.ints(int(c)) for c in counts]
-        grads = [rd.floats(int(k) * self.tables[n].dim).reshape(int(k), self.tables[n].dim)
-                 for k, n in zip(counts, self._names)]
+        grads = rd.floats(int((counts * self._dims).sum()))
         lo, hi = self._bounds[self._rank], self._bounds[self._rank + 1]
-        self._apply(src, clock, ids, grads, rd.floats(hi - lo) if has_dense else None)
+        self._apply(src, clock, counts, grads, rd.floats(hi - lo) if has_dense else None)
 
-    def _apply(self, src, clock, ids, grads, dense_grad) -> None:
+    def _apply(self, src, clock, counts, grads, dense_grad) -> None:
         """Apply worker src's push of step `clock` to this rank's rows and dense slice,
-        then record its clock (service thread for peers, training thread for itself)."""
-        refs = self._refs.pop((src, clock), None)  # where the pull found these rows
-        for t, n in enumerate(self._names):
-            if not ids[t].size:
-                continue
-            if refs is not None and refs[t].size == ids[t].size:
-                self.tables[n].apply_gradients_ref(ids[t], refs[t], grads[t], step=max(1, clock),
-                                                   create_missing=True, distinct=True)
-            else:
-                self.tables[n].apply_gradients(ids[t], grads[t], step=max(1, clock),
-                                               create_missing=True)
+        then record its clock (service thread for peers, training thread for itself).
+        The rows are those its pull found here (kv_xapply, no lookup); a row evicted
+        in between drops its gradient (counted in the table's dropped_grads)."""
+        state = self._served.pop((src, clock), None)
+        if counts.any():
+            if state is None:
+                raise CommError(f"rank {self._rank}: rank {src} pushed row gradients for step "
+                                f"{clock} without pulling those rows first")
+            self._set.apply(state, np.ascontiguousarray(grads, np.float32), max(1, clock))
         with self._cv:
             if dense_grad is not None:
                 lo, hi = self._bounds[self._rank], self._bounds[self._rank + 1]

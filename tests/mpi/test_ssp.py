@@ -145,6 +145,41 @@ def test_ssp_pull_reflects_every_update_up_to_t_minus_s_minus_1(comm, S):
     t.close()
 
 
+def test_push_per_group_equals_push_per_table_and_needs_a_pull(comm):
+    """A pull's rows come as one matrix per dim (owner after owner, as in BSP); pushing
+    their gradient per group updates the rows exactly as pushing it per table does.
+    Row gradients with no pull before are refused, and change nothing."""
+    world, rank = comm.size, comm.rank
+    results = []
+    for per_group in (False, True):
+        tables = make_tables()
+        ex = SspExchange(comm, tables, 0)
+        for step in (1, 2):
+            ex.wait_turn(step)
+            pulled, _ = ex.pull(ids_of(rank, step), step)
+            assert sorted(pulled.rows) == ["dim2", "dim3"]
+            grads = {n: grad_of(p.uniq, DIMS[n]) for n, p in pulled.items()}
+            if per_group:
+                mats = {g: np.zeros_like(m) for g, m in pulled.rows.items()}
+                for n, g in grads.items():
+                    mats[pulled.group[n]][pulled.table_slice(n)] = g
+                grads = mats
+            ex.push(grads, None, step)
+        ex.finish(2)
+        results.append({n: t.find(np.arange(-10, 50)) for n, t in tables.items()})
+        if per_group:
+            before = {n: t.find(np.arange(-10, 50)) for n, t in tables.items()}
+            with pytest.raises(ValueError, match="without a pull"):
+                ex.push({"dim3": np.ones((1, 3), np.float32)}, None, 3)
+            for n, t in tables.items():
+                assert np.array_equal(t.find(np.arange(-10, 50)), before[n])
+        ex.close()
+        for t in tables.values():
+            t.close()
+    for n in DIMS:
+        assert np.array_equal(results[0][n], results[1][n]), n
+
+
 def test_asp_nobody_waits_for_a_slow_rank(comm):
     world, rank = comm.size, comm.rank
     if world < 2:
