@@ -37,8 +37,12 @@ A worker's own share (the rows and the slice this rank owns) takes no message: t
 training thread reads it right after the gate, which has checked the same clocks the
 service thread would, and applies its own pushes itself before recording its clock.
 
-Owners apply row gradients with the table's row optimizer in C (the table locks per
-call: a row's value and its slots change together) and dense gradients to their slice
+Rows move with the BSP exchange's kernels (kvcoll.table.TableSet): a pull is planned
+in one C call (ids by owner, then table: the layout of a BSP pull, so the Trainer reads
+the rows as they come), an owner serves a request in one call straight into its reply
+and keeps what it found until that worker's push, which it applies there in one call
+(no lookup; the table locks per table: a row's value and its slots change together).
+Owners apply row gradients with the table's row optimizer, and dense gradients to their slice
 with the C kernel of the dense optimizer (only the service thread touches the slice).
 Nothing waits forever: every wait has a deadline and names the rank and operation.
 """
