@@ -38,12 +38,16 @@ def _inputs(num_fields: int, num_numeric: int):
 
 
 def _embed_all(ids: dict, dim: int, embed):
-    """Per field: [B, 1] first-order weight and [B, dim] vector, from one lookup."""
+    """Per field: [B, 1] first-order weight and [B, dim] vector, from one lookup.
+
+    One split per field, not two slices: the gradient of a split is one concat, where
+    each slice's gradient is a zero-filled [B, dim + 1] buffer written element by
+    element (at 26 fields the slices made a 2048-sample dense step 10% slower)."""
     first, vecs = [], []
     for f, x in ids.items():
-        e = embed(f, dim + 1)(x)                       # [B, dim + 1]
-        first.append(e[:, :1])
-        vecs.append(e[:, 1:])
+        w, v = ops.split(embed(f, dim + 1)(x), [1], axis=1)   # [B, 1], [B, dim]
+        first.append(w)
+        vecs.append(v)
     return first, vecs
 
 
