@@ -173,7 +173,7 @@ def limit(args, trainer, data, tf, world_comm):
     def one(i):
         inputs, rows, labels = batches[i % len(batches)]
         loss_sum, dense_flat, row_grads = trainer._train_fn(inputs, rows, labels)
-        dense_flat.numpy(), [g.numpy() for g in row_grads.values()]
+        dense_flat.numpy(), [t.numpy() for vi in row_grads.values() for t in vi]
         trainer._apply_dense(flat)
 
     for i in range(5):

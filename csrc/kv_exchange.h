@@ -14,7 +14,10 @@
  *   kv_xapply   owner: sum the gradients of an id sent by several sources and apply
  *               them at the rows the serve found (kv_table_apply_refs);
  *   kv_xregroup / kv_xungroup: move rows between the payload layout and one matrix
- *               per group of tables (tables of one dim), when there is more than one.
+ *               per group of tables (tables of one dim), when there is more than one;
+ *   kv_xrowgrad sender: the gradient of a group's rows matrix from the gradients of
+ *               the gathers the model made of it (TensorFlow's gather gradient, one
+ *               row per gathered position, summed here rather than by TensorFlow).
  *
  * Layouts. A payload of ntab tables from/to `world` ranks is a sequence of segments
  * (rank r, table t), r-major: counts[r * ntab + t] ids, or as many rows of dims[t]
@@ -104,5 +107,18 @@ int kv_xregroup(int32_t ntab, int32_t world, const int64_t *counts, const int32_
                 const int32_t *group, const float *payload, float *const *out);
 int kv_xungroup(int32_t ntab, int32_t world, const int64_t *counts, const int32_t *dims,
                 const int32_t *group, const float *const *in, float *payload);
+
+/*
+ * The gradient of a rows matrix from the gradient of gathers of it (what tf.gather's
+ * backward gives: one gradient row per gathered position):
+ *   out[r] = the sum, in order of i, of vals[i] over the i with idx[i] == r; zeros for
+ *            a row no position gathered
+ *   n_rows, dim      out is n_rows x dim floats (n_rows >= 0, dim >= 1)
+ *   vals, idx, n     n gradient rows of dim floats, and the row each belongs to
+ * Returns KV_OK, or KV_EINVAL (a bad size, a NULL buffer, an index outside
+ * [0, n_rows)), leaving out unchanged.
+ */
+int kv_xrowgrad(int64_t n_rows, int32_t dim, const float *vals, const int64_t *idx, int64_t n,
+                float *out);
 
 #endif

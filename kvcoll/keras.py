@@ -48,7 +48,7 @@ from .errors import CommError, InvalidArgumentError, NonFiniteError
 from .exchange import BspExchange, SspExchange
 from ._buffers import aligned_empty
 from .exchange.bsp import group_key
-from .table import KvTable, hash_strings
+from .table import KvTable, gather_grad, hash_strings
 
 __all__ = ["Embedding", "DistributedOptimizer", "Trainer", "broadcast_variables"]
 
@@ -473,7 +473,8 @@ class Trainer:
         loss_sum, dense_flat, row_grads = self._train_fn(inputs, rows, labels)
         loss_sum = float(loss_sum)
         dense_np = dense_flat.numpy()
-        group_np = {g: v.numpy() for g, v in row_grads.items()}
+        group_np = {g: gather_grad(v.numpy(), i.numpy(), pulled.rows[g].shape[0])
+                    for g, (v, i) in row_grads.items()}
         finite = bool(np.isfinite(loss_sum) and np.isfinite(dense_np).all()
                       and all(np.isfinite(v).all() for v in group_np.values()))
         return loss_sum, dense_np, group_np, finite
@@ -523,8 +524,7 @@ class Trainer:
         dense = tf.concat([tf.reshape(tf.convert_to_tensor(g), [-1]) if g is not None
                            else tf.zeros([int(np.prod(v.shape))], tf.float32)
                            for g, v in zip(grads, dense_vars)], axis=0)
-        row_grads = {k: tf.convert_to_tensor(g) if g is not None else tf.zeros_like(rows[k])
-                     for k, g in zip(rows, grads[len(dense_vars):])}
+        row_grads = {k: _gathered_grad(g, rows[k]) for k, g in zip(rows, grads[len(dense_vars):])}
         return loss_sum, dense, row_grads
 
     def _predict_impl(self, packed, rows):
@@ -623,6 +623,19 @@ class Trainer:
                  for name, arr in batch["dense"].items()}
         rows = {g: _tensor(m) for g, m in pulled.rows.items()}
         return {"ids": _tensor(ids), "multi": multi, "dense": dense}, rows
+
+
+def _gathered_grad(g, rows):
+    """A rows matrix's gradient as (values, int64 indices): one gradient row per
+    position the model gathered (tf.gather's backward), for kvcoll.table.gather_grad
+    to sum per row in C, which costs a fraction of TensorFlow's unsorted_segment_sum
+    over narrow rows. A dense gradient (not from gathers) is every row once; none is
+    no row."""
+    if isinstance(g, tf.IndexedSlices):
+        return g.values, tf.cast(g.indices, tf.int64)
+    if g is None:
+        return tf.zeros([0, rows.shape[1]], rows.dtype), tf.zeros([0], tf.int64)
+    return g, tf.range(tf.shape(rows, out_type=tf.int64)[0])
 
 
 def _tensor(arr: np.ndarray):

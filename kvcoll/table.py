@@ -33,6 +33,7 @@ import threading
 import numpy as np
 
 from . import errors, optimizers
+from ._buffers import aligned_empty
 
 try:
     from ._kvcoll_c import ffi, lib
@@ -827,6 +828,30 @@ class TableSet:
                                ffi.new("float *[]", [ffi.cast("float *", b) for b in bufs]),
                                _ptr("float *", payload)),
                "exchange: ungroup")
+
+
+def gather_grad(values: np.ndarray, indices: np.ndarray, n_rows: int) -> np.ndarray:
+    """The gradient of an (n_rows, dim) matrix from the gradient of gathers of it:
+    row r is the sum of values[i] over the i with indices[i] == r (zeros if none), in
+    order of i. values: (n, dim) float32, one row per gathered position (what
+    tf.gather's backward gives, as tf.IndexedSlices); indices: (n,) int64. The result
+    is 64-byte aligned (TensorFlow and the push take it without a copy).
+
+        values=[[1, 1], [2, 2], [3, 3]], indices=[2, 0, 2], n_rows=3
+        -> [[2, 2], [0, 0], [4, 4]]
+    """
+    v = np.ascontiguousarray(values, np.float32)
+    i = np.ascontiguousarray(indices, np.int64)
+    if v.ndim != 2 or i.shape != (v.shape[0],):
+        raise errors.InvalidArgumentError(
+            f"gather_grad: values must be (n, dim) and indices (n,), got {v.shape} and "
+            f"{i.shape}")
+    dim = v.shape[1]
+    out = aligned_empty(int(n_rows) * dim, np.float32).reshape(int(n_rows), dim)
+    _check(lib.kv_xrowgrad(int(n_rows), dim, _ptr("float *", v), _ptr("int64_t *", i),
+                           i.size, _ptr("float *", out)),
+           f"gather_grad: an index outside [0, {int(n_rows)}), or a bad size")
+    return out
 
 
 def owner_of(keys, world: int) -> np.ndarray:

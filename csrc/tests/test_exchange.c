@@ -12,7 +12,9 @@
  *     summed in the same order);
  *   - NaN gradients, bad arguments and failed allocations leave every table as it was
  *     (apply) or fail cleanly (plan, serve);
- *   - a row freed between serve and apply (generation change) is handled by key.
+ *   - a row freed between serve and apply (generation change) is handled by key;
+ *   - kv_xrowgrad sums gather gradients per row exactly as a plain loop does, for
+ *     the widths it specialises and others, and refuses bad indices.
  */
 #include <math.h>
 #include <string.h>
@@ -398,6 +400,46 @@ static void test_generation(void) {
     free_tables();
 }
 
+static void test_rowgrad(void) {
+    static const int32_t dims[] = {1, 3, 4, 8, 9, 16, 17, 32, 33, 40};
+    enum { ROWS = 50, N = 700 };
+    static float vals[N * 40], out[ROWS * 40], want[ROWS * 40];
+    static int64_t idx[N];
+    uint64_t x = 12345;
+    for (size_t k = 0; k < sizeof dims / sizeof dims[0]; k++) {
+        int32_t d = dims[k];
+        for (int i = 0; i < N; i++) {
+            x = kv_mix64(x + 1);
+            idx[i] = (int64_t)(x % (ROWS - 3)); /* the last 3 rows stay zero */
+            for (int j = 0; j < d; j++) vals[i * d + j] = (float)((int)(x >> (j + 8)) % 1000) / 7.0f;
+        }
+        memset(want, 0, sizeof want);
+        for (int i = 0; i < N; i++)
+            for (int j = 0; j < d; j++) want[idx[i] * d + j] += vals[i * d + j];
+        memset(out, 0xff, sizeof out);
+        CHECK_EQ_INT(kv_xrowgrad(ROWS, d, vals, idx, N, out), KV_OK);
+        CHECK(memcmp(out, want, (size_t)ROWS * (size_t)d * sizeof(float)) == 0);
+    }
+    /* nothing gathered: zeros; no rows, no gradients: fine */
+    memset(out, 0xff, sizeof out);
+    CHECK_EQ_INT(kv_xrowgrad(ROWS, 9, vals, idx, 0, out), KV_OK);
+    CHECK(out[0] == 0.0f && out[ROWS * 9 - 1] == 0.0f);
+    CHECK_EQ_INT(kv_xrowgrad(0, 9, NULL, NULL, 0, NULL), KV_OK);
+    /* bad input: out unchanged */
+    memset(out, 0x7f, sizeof out);
+    memcpy(want, out, sizeof out);
+    idx[N - 1] = ROWS;
+    CHECK_EQ_INT(kv_xrowgrad(ROWS, 9, vals, idx, N, out), KV_EINVAL);
+    idx[N - 1] = -1;
+    CHECK_EQ_INT(kv_xrowgrad(ROWS, 9, vals, idx, N, out), KV_EINVAL);
+    idx[N - 1] = 0;
+    CHECK_EQ_INT(kv_xrowgrad(ROWS, 0, vals, idx, N, out), KV_EINVAL);
+    CHECK_EQ_INT(kv_xrowgrad(-1, 9, vals, idx, N, out), KV_EINVAL);
+    CHECK_EQ_INT(kv_xrowgrad(ROWS, 9, NULL, idx, N, out), KV_EINVAL);
+    CHECK_EQ_INT(kv_xrowgrad(ROWS, 9, vals, idx, N, NULL), KV_EINVAL);
+    CHECK(memcmp(out, want, sizeof out) == 0);
+}
+
 int main(void) {
     for (int w = 1; w <= MAXW; w++) {
         test_round_trip(w, 5000); /* few duplicates across ranks */
@@ -405,5 +447,6 @@ int main(void) {
     }
     test_errors();
     test_generation();
+    test_rowgrad();
     return test_summary();
 }

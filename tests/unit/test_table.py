@@ -10,7 +10,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import kvcoll as kv
 from kvcoll import optimizers
-from kvcoll.table import KvTable, hash64, owner_of, segment_sum, unique_partition
+from kvcoll.table import (KvTable, gather_grad, hash64, owner_of, segment_sum,
+                          unique_partition)
 
 DIM = 3
 KEYS = st.integers(min_value=-(2**63), max_value=2**63 - 1)
@@ -393,3 +394,24 @@ def test_segment_sum():
     u, s = segment_sum(keys, rows)
     assert u.tolist() == [4, 1, 9]
     np.testing.assert_array_equal(s, [[0 + 4 + 10, 1 + 5 + 11], [2 + 8, 3 + 9], [6, 7]])
+
+
+@pytest.mark.parametrize("dim", [1, 8, 9, 17, 40])
+def test_gather_grad_sums_per_row_like_numpy(dim):
+    rng = np.random.default_rng(dim)
+    idx = rng.integers(0, 97, 3000)  # rows 97.. 99 never gathered
+    vals = rng.standard_normal((3000, dim)).astype(np.float32)
+    out = gather_grad(vals, idx, 100)
+    want = np.zeros((100, dim), np.float32)
+    np.add.at(want, idx, vals)  # unbuffered, in order of i: the same sums
+    np.testing.assert_array_equal(out, want)
+    assert out.ctypes.data % 64 == 0 and not out[97:].any()
+    assert gather_grad(np.zeros((0, dim), np.float32), np.zeros(0, np.int64), 3).shape == (3, dim)
+
+
+def test_gather_grad_refuses_bad_input():
+    vals = np.ones((3, 4), np.float32)
+    with pytest.raises(kv.InvalidArgumentError, match=r"outside \[0, 5\)"):
+        gather_grad(vals, np.array([0, 5, 1]), 5)
+    with pytest.raises(kv.InvalidArgumentError, match="values must be"):
+        gather_grad(vals, np.array([0, 1]), 5)
