@@ -22,7 +22,11 @@ budget, so 1 -> 2 ranks measures scaling, not TensorFlow's own threading):
 - exchange alone on 1 and 2 ranks: the same batches' pulls and pushes through kvcoll's
   exchange and tables with a fixed gradient and no TensorFlow step. limit / (limit +
   exchange alone) bounds what kvcoll can reach on this machine even with no glue, no
-  data time and no cache effects.
+  data time and no cache effects;
+- kvcoll on 2 ranks and its limit (two processes at once) again with the DeepFM
+  paper's MLP, 400-400-400 (--train-wide), instead of models.py's lighter default: the
+  sparse side costs the same per step whatever the MLP, so how close kvcoll gets to
+  the limit depends on how much dense work a step has. These records carry "variant".
 
 Writes bench/results/train.json, train.md and train.png.
 """
@@ -44,6 +48,8 @@ def add_arguments(p) -> None:
     g = p.add_argument_group("train")
     g.add_argument("--train-steps", type=int, default=300, help="timed steps per run")
     g.add_argument("--train-batch", type=int, default=4096, help="global batch")
+    g.add_argument("--train-wide", default="400,400,400",
+                   help="the second MLP kvcoll and its limit run with on 2 ranks ('' skips)")
 
 
 def _mpirun(world: int, args: list[str], timeout: float) -> None:
@@ -85,6 +91,15 @@ def run(args) -> None:
             _mpirun(procs, ["--impl", "limit", "--steps", str(steps), "--batch-size",
                             str(per_rank), "--out", path], timeout=3600)
             records.append(json.load(open(path)))
+        if args.train_wide:
+            variant = f"MLP {args.train_wide.replace(',', '-')}"
+            for impl, extra in (("kvcoll", ["--eval-samples", str(evals)]),
+                                ("limit", ["--batch-size", str(batch // 2)])):
+                path = os.path.join(tmp, f"{impl}-wide.json")
+                print(f"[train] {impl} on 2 ranks with the {variant}", flush=True)
+                _mpirun(2, ["--impl", impl, "--steps", str(steps), "--batch-size", str(batch),
+                            *extra, "--hidden", args.train_wide, "--out", path], timeout=3600)
+                records.append(dict(json.load(open(path)), variant=variant))
     machine = common.machine_info()
     for r in records:
         r["machine"] = machine
@@ -96,12 +111,15 @@ def run(args) -> None:
     print(f"[train] wrote {jpath}, {mpath}, {png}")
 
 
-def _get(records, impl, world):
-    return next(r for r in records if r["impl"] == impl and r["world_size"] == world)
+def _get(records, impl, world, variant=None):
+    return next(r for r in records if r["impl"] == impl and r["world_size"] == world
+                and r.get("variant") == variant)
 
 
 def summary(records) -> dict:
     """The ratios the issue names, from one run's records."""
+    wide = [r for r in records if r.get("variant")]
+    records = [r for r in records if not r.get("variant")]
     kv1, kv2 = _get(records, "kvcoll", 1), _get(records, "kvcoll", 2)
     bl1, bl2 = _get(records, "baseline", 1), _get(records, "baseline", 2)
     bg1, bg2 = _get(records, "baseline-gather", 1), _get(records, "baseline-gather", 2)
@@ -126,6 +144,11 @@ def summary(records) -> dict:
         "kvcoll_1_vs_limit": kv1["samples_per_sec"] / limits[(1, b)],
         "kvcoll_2_per_rank_vs_limit": kv2["samples_per_sec"] / 2 / limits[(1, b // 2)],
         "kvcoll_2_per_rank_vs_limit_2procs": kv2["samples_per_sec"] / 2 / limits[(2, b // 2)],
+        "wide_variant": wide[0]["variant"] if wide else None,
+        # kvcoll on 2 ranks vs two processes of the limit at once, with the wide MLP
+        "wide_kvcoll_2_per_rank_vs_limit_2procs": (
+            _get(wide, "kvcoll", 2, wide[0]["variant"])["samples_per_sec"]
+            / _get(wide, "limit", 2, wide[0]["variant"])["samples_per_sec"]) if wide else None,
     }
 
 
@@ -156,7 +179,8 @@ def markdown(records, steps, batch, machine) -> str:
         if r["impl"] == "limit" and world > 1:
             split += f" (each of {world} processes at once)"
         auc = "" if r.get("eval_auc") is None else f"{r['eval_auc']:.4f}"
-        lines.append(f"| {r['impl']} | {world} | {per_rank} | {r['samples_per_sec']:,.0f} | "
+        impl = r["impl"] + (f" ({r['variant']})" if r.get("variant") else "")
+        lines.append(f"| {impl} | {world} | {per_rank} | {r['samples_per_sec']:,.0f} | "
                      f"{auc} | {split} |")
     s = summary(records)
     planted = _get(records, "kvcoll", 1).get("planted_auc")
@@ -174,6 +198,10 @@ def markdown(records, steps, batch, machine) -> str:
         f"{s['kvcoll_2_per_rank_vs_limit']:.0%} on 2 ranks (target >= 75%); on 2 ranks vs "
         f"the limit of two processes running at once: "
         f"{s['kvcoll_2_per_rank_vs_limit_2procs']:.0%}",
+        f"- with the {s['wide_variant']} (the DeepFM paper's), kvcoll per rank on 2 ranks vs "
+        f"the limit of two processes at once: "
+        f"{s['wide_kvcoll_2_per_rank_vs_limit_2procs']:.0%} (the sparse side's cost per step "
+        f"is the same; the dense step is heavier)" if s["wide_variant"] else "",
         f"- exchange alone (the same batches' pulls and pushes, kvcoll's tables and MPI, no "
         f"TensorFlow step): with nothing else taking time, a step would be the limit plus "
         f"that, so kvcoll can reach at most {s['bound_1']:.0%} of the limit on 1 rank and "

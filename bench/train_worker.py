@@ -16,9 +16,11 @@
                  gradient and no TensorFlow step in between: what a step costs beyond
                  the dense step when nothing else (glue, data, caches) is counted
 --impl limit     kvcoll's compiled dense step alone, fed ready-made rows of each
-                 batch's unique ids: no table, no exchange. Under mpirun -np N, N
-                 independent processes run it at the same time (no communication while
-                 timed): the per-process limit when N ranks share the machine
+                 batch's unique ids, and the gradient of those rows it returns (summed
+                 per row, in C, as the Trainer does): no table, no exchange. Under
+                 mpirun -np N, N independent processes run it at the same time (no
+                 communication while timed): the per-process limit when N ranks share
+                 the machine
 
 Every implementation sees the same data (kvcoll.data.SyntheticCTR: the global batch of
 step t is the same at any world size), the same model code (examples/models.py), the
@@ -55,6 +57,8 @@ def parse(argv=None):
     p.add_argument("--limit-batch", type=int, default=0,
                    help="limit: the per-rank batch to measure (default --batch-size)")
     p.add_argument("--dim", type=int, default=8)
+    p.add_argument("--hidden", default="",
+                   help="deep MLP units, comma-separated (default: examples/models.py's)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--baseline-vocab", type=int, default=10**6)
     p.add_argument("--eval-samples", type=int, default=50_000)
@@ -87,7 +91,8 @@ def main(argv=None):
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     tf.config.threading.set_inter_op_parallelism_threads(1)
     import keras
-    from models import build_deepfm
+    from models import DEFAULT_HIDDEN, build_deepfm
+    args.hidden = tuple(int(u) for u in args.hidden.split(",") if u.strip()) or DEFAULT_HIDDEN
     from train import DEFAULTS
 
     keras.utils.set_random_seed(args.seed)
@@ -101,7 +106,8 @@ def main(argv=None):
         timings = None
     else:
         model = build_deepfm(NUM_FIELDS, NUM_NUMERIC, args.dim, lambda f, w: kv.Embedding(
-            f, w, initializer=("normal", 0.0, DEFAULTS["init_std"]), seed=args.seed))
+            f, w, initializer=("normal", 0.0, DEFAULTS["init_std"]), seed=args.seed),
+            hidden=args.hidden)
         opt = kv.DistributedOptimizer(adam, sparse=kv.optimizers.Adagrad(
             DEFAULTS["sparse_lr"], initial_accumulator_value=DEFAULTS["sparse_init_accum"]))
         trainer = kv.Trainer(model, loss, opt, comm=comm)
@@ -136,6 +142,7 @@ def main(argv=None):
     all_labels, _ = comm.allgatherv(ev["label"].astype(np.float32))
     record = {
         "impl": args.impl, "world_size": world, "global_batch_size": args.batch_size,
+        "hidden": list(args.hidden),
         "steps": args.steps, "samples_per_sec": args.steps * args.batch_size / elapsed,
         "eval_auc": auc(all_labels, all_preds),
         "planted_auc": data.planted_auc(args.eval_samples),
@@ -153,9 +160,11 @@ def main(argv=None):
 
 
 def limit(args, trainer, data, tf, world_comm):
-    """Time the compiled dense step (forward, backward, dense optimizer) alone; with N
-    processes, all N at once (each its own, no communication while timed)."""
+    """Time the compiled dense step (forward, backward, the rows' gradient, dense
+    optimizer) alone; with N processes, all N at once (each its own, no communication
+    while timed)."""
     import kvcoll as kv
+    from kvcoll.table import gather_grad
 
     n = args.limit_batch or args.batch_size
     batches = []
@@ -173,7 +182,8 @@ def limit(args, trainer, data, tf, world_comm):
     def one(i):
         inputs, rows, labels = batches[i % len(batches)]
         loss_sum, dense_flat, row_grads = trainer._train_fn(inputs, rows, labels)
-        dense_flat.numpy(), [t.numpy() for vi in row_grads.values() for t in vi]
+        dense_flat.numpy()
+        [gather_grad(v.numpy(), ix.numpy(), rows[g].shape[0]) for g, (v, ix) in row_grads.items()]
         trainer._apply_dense(flat)
 
     for i in range(5):
@@ -187,6 +197,7 @@ def limit(args, trainer, data, tf, world_comm):
     rates = world_comm.allgather(np.array([reps * n / elapsed]), op="limit:rates")[:, 0]
     ms = world_comm.allgather(np.array([elapsed / reps * 1e3]), op="limit:ms")[:, 0]
     record = {"impl": "limit", "world_size": world_comm.size, "global_batch_size": n * world_comm.size,
+              "hidden": list(args.hidden),
               "samples_per_sec": float(rates.sum()), "eval_auc": None,
               "threads_per_rank": args.threads, "ms_per_step": {"total": float(ms.mean())}}
     if world_comm.rank == 0:
@@ -221,6 +232,7 @@ def exchange_only(args, trainer, data, comm):
                                   (ex.table_seconds - t0_tables) / args.steps * 1e3]),
                         op="exchange:ms")
     record = {"impl": "exchange", "world_size": world, "global_batch_size": args.batch_size,
+              "hidden": list(args.hidden),
               "samples_per_sec": args.batch_size / (ms[:, 0].max() / 1e3), "eval_auc": None,
               "threads_per_rank": args.threads,
               "ms_per_step": {"total": float(ms[:, 0].mean()), "tables": float(ms[:, 1].mean())}}
@@ -253,7 +265,8 @@ def baseline(args, comm, tf, keras, build_deepfm, loss_obj, adam, gather=False):
         def compute_output_spec(self, ids):
             return keras.KerasTensor(tuple(ids.shape) + (self.emb.output_dim,), "float32")
 
-    model = build_deepfm(NUM_FIELDS, NUM_NUMERIC, args.dim, lambda f, w: HashedEmbedding(w))
+    model = build_deepfm(NUM_FIELDS, NUM_NUMERIC, args.dim, lambda f, w: HashedEmbedding(w),
+                         hidden=args.hidden)
     emb_vars = [v for v in model.trainable_variables if "embeddings" in v.path]
     dense_vars = [v for v in model.trainable_variables if "embeddings" not in v.path]
     flat0 = np.concatenate([v.numpy().ravel() for v in dense_vars])
