@@ -89,3 +89,24 @@ def test_trainer_matches_plain_keras(combiner, jit):
     np.testing.assert_allclose(tr.tables["u"].find(ids), eu.embeddings.numpy(), atol=1e-5)
     np.testing.assert_allclose(tr.tables["h"].find(ids), eh.embeddings.numpy(), atol=1e-5)
     tr.close()
+
+
+def test_rows_gradient_summed_in_c_equals_tensorflows():
+    """The Trainer takes the rows' gradient out of the compiled step as (values,
+    indices) and sums it in C: the same matrix TensorFlow's own conversion gives, for a
+    gather gradient (duplicates), a dense gradient and no gradient."""
+    from kvcoll.keras import _gathered_grad
+    from kvcoll.table import gather_grad
+
+    rows = tf.constant(np.arange(12, dtype=np.float32).reshape(6, 2))
+    idx = tf.constant([[4, 1], [4, 0], [5, 4]], tf.int64)
+    with tf.GradientTape() as tape:
+        tape.watch(rows)
+        y = tf.reduce_sum(tf.gather(rows, idx) ** 2) + tf.reduce_sum(tf.gather(rows, [1, 1]))
+    g = tape.gradient(y, rows)
+    assert isinstance(g, tf.IndexedSlices)
+    dense = 3.0 * rows
+    for grad, want in ((g, tf.convert_to_tensor(g)), (dense, dense), (None, tf.zeros_like(rows))):
+        values, indices = _gathered_grad(grad, rows)
+        got = gather_grad(values.numpy(), indices.numpy(), rows.shape[0])
+        np.testing.assert_array_equal(got, want.numpy())
