@@ -183,7 +183,8 @@ def limit(args, trainer, data, tf, world_comm):
         inputs, rows, labels = batches[i % len(batches)]
         loss_sum, dense_flat, row_grads = trainer._train_fn(inputs, rows, labels)
         dense_flat.numpy()
-        [gather_grad(v.numpy(), ix.numpy(), rows[g].shape[0]) for g, (v, ix) in row_grads.items()]
+        for g, (v, ix) in row_grads.items():
+            gather_grad(v.numpy(), ix.numpy(), rows[g].shape[0])
         trainer._apply_dense(flat)
 
     for i in range(5):

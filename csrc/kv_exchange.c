@@ -334,18 +334,6 @@ int kv_xungroup(int32_t ntab, int32_t world, const int64_t *counts, const int32_
     return xgroup(ntab, world, counts, dims, group, (float *const *)(uintptr_t)in, payload, 0);
 }
 
-/* out[idx[i]] += vals[i], for i in order, dim floats each; D > 0: dim known at compile
- * time (the loop over a row unrolls and vectorises). */
-static inline void rowgrad_add(int32_t dim, const float *vals, const int64_t *idx, int64_t n,
-                               float *out, const int D) {
-    const int64_t d = D > 0 ? D : dim;
-    for (int64_t i = 0; i < n; i++) {
-        float *o = out + idx[i] * d;
-        const float *v = vals + i * d;
-        for (int64_t k = 0; k < d; k++) o[k] += v[k];
-    }
-}
-
 int kv_xrowgrad(int64_t n_rows, int32_t dim, const float *vals, const int64_t *idx, int64_t n,
                 float *out) {
     if (n_rows < 0 || n < 0 || dim < 1 || (n_rows && !out) || (n && (!vals || !idx)))
@@ -354,15 +342,10 @@ int kv_xrowgrad(int64_t n_rows, int32_t dim, const float *vals, const int64_t *i
     for (int64_t i = 0; i < n; i++)
         if (idx[i] < 0 || idx[i] >= n_rows) return KV_EINVAL;
     if (n_rows) memset(out, 0, (size_t)n_rows * (size_t)dim * sizeof(float));
-    switch (dim) { /* the widths of common embeddings (dim, or dim + 1 with a linear term) */
-    case 4: rowgrad_add(dim, vals, idx, n, out, 4); break;
-    case 8: rowgrad_add(dim, vals, idx, n, out, 8); break;
-    case 9: rowgrad_add(dim, vals, idx, n, out, 9); break;
-    case 16: rowgrad_add(dim, vals, idx, n, out, 16); break;
-    case 17: rowgrad_add(dim, vals, idx, n, out, 17); break;
-    case 32: rowgrad_add(dim, vals, idx, n, out, 32); break;
-    case 33: rowgrad_add(dim, vals, idx, n, out, 33); break;
-    default: rowgrad_add(dim, vals, idx, n, out, 0); break;
+    for (int64_t i = 0; i < n; i++) {
+        float *o = out + idx[i] * dim;
+        const float *v = vals + i * dim;
+        for (int32_t k = 0; k < dim; k++) o[k] += v[k];
     }
     return KV_OK;
 }

@@ -14,7 +14,7 @@
  *     (apply) or fail cleanly (plan, serve);
  *   - a row freed between serve and apply (generation change) is handled by key;
  *   - kv_xrowgrad sums gather gradients per row exactly as a plain loop does, for
- *     the widths it specialises and others, and refuses bad indices.
+ *     narrow and wide rows, and refuses bad indices.
  */
 #include <math.h>
 #include <string.h>
