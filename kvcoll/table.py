@@ -44,6 +44,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without a build
     ) from exc
 
 __all__ = ["KvTable", "TableSet", "Initializer", "TableStats", "owner_of", "unique_partition",
+           "gather_grad",
            "segment_sum", "hash64", "hash_strings", "STRING_HASH_SEED", "slot_floats", "init_slots", "apply_rows",
            "SynthPermutation", "SynthModel", "SYNTH_PERM_ROUNDS"]
 
