@@ -28,6 +28,11 @@ budget, so 1 -> 2 ranks measures scaling, not TensorFlow's own threading):
   sparse side costs the same per step whatever the MLP, so how close kvcoll gets to
   the limit depends on how much dense work a step has. These records carry "variant".
 
+The kvcoll records also carry how much the shards' rows grew per step and how fast the
+machine hands a process new memory (first_touch_gbps, measured after the run): their
+ratio is the part of a step spent having the kernel (on a VM, also its host) supply the
+pages the new rows land in.
+
 Writes bench/results/train.json, train.md and train.png.
 """
 
@@ -129,7 +134,24 @@ def summary(records) -> dict:
     ex = {r["world_size"]: r["ms_per_step"]["total"] for r in records if r["impl"] == "exchange"}
     lim_ms = {(r["world_size"], r["global_batch_size"] // r["world_size"]): r["ms_per_step"]["total"]
               for r in records if r["impl"] == "limit"}
+    def new_memory_ms(r):  # of a step: first touch of the pages the new rows land in
+        gbps = r.get("first_touch_gbps")
+        return r["new_rows_mb_per_step"] / gbps if gbps else None
+
+    def without_new_memory(r, limit_per_rank):  # per rank, vs the limit, without that
+        ms = r["ms_per_step"]["total"] - new_memory_ms(r)
+        return r["global_batch_size"] / r["world_size"] / (ms / 1e3) / limit_per_rank
+
+    touch = "first_touch_gbps" in kv1 and "first_touch_gbps" in kv2
     return {
+        "new_memory_ms_1": new_memory_ms(kv1) if touch else None,
+        "new_memory_ms_2": new_memory_ms(kv2) if touch else None,
+        "kvcoll_1_vs_limit_without_new_memory": (
+            without_new_memory(kv1, limits[(1, b)]) if touch else None),
+        "kvcoll_2_per_rank_vs_limit_without_new_memory": (
+            without_new_memory(kv2, limits[(1, b // 2)]) if touch else None),
+        "kvcoll_2_per_rank_vs_limit_2procs_without_new_memory": (
+            without_new_memory(kv2, limits[(2, b // 2)]) if touch else None),
         # the most kvcoll could reach if nothing but the dense step and the sparse side
         # (exchange alone) took time: limit / (limit + exchange)
         "bound_1": lim_ms[(1, b)] / (lim_ms[(1, b)] + ex[1]) if 1 in ex else None,
@@ -183,7 +205,8 @@ def markdown(records, steps, batch, machine) -> str:
         lines.append(f"| {impl} | {world} | {per_rank} | {r['samples_per_sec']:,.0f} | "
                      f"{auc} | {split} |")
     s = summary(records)
-    planted = _get(records, "kvcoll", 1).get("planted_auc")
+    kv1, kv2 = _get(records, "kvcoll", 1), _get(records, "kvcoll", 2)
+    planted = kv1.get("planted_auc")
     lines += [
         "",
         f"- kvcoll / baseline: {s['kvcoll_vs_baseline_1']:.2f}x on 1 rank, "
@@ -206,6 +229,18 @@ def markdown(records, steps, batch, machine) -> str:
         f"TensorFlow step): with nothing else taking time, a step would be the limit plus "
         f"that, so kvcoll can reach at most {s['bound_1']:.0%} of the limit on 1 rank and "
         f"{s['bound_2']:.0%} on 2 ranks on this machine" if s["bound_1"] else "",
+        (f"- new rows: kvcoll's shards grew by {kv1['new_rows_mb_per_step']:.2f} MB per step "
+         f"on 1 rank and {kv2['new_rows_mb_per_step']:.2f} MB per rank on 2 ranks. This "
+         f"machine gives a process new memory at {kv1['first_touch_gbps']:.2f} / "
+         f"{kv2['first_touch_gbps']:.2f} GB/s (first write to each page of a fresh 256 MiB "
+         f"mapping with huge pages, measured after each run; reused memory is written "
+         f"far faster), so about {s['new_memory_ms_1']:.1f} / {s['new_memory_ms_2']:.1f} ms of "
+         f"a step is the kernel and the VM's host supplying the pages the new rows land in "
+         f"(inside \"C tables\"). Without that cost kvcoll per rank would be at "
+         f"{s['kvcoll_1_vs_limit_without_new_memory']:.0%} of the limit on 1 rank, "
+         f"{s['kvcoll_2_per_rank_vs_limit_without_new_memory']:.0%} on 2 ranks, "
+         f"{s['kvcoll_2_per_rank_vs_limit_2procs_without_new_memory']:.0%} vs two processes "
+         f"at once") if s["new_memory_ms_1"] is not None else "",
         "- ms/step columns: data = generating the batch (SyntheticCTR); exchange = pull and "
         "push, of which (C tables) = time inside the table's C calls (lookup, create, "
         "update), the rest being MPI and Python glue; compute = the compiled TensorFlow "

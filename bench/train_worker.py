@@ -125,6 +125,7 @@ def main(argv=None):
         step_fn(features(b), b["label"])
     comm.barrier()
     t0_timings = dict(timings) if timings is not None else None
+    row_bytes0 = table_row_bytes(trainer) if timings is not None else 0
     t0 = time.perf_counter()
     last, data_s = 0.0, 0.0
     for step in range(args.warmup, args.warmup + args.steps):
@@ -135,6 +136,10 @@ def main(argv=None):
         last = step_fn(f, b["label"])
     comm.barrier()
     elapsed = time.perf_counter() - t0
+    if timings is not None:
+        new_mb = (table_row_bytes(trainer) - row_bytes0) / args.steps / 1e6
+        touch = first_touch_gbps()
+        new_mb, touch = comm.allgather(np.array([new_mb, touch]), op="new-memory").mean(axis=0)
 
     ev = data.eval_set(args.eval_samples, rank, world)
     preds = np.asarray(predict(features(ev)), np.float32).reshape(-1)
@@ -154,9 +159,35 @@ def main(argv=None):
         per_step["data"] = data_s / args.steps * 1e3
         per_step["total"] = elapsed / args.steps * 1e3
         record["ms_per_step"] = per_step
+        record["new_rows_mb_per_step"] = float(new_mb)  # per rank
+        record["first_touch_gbps"] = float(touch)
     if rank == 0:
         Path(args.out).write_text(json.dumps(record))
     kv.shutdown()
+
+
+def table_row_bytes(trainer) -> int:
+    """Bytes of the rows this rank's shards hold (rows x header, floats and slots)."""
+    return sum(len(t) * t.stats().row_bytes for t in trainer.tables.values())
+
+
+def first_touch_gbps(size: int = 256 << 20) -> float:
+    """How fast this machine gives a process new memory, in GB/s: the first write to
+    every page of a fresh mapping advised for huge pages, as kvcoll's arena chunks are.
+    Measured after the timed steps (the pages it frees would otherwise serve the run's
+    first new rows at the speed of reused memory)."""
+    import mmap
+
+    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(m, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+        m.madvise(mmap.MADV_HUGEPAGE)
+    pages = np.frombuffer(m, np.uint8)
+    t0 = time.perf_counter()
+    pages[::4096] = 1
+    seconds = time.perf_counter() - t0
+    del pages
+    m.close()
+    return size / seconds / 1e9
 
 
 def limit(args, trainer, data, tf, world_comm):
