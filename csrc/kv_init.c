@@ -33,6 +33,10 @@
 #include "kv_isa.h"
 #include "kv_route.h"
 
+#if KV_INIT_ISA_BASE != KV_ISA_BASE || KV_INIT_ISA_AVX2 != KV_ISA_AVX2 || \
+    KV_INIT_ISA_AVX512 != KV_ISA_AVX512
+#error "KV_INIT_ISA_* must number the copies as kv_isa.h does"
+#endif
 
 #define GOLDEN 0x9e3779b97f4a7c15ULL
 #define BLOCK 128    /* draws per pass of rows_kernel, a multiple of every `lanes` */
@@ -302,23 +306,12 @@ KV_TARGET_AVX512 static void rows_avx512(const init_params_t *p, const int64_t *
 }
 #endif
 
-static int detect_isa(void) {
-#if KV_ISA_CLONES
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw"))
-        return KV_INIT_ISA_AVX512;
-    if (__builtin_cpu_supports("avx2")) return KV_INIT_ISA_AVX2;
-#endif
-    return KV_INIT_ISA_BASE;
-}
-
 static int g_best_isa; /* 0 until the first call works it out */
 
 int kv_init_best_isa(void) {
     int isa = __atomic_load_n(&g_best_isa, __ATOMIC_RELAXED);
     if (!isa) {
-        isa = detect_isa();
+        isa = kv_isa_detect();
         __atomic_store_n(&g_best_isa, isa, __ATOMIC_RELAXED);
     }
     return isa;

@@ -28,4 +28,21 @@
 #define KV_ISA_CLONES 0
 #endif
 
+/* The copies a CPU can run, as numbered in kv_init.h and kv_synth.h (KV_*_ISA_*). */
+#define KV_ISA_BASE 1   /* baseline (x86-64: SSE2) */
+#define KV_ISA_AVX2 2   /* x86-64 with AVX2 */
+#define KV_ISA_AVX512 3 /* x86-64 with AVX-512 F, DQ, VL, BW */
+
+/* The fastest copy this CPU runs. */
+static inline int kv_isa_detect(void) {
+#if KV_ISA_CLONES
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw"))
+        return KV_ISA_AVX512;
+    if (__builtin_cpu_supports("avx2")) return KV_ISA_AVX2;
+#endif
+    return KV_ISA_BASE;
+}
+
 #endif

@@ -41,6 +41,11 @@
 #include <math.h>
 #include <string.h>
 
+#if KV_SYNTH_ISA_BASE != KV_ISA_BASE || KV_SYNTH_ISA_AVX2 != KV_ISA_AVX2 || \
+    KV_SYNTH_ISA_AVX512 != KV_ISA_AVX512
+#error "KV_SYNTH_ISA_* must number the copies as kv_isa.h does"
+#endif
+
 #define GAMMA 0x9E3779B97F4A7C15ULL /* 2^64 / golden ratio */
 #define MIX1 0xBF58476D1CE4E5B9ULL
 #define MIX2 0x94D049BB133111EBULL
@@ -627,16 +632,7 @@ KV_TARGET_AVX512 static void block_logit_avx512(const kv_synth_t *m, const block
 }
 #endif
 
-int kv_synth_best_isa(void) {
-#if KV_ISA_CLONES
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw"))
-        return KV_SYNTH_ISA_AVX512;
-    if (__builtin_cpu_supports("avx2")) return KV_SYNTH_ISA_AVX2;
-#endif
-    return KV_SYNTH_ISA_BASE;
-}
+int kv_synth_best_isa(void) { return kv_isa_detect(); }
 
 /* The copy m->isa asks for (m checked: the CPU has it). */
 static int isa_of(const kv_synth_t *m) {
