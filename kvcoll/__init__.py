@@ -1,8 +1,8 @@
 """kvcoll: growable, sharded embedding tables for TensorFlow, trained over plain MPI.
 
 The engine (tables, routing, exchange) imports no TensorFlow; `Embedding`,
-`DistributedOptimizer`, `Trainer`, `broadcast_variables`, `save`, `restore` and
-`export` load it on first use.
+`DistributedOptimizer`, `Trainer`, `broadcast_variables`, `callbacks`, `save`,
+`restore` and `export` load it on first use.
 """
 
 from . import data, errors, optimizers
@@ -10,7 +10,8 @@ from .config import ASP, BSP, Config, StepMode, ssp
 from .errors import (CapacityError, CheckpointError, ClosedError, CommError, CommTimeoutError,
                      DimensionError, InvalidArgumentError, KvcollError, NonFiniteError,
                      TableFullError)
-from .runtime import init, is_initialized, rank, shutdown, size
+from .runtime import (allgather, allreduce, broadcast, init, is_initialized, local_rank,
+                      local_size, rank, shutdown, size)
 from .table import Initializer, KvTable, TableStats
 
 __version__ = "0.1.0"
@@ -22,12 +23,14 @@ _LAZY = {
     "broadcast_variables": "keras", "save": "checkpoint", "restore": "checkpoint",
     "export": "serving",
 }
+_LAZY_MODULES = {"callbacks": "kvcoll.keras.callbacks"}
 
 __all__ = [
-    "init", "shutdown", "rank", "size", "is_initialized",
+    "init", "shutdown", "rank", "size", "local_rank", "local_size", "is_initialized",
+    "allreduce", "allgather", "broadcast",
     "Config", "StepMode", "BSP", "ASP", "ssp",
     "KvTable", "Initializer", "TableStats",
-    *_LAZY,
+    *_LAZY, "callbacks",
     "optimizers", "errors", "data",
     "KvcollError", "InvalidArgumentError", "DimensionError", "NonFiniteError",
     "CapacityError", "TableFullError", "ClosedError", "CommError", "CommTimeoutError",
@@ -36,8 +39,10 @@ __all__ = [
 
 
 def __getattr__(name):
-    if name in _LAZY:
-        import importlib
+    import importlib
 
+    if name in _LAZY:
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    if name in _LAZY_MODULES:
+        return importlib.import_module(_LAZY_MODULES[name])
     raise AttributeError(f"module 'kvcoll' has no attribute {name!r}")

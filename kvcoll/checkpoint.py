@@ -1,8 +1,10 @@
 """Checkpoints: full and incremental saves that restore on any world size.
 
-    kv.save(ckpt_dir, trainer)                     # full: every row, the dense model
-    kv.save(ckpt_dir, trainer, incremental=True)   # only rows changed since the last save
-    kv.restore(ckpt_dir, trainer)                  # latest, on any number of ranks
+    kv.save(ckpt_dir, model)                       # full: every row, the dense model
+    kv.save(ckpt_dir, model, incremental=True)     # only rows changed since the last save
+    kv.restore(ckpt_dir, model)                    # latest, on any number of ranks
+
+(model: a Keras model with kv.Embedding layers, or a kv.Trainer.)
 
 All three are collectives: every rank calls them with the same arguments.
 
@@ -73,10 +75,11 @@ import weakref
 import numpy as np
 
 from .errors import CheckpointError
-from .table import KvTable, owner_of
+from .routing import owner_of
+from .table import KvTable
 
-__all__ = ["save", "restore", "Checkpointer", "SaveInfo", "RestoreInfo", "read_shard",
-           "FORMAT", "VERSION"]
+__all__ = ["save", "restore", "latest", "Checkpointer", "SaveInfo", "RestoreInfo",
+           "read_shard", "FORMAT", "VERSION"]
 
 FORMAT = "kvcoll-checkpoint"
 VERSION = 1
@@ -617,31 +620,59 @@ def _gather_json(comm, obj, op: str) -> list:
 _checkpointers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _checkpointer(trainer) -> Checkpointer:
-    ck = _checkpointers.get(trainer)
+def _engine(obj):
+    """The step engine behind a Keras model, a kv.Trainer, or an engine, set up."""
+    from .keras.engine import Engine, engine_of
+
+    eng = obj if isinstance(obj, Engine) else getattr(obj, "engine", None)
+    if eng is None:
+        eng = engine_of(obj)
+    if eng.tables is None:
+        eng.setup_from_model()
+    return eng
+
+
+def _checkpointer(eng) -> Checkpointer:
+    ck = _checkpointers.get(eng)
     if ck is None:
-        ck = Checkpointer(trainer.tables, trainer.comm,
-                          dense=_KerasDense(trainer.model, trainer.opt.optimizer))
-        _checkpointers[trainer] = ck
+        ck = Checkpointer(eng.tables, eng.comm, dense=_KerasDense(eng.model, eng.optimizer))
+        _checkpointers[eng] = ck
     return ck
 
 
-def save(directory, trainer, *, incremental: bool = False) -> SaveInfo:
-    """Checkpoint a kv.Trainer at its current step (a collective).
+def latest(directory) -> str | None:
+    """The name of the newest complete checkpoint in `directory`, or None."""
+    try:
+        with open(os.path.join(os.fspath(directory), LATEST)) as f:
+            return f.read().strip() or None
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def save(directory, model, *, incremental: bool = False) -> SaveInfo:
+    """Checkpoint a model with kv.Embedding layers (or a kv.Trainer) at its current
+    step (a collective).
 
     Full by default: every row of every table (values, optimizer slots, row headers),
     the Keras model and its optimizer, the step. incremental=True writes only the rows
-    changed since this trainer's previous save (or restore) in the same directory;
-    without one it writes a full checkpoint. Returns a SaveInfo."""
-    return _checkpointer(trainer).save(directory, trainer.step, incremental=incremental)
+    changed since this model's previous save (or restore) in the same directory;
+    without one it writes a full checkpoint. In SSP/ASP every rank first waits until
+    every update is applied (a sync point), so the checkpoint is consistent. Returns a
+    SaveInfo."""
+    eng = _engine(model)
+    eng.sync()
+    return _checkpointer(eng).save(directory, eng.step, incremental=incremental)
 
 
-def restore(directory, trainer, *, checkpoint: str | None = None) -> RestoreInfo:
-    """Restore a kv.Trainer from `directory`'s latest checkpoint (or `checkpoint`, a
-    name such as "ckpt-0000000400"), on any number of ranks (a collective). Tables,
-    dense model, optimizer and trainer.step become the saved ones, bit for bit; any
+def restore(directory, model, *, checkpoint: str | None = None) -> RestoreInfo:
+    """Restore a model with kv.Embedding layers (or a kv.Trainer) from `directory`'s
+    latest checkpoint (or `checkpoint`, a name such as "ckpt-0000000400"), on any number
+    of ranks (a collective). Tables, dense model, optimizer and step become the saved
+    ones, bit for bit, and training continues from that step in every step mode; any
     mismatch or corruption raises CheckpointError on every rank before anything
     changes."""
-    info = _checkpointer(trainer).restore(directory, checkpoint)
-    trainer.step = info.step
+    eng = _engine(model)
+    eng.sync()
+    info = _checkpointer(eng).restore(directory, checkpoint)
+    eng.set_step(info.step)
     return info

@@ -116,6 +116,16 @@ class Comm:
             self._comm.Free()
             self._comm = None
 
+    def node(self) -> tuple[int, int]:
+        """(this rank's index among the ranks on its host, how many share the host): a
+        collective (MPI_Comm_split_type with MPI_COMM_TYPE_SHARED)."""
+        MPI = _mpi()
+        local = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        try:
+            return local.Get_rank(), local.Get_size()
+        finally:
+            local.Free()
+
     def abort(self, code: int = 1) -> None:
         """End the whole job (every rank)."""
         self._comm.Abort(code)

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
+
 from .comm import Comm, install_abort_hook
 from .config import Config
-from .errors import KvcollError
+from .errors import InvalidArgumentError, KvcollError
 
-__all__ = ["init", "shutdown", "rank", "size", "config", "comm", "is_initialized"]
+__all__ = ["init", "shutdown", "rank", "size", "local_rank", "local_size", "config", "comm",
+           "is_initialized", "allreduce", "allgather", "broadcast"]
 
 _state: dict = {}
 
@@ -30,7 +33,8 @@ def init(argv: list[str] | None = None, **settings) -> Config:
     cfg = Config.resolve(sys.argv[1:] if argv is None else argv, **settings)
     comm = Comm(timeout=cfg.comm_timeout)
     install_abort_hook(comm)
-    _state.update(config=cfg, comm=comm)
+    local = comm.node()
+    _state.update(config=cfg, comm=comm, local=local)
     return cfg
 
 
@@ -60,6 +64,78 @@ def rank() -> int:
 def size() -> int:
     """Number of ranks."""
     return _need("size")["comm"].size
+
+
+def local_rank() -> int:
+    """This process's index among the ranks on its host (0 .. local_size() - 1)."""
+    return _need("local_rank")["local"][0]
+
+
+def local_size() -> int:
+    """How many ranks run on this process's host."""
+    return _need("local_size")["local"][1]
+
+
+def _as_numpy(value):
+    """(numpy array of value, a function turning a numpy result back into value's kind)."""
+    if hasattr(value, "numpy") and hasattr(value, "dtype") and hasattr(value, "shape"):
+        import tensorflow as tf  # only reached with a TensorFlow value
+
+        return np.asarray(value.numpy()), lambda a: tf.convert_to_tensor(a, dtype=value.dtype)
+    if isinstance(value, np.ndarray):
+        return value, lambda a: a
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "biuf":
+        raise InvalidArgumentError(
+            f"collectives take numbers (numpy arrays, TensorFlow tensors or scalars), got "
+            f"{type(value).__name__} of {arr.dtype}")
+    return arr, (lambda a: a.item()) if arr.ndim == 0 else (lambda a: a)
+
+
+def allreduce(value, op: str = "mean"):
+    """value combined over every rank ("mean" as Horovod's default, "sum", "max",
+    "min"); numpy arrays, TensorFlow tensors or Python numbers, returned as given. A
+    collective: every rank calls it with the same shape.
+
+        rank 0: allreduce(np.array([1., 2.]))   rank 1: allreduce(np.array([3., 4.]))
+        -> both: array([2., 3.])
+    """
+    if op not in ("mean", "sum", "max", "min"):
+        raise InvalidArgumentError(f"allreduce: op must be 'mean', 'sum', 'max' or 'min', got {op!r}")
+    c = _need("allreduce")["comm"]
+    arr, back = _as_numpy(value)
+    if arr.dtype.kind == "b":
+        arr = arr.astype(np.int64)
+    out = c.allreduce(np.ascontiguousarray(arr), op="kv.allreduce",
+                      mpi_op="sum" if op == "mean" else op)
+    if op == "mean":
+        out = out / c.size if out.dtype.kind == "f" else out.astype(np.float64) / c.size
+    return back(out)
+
+
+def allgather(value):
+    """Every rank's value concatenated along the first axis, in rank order (the other
+    axes must agree; first dimensions may differ). A collective.
+
+        rank 0: allgather(np.array([1]))   rank 1: allgather(np.array([2, 3]))
+        -> both: array([1, 2, 3])
+    """
+    c = _need("allgather")["comm"]
+    arr, back = _as_numpy(value)
+    if arr.ndim == 0:
+        arr = arr.reshape(1)
+    out, _ = c.allgatherv(np.ascontiguousarray(arr), op="kv.allgather")
+    return back(out) if not isinstance(value, (int, float, bool, np.number)) else out
+
+
+def broadcast(value, root_rank: int = 0):
+    """Rank root_rank's value on every rank (every rank passes a value of the same shape
+    and dtype). A collective."""
+    c = _need("broadcast")["comm"]
+    if not 0 <= int(root_rank) < c.size:
+        raise InvalidArgumentError(f"broadcast: root_rank must be in [0, {c.size}), got {root_rank}")
+    arr, back = _as_numpy(value)
+    return back(c.bcast(np.ascontiguousarray(arr), root=int(root_rank), op="kv.broadcast"))
 
 
 def shutdown() -> None:

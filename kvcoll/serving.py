@@ -1,7 +1,7 @@
 """Export for serving (kv.export): a SavedModel that needs TensorFlow alone, and the plain
 embedding dictionary of every table.
 
-    kv.export(export_dir, trainer)        # a collective; rank 0 writes
+    kv.export(export_dir, model)          # a collective; rank 0 writes
 
 Layout of export_dir:
 
@@ -58,23 +58,28 @@ def _gather_table(comm, table) -> tuple[np.ndarray, np.ndarray]:
     return keys[order], values[order]
 
 
-def export(directory, trainer, *, dictionary: bool = True) -> dict:
-    """Write the trained model for serving into `directory` (a collective; rank 0
-    writes, replacing what was there). Returns {"path", "tables": {name: rows},
-    "seconds"}."""
+def export(directory, model, *, dictionary: bool = True) -> dict:
+    """Write a model with kv.Embedding layers (or a kv.Trainer) for serving into
+    `directory` (a collective; rank 0 writes, replacing what was there). In SSP/ASP every
+    rank first waits until every update is applied. Returns {"path", "tables": {name:
+    rows}, "seconds"}."""
+    from .checkpoint import _engine
+
     t0 = time.perf_counter()
-    comm = trainer.comm
+    eng = _engine(model)
+    eng.sync()
+    comm = eng.comm
     directory = os.path.abspath(os.fspath(directory))
-    gathered = {name: _gather_table(comm, t) for name, t in trainer.tables.items()}
+    gathered = {name: _gather_table(comm, t) for name, t in eng.tables.items()}
     err = None
     if comm.rank == 0:
         try:
             os.makedirs(os.path.dirname(directory) or ".", exist_ok=True)
             tmp = tempfile.mkdtemp(prefix=".export-", dir=os.path.dirname(directory))
             try:
-                _write_saved_model(os.path.join(tmp, SAVED_MODEL_DIR), trainer, gathered)
+                _write_saved_model(os.path.join(tmp, SAVED_MODEL_DIR), eng, gathered)
                 if dictionary:
-                    _write_dictionary(os.path.join(tmp, DICTIONARY_DIR), trainer, gathered)
+                    _write_dictionary(os.path.join(tmp, DICTIONARY_DIR), eng, gathered)
                 if os.path.isdir(directory):
                     shutil.rmtree(directory)
                 os.rename(tmp, directory)
@@ -90,14 +95,14 @@ def export(directory, trainer, *, dictionary: bool = True) -> dict:
             "seconds": time.perf_counter() - t0}
 
 
-def _write_dictionary(path: str, trainer, gathered: dict) -> None:
+def _write_dictionary(path: str, eng, gathered: dict) -> None:
     os.makedirs(path)
     index = {"format": "kvcoll-embeddings", "version": 1, "tables": {}}
     for i, (name, (keys, values)) in enumerate(gathered.items()):
         stem = f"{i:03d}-{''.join(c if c.isalnum() or c in '_.-' else '_' for c in name)}"
         np.save(os.path.join(path, stem + ".ids.npy"), keys)
         np.save(os.path.join(path, stem + ".vectors.npy"), values)
-        t = trainer.tables[name]
+        t = eng.tables[name]
         index["tables"][name] = {"dim": t.dim, "rows": int(keys.size),
                                  "ids": stem + ".ids.npy", "vectors": stem + ".vectors.npy",
                                  "default": [0.0] * t.dim}
@@ -106,12 +111,13 @@ def _write_dictionary(path: str, trainer, gathered: dict) -> None:
         f.write("\n")
 
 
-def _write_saved_model(path: str, trainer, gathered: dict) -> None:
+def _write_saved_model(path: str, eng, gathered: dict) -> None:
     import tensorflow as tf
 
-    from .keras import _rows_scope
+    from .keras.embedding import rows_scope
+    from .keras.engine import _as_input
 
-    model = trainer.model
+    model, layout = eng.model, eng.layout
     module = tf.Module()
     module.dense = list(model.variables)
     lookups, values, reserved = {}, {}, {}
@@ -142,41 +148,49 @@ def _write_saved_model(path: str, trainer, gathered: dict) -> None:
         idx = tf.where(is_empty, tf.constant(empty, tf.int64), idx)
         return tf.where(is_deleted, tf.constant(deleted, tf.int64), idx)
 
-    spec = {}
-    for inp in model.inputs:
-        name = inp.name
-        feat = trainer.features.get(name)
+    spec, arg = {}, {}
+    for name in layout.names:
+        arg[name] = _arg_name(name)
+        feat = layout.features.get(name)
         if feat is None:
-            spec[name] = tf.TensorSpec([None] + list(inp.shape[1:]), inp.dtype, name=name)
-        elif feat.multi_hot:
-            spec[name] = tf.TensorSpec([None], tf.int64, name=name)
-            spec[name + "_row_splits"] = tf.TensorSpec([None], tf.int64,
-                                                       name=name + "_row_splits")
-        else:
-            spec[name] = tf.TensorSpec([None], tf.int64, name=name)
+            form = layout.forms[name]
+            dt = {"float": tf.float32, "bool": tf.bool}.get(form[1]) or tf.as_dtype(form[1])
+            spec[arg[name]] = tf.TensorSpec([None] + form[3], dt, name=arg[name])
+            continue
+        spec[arg[name]] = tf.TensorSpec([None], tf.int64, name=arg[name])
+        if feat.multi_hot:
+            spec[arg[name] + "_row_splits"] = tf.TensorSpec([None], tf.int64,
+                                                            name=arg[name] + "_row_splits")
 
     def serve(**feeds):
-        inputs = {}
-        for inp in model.inputs:
-            name = inp.name
-            feat = trainer.features.get(name)
+        leaves = {}
+        for name in layout.names:
+            feat = layout.features.get(name)
             if feat is None:
-                inputs[name] = feeds[name]
+                leaves[name] = feeds[arg[name]]
                 continue
-            idx = index_of(feat.table, feeds[name])
+            idx = index_of(feat.table, feeds[arg[name]])
             if feat.multi_hot:
                 idx = tf.RaggedTensor.from_row_splits(
-                    idx, feeds[name + "_row_splits"]).to_tensor(default_value=-1)
-            inputs[name] = idx
+                    idx, feeds[arg[name] + "_row_splits"]).to_tensor(default_value=-1)
+            leaves[name] = _as_input(idx, eng._input_dtypes[name])
         rows = {t: tf.convert_to_tensor(v) for t, v in module.values.items()}
-        with _rows_scope(rows):
-            out = model(inputs, training=False)
+        with rows_scope(rows):
+            out = model(layout.rebuild(leaves), training=False)
         return {"prediction": out}
 
     fn = tf.function(serve, input_signature=None, autograph=False)
     concrete = fn.get_concrete_function(**spec)
     module.serve = fn
     tf.saved_model.save(module, path, signatures={"serving_default": concrete})
+
+
+def _arg_name(name: str) -> str:
+    """A signature argument name for input `name` (a list position or the single input
+    gets input_<i> / input)."""
+    if not name:
+        return "input"
+    return f"input_{name}" if name.isdigit() else name
 
 
 def _buckets(n: int) -> int:

@@ -31,7 +31,9 @@ import numpy as np
 
 from .._buffers import aligned_empty
 from ..comm import Comm
-from ..table import KvTable, TableSet
+from ..errors import InvalidArgumentError
+from ..table import KvTable
+from .kernels import TableSet
 
 
 def group_key(dim: int) -> str:
@@ -58,6 +60,9 @@ class Pull(Mapping):
         table t was given (in order), its row in rows[group[t]]. As a mapping, pull[t]
         is table t's Pulled (uniq, inverse, rows, counts), built on demand (a copy).
 
+    step: the step it belongs to; headers (BSP): every rank's header, (world, m);
+    dense (SSP/ASP): the whole dense vector as the owners served it, or None.
+
     Built from the sender's plan (TableSet.plan: send_ids, counts (world, tables),
     inverse, upos, pos, n_unique) and the received rows payload."""
 
@@ -77,7 +82,10 @@ class Pull(Mapping):
         self._ustart = np.zeros(len(self.names) + 1, np.int64)
         np.cumsum(nu, out=self._ustart[1:])
         self._send, self._inverse = send, inverse
-        self.headers = None
+        self.step = 0          # the step it belongs to
+        self.headers = None    # BSP: every rank's header, (world, m)
+        self.dense = None      # SSP/ASP: the dense vector the owners served
+        self.served = None     # BSP: what this rank served, for the push
         self._cache = {}
 
     def _grouped(self, payload: np.ndarray) -> dict[str, np.ndarray]:
@@ -143,12 +151,12 @@ class Pull(Mapping):
             for g in self._gkeys:
                 m = np.asarray(grads[g])
                 if m.shape != self.rows[g].shape:
-                    raise ValueError(f"push: group {g!r}: gradient shape {m.shape}, expected "
+                    raise InvalidArgumentError(f"push: group {g!r}: gradient shape {m.shape}, expected "
                                      f"{self.rows[g].shape}")
                 out.append(m if m.dtype == np.float32 else m.astype(np.float32))
             return out
         if set(grads) != set(self.names):
-            raise ValueError(f"push: gradients must be given per table {self.names} or per "
+            raise InvalidArgumentError(f"push: gradients must be given per table {self.names} or per "
                              f"group {self._gkeys}, got {sorted(grads)}")
         mats = {g: np.empty_like(m) for g, m in self.rows.items()}
         for t, n in enumerate(self.names):
@@ -156,17 +164,20 @@ class Pull(Mapping):
             rows = self.table_slice(n)
             want = (rows.size, int(self._tset.dims[t]))
             if g.shape != want:
-                raise ValueError(f"push: table {n!r}: gradient shape {g.shape}, expected {want}")
+                raise InvalidArgumentError(f"push: table {n!r}: gradient shape {g.shape}, expected {want}")
             mats[self.group[n]][rows] = g
         return [mats[g] for g in self._gkeys]
 
 
 class BspExchange:
-    """Pull rows and push gradients for a fixed, ordered set of tables.
+    """BSP: every step is a collective of all ranks (see kvcoll.exchange for the
+    interface). Every rank must call pull() and push() in the same order; an empty id
+    array is fine (the rank still answers its peers).
 
-    Every rank must call pull() and push() in the same order with the same tables;
-    an empty id array is fine (the rank still answers its peers).
+    step: the last step this rank started (restore sets it with set_step).
     """
+
+    synchronous = True
 
     def __init__(self, comm: Comm, tables: dict[str, KvTable]):
         self.comm = comm
@@ -174,26 +185,41 @@ class BspExchange:
         self._names = list(self.tables)
         self._set = TableSet([self.tables[n] for n in self._names])
         self._dims = self._set.dims.astype(np.int64)
-        self._served = None  # what this rank served in the last pull, for push
-        self._pulled = None
+        self.step = 0
         self.table_seconds = 0.0  # time spent in the tables' C calls (lookups, updates)
 
-    def pull(self, ids: dict[str, np.ndarray], step: int, create: bool = True,
-             header=None, proceed=None) -> Pull | None:
-        """Rows of every table's ids. create=False (evaluation) reads absent ids as
-        zeros and changes nothing; create=True creates them and prepares push().
+    def set_step(self, step: int) -> None:
+        """Continue from `step` (a restore): the next pull is step + 1."""
+        self.step = int(step)
 
-        header: a few int64 this rank sends every rank with its id counts (e.g. "I
-        have data", "my batch is valid"); the returned Pull's `headers` holds every
-        rank's, (world, m). proceed(headers), called on every rank as soon as they are
-        in, may raise (then nothing was served anywhere) or return False: then the
-        pull stops there on every rank and returns None."""
+    def pull(self, ids: dict[str, np.ndarray], *, header=None, proceed=None,
+             dense: bool = False) -> Pull | None:
+        """Start step self.step + 1: the rows of every table's ids (absent ids are
+        created, admission permitting).
+
+        header: a few int64 this rank sends every rank with its id counts (e.g. "I have
+        data", "my batch is valid"); the Pull's `headers` holds every rank's, (world,
+        m). proceed(headers), called on every rank as soon as they are in, may raise
+        (then nothing was served anywhere) or return False: then the pull stops there
+        on every rank and returns None (the step did not happen). `dense` is for the
+        asynchronous modes (BSP's dense parameters are every rank's own)."""
+        out = self._pull(ids, self.step + 1, True, header, proceed)
+        if out is not None:
+            self.step += 1
+        return out
+
+    def lookup(self, ids: dict[str, np.ndarray], *, header=None, proceed=None) -> Pull | None:
+        """The rows of every table's ids for evaluation: absent ids read zeros and no
+        table changes. A collective, like pull (same header and proceed)."""
+        return self._pull(ids, self.step, False, header, proceed)
+
+    def _pull(self, ids, step, create, header, proceed):
         world = self.comm.size
         if set(ids) != set(self._names):
             unknown = sorted(set(ids) - set(self._names))
             missing = sorted(set(self._names) - set(ids))
-            raise ValueError(f"pull: ids must name every table exactly; unknown {unknown}, "
-                             f"missing {missing}")
+            raise InvalidArgumentError(f"pull: ids must name every table exactly; unknown "
+                                       f"{unknown}, missing {missing}")
         given = [np.ascontiguousarray(ids[n], np.int64) for n in self._names]
         plan = self._set.plan(given, world)
         send, counts = plan[0], plan[1]
@@ -205,53 +231,61 @@ class BspExchange:
         dims = self._dims
         reply = aligned_empty(int((recv_counts * dims).sum()), np.float32)
         t0 = time.perf_counter()
-        state = self._set.serve(recv_ids, recv_counts, step, create, reply)
+        served = self._set.serve(recv_ids, recv_counts, step, create, reply)
         self.table_seconds += time.perf_counter() - t0
-        if create:
-            self._served = state
         got, _ = self.comm.alltoallv(reply, (recv_counts * dims).sum(axis=1), op="pull:rows",
                                      recv_counts=(counts * dims).sum(axis=1)).wait()
         out = Pull(self._set, self._names, [a.size for a in given], got, plan)
-        out.headers = headers
-        if create:
-            self._pulled = out
+        out.headers, out.step, out.served = headers, step, served
         return out
 
-    def push(self, grads: dict[str, np.ndarray], step: int, scale: float = 1.0) -> None:
-        """Send scale * d(loss)/d(rows) of the last pull back to the owners and apply
-        them.
+    def push(self, pull: Pull, grads: dict, dense_grad: np.ndarray | None = None,
+             extra: np.ndarray | None = None, lr: dict | None = None,
+             dense_lr: float | None = None) -> "Pushed":
+        """Post the gradient of pull's rows to their owners and start one fused
+        allreduce of [dense_grad, extra] (float32, either may be None); return at once.
+        The handle's reduced() is that sum over ranks; commit() waits for the rows'
+        gradients and applies them with each table's row optimizer (lr: table name ->
+        its learning rate for this step; absent: unchanged).
 
-        grads: per group, a matrix shaped like the pull's rows[group]; or per table,
+        grads: per group, a matrix shaped like pull.rows[group]; or per table,
         (len(uniq), dim) as its Pulled rows."""
-        self.push_start(grads).finish(step, scale=scale)
-
-    def push_start(self, grads: dict[str, np.ndarray]) -> "PushHandle":
-        """Post the gradients of the last pull (as push()) and return at once; the
-        handle's finish() waits for them and applies them (other collectives may run
-        in between, in the same order on every rank)."""
-        if self._served is None:
-            raise RuntimeError("push() needs a pull() first")
-        pulled, dims = self._pulled, self._dims
-        send = pulled.payload_of(grads)  # the owners scale it
-        state, self._served = self._served, None
+        if pull is None or getattr(pull, "served", None) is None:
+            raise InvalidArgumentError("push() needs the Pull of this step's pull()")
+        send = pull.payload_of(grads)
+        state, pull.served = pull.served, None
         recv_counts = state[0]
-        handle = self.comm.alltoallv(send, (pulled.counts * dims).sum(axis=1), op="push:grads",
-                                     recv_counts=(recv_counts * dims).sum(axis=1))
-        return PushHandle(self, handle, state)
+        dims = self._dims
+        rows = self.comm.alltoallv(send, (pull.counts * dims).sum(axis=1), op="push:grads",
+                                   recv_counts=(recv_counts * dims).sum(axis=1))
+        parts = [np.asarray(p, np.float32).reshape(-1) for p in (dense_grad, extra)
+                 if p is not None]
+        reduce = self.comm.iallreduce(np.concatenate(parts) if len(parts) > 1 else parts[0],
+                                      op="allreduce:dense") if parts else None
+        return Pushed(self, pull.step, rows, state, reduce, lr)
 
 
-class PushHandle:
-    """A push in flight (BspExchange.push_start)."""
+class Pushed:
+    """A push in flight (BspExchange.push): reduced() and commit() complete it."""
 
-    def __init__(self, exchange: BspExchange, handle, state):
-        self._ex, self._handle, self._state = exchange, handle, state
+    def __init__(self, exchange: BspExchange, step: int, rows, state, reduce, lr):
+        self._ex, self._step, self._rows, self._state = exchange, step, rows, state
+        self._reduce, self._lr, self._total = reduce, lr, None
 
-    def finish(self, step: int, scale: float = 1.0, apply: bool = True) -> None:
-        """Wait for the gradients this rank owns and apply scale * them (apply=False:
-        only complete the exchange, change nothing)."""
-        got, _ = self._handle.wait()
+    def reduced(self) -> np.ndarray | None:
+        """The fused allreduce's result: [dense_grad, extra] summed over ranks."""
+        if self._total is None and self._reduce is not None:
+            self._total = self._reduce.wait()
+        return self._total
+
+    def commit(self, apply: bool = True) -> None:
+        """Wait for the gradients this rank owns and apply them (apply=False: only
+        complete the exchange, change nothing: e.g. when a rank's gradient was NaN)."""
+        got, _ = self._rows.wait()
         if apply:
+            ex = self._ex
             t0 = time.perf_counter()
-            self._ex._set.apply(self._state, np.ascontiguousarray(got, np.float32), step, scale)
-            self._ex.table_seconds += time.perf_counter() - t0
-
+            for name, rate in (self._lr or {}).items():
+                ex.tables[name].set_learning_rate(rate)
+            ex._set.apply(self._state, np.ascontiguousarray(got, np.float32), self._step)
+            ex.table_seconds += time.perf_counter() - t0

@@ -57,10 +57,12 @@ import time
 import numpy as np
 
 from ..comm import SPIN, Comm
-from ..errors import CommError, CommTimeoutError
-from ..table import KvTable, TableSet, apply_rows, init_slots
+from ..errors import CommError, CommTimeoutError, InvalidArgumentError
+from ..table import KvTable
 from .._buffers import aligned_empty
-from .bsp import Pull
+from .bsp import BspExchange, Pull
+from .dense import apply_rows, init_slots
+from .kernels import TableSet
 
 __all__ = ["SspExchange"]
 
@@ -114,12 +116,18 @@ class SspExchange:
         the kvcoll row optimizer the slice owners apply to it.
     Call start_dense(flat) once (every rank, before its first step or finish) with the
     initial dense vector; each rank keeps only its slice.
+
+    step: the last step this rank started (its clock once pushed); set_step(s) makes
+    every worker's clock s (a restore: every rank restores the same step).
     """
+
+    synchronous = False
 
     def __init__(self, comm: Comm, tables: dict[str, KvTable], staleness: int | None,
                  dense_size: int = 0, dense_optimizer=None, max_inflight_steps: int = 4):
         if staleness is not None and (not isinstance(staleness, int) or staleness < 0):
-            raise ValueError(f"staleness must be an int >= 0 or None (ASP), got {staleness!r}")
+            raise InvalidArgumentError(
+                f"staleness must be an int >= 0 or None (ASP), got {staleness!r}")
         self.comm = comm
         self.tables = dict(tables)
         self._names = list(self.tables)
@@ -132,7 +140,7 @@ class SspExchange:
         self.dense_size = int(dense_size)
         self._dense_opt = dense_optimizer
         if dense_size and dense_optimizer is None:
-            raise ValueError("a dense vector needs a dense_optimizer")
+            raise InvalidArgumentError("a dense vector needs a dense_optimizer")
         self._inflight_limit = max(1, max_inflight_steps) * world
         self._req = comm.dup()   # workers -> service threads
         self._rep = comm.dup()   # service threads -> workers
@@ -155,26 +163,41 @@ class SspExchange:
         # Owner side: what each served pull found (TableSet.serve's state: the rows, to
         # apply that push at without a lookup), by (worker, step), until the push.
         self._served: dict[tuple[int, int], tuple] = {}
+        self.step = 0
+        self._apply_lock = threading.Lock()  # a push's learning rates and its update go together
+        self._dense_kernels: dict = {}       # learning rate -> the dense kernel with it
+        self._lookups: BspExchange | None = None
         self._thread = threading.Thread(target=self._serve, name=f"kvcoll-service-{rank}",
                                          daemon=True)
         self._thread.start()
 
     # -- worker side ---------------------------------------------------------------------
 
+    def set_step(self, step: int) -> None:
+        """Continue from `step` (a restore, on every rank between steps): every
+        worker's clock becomes `step` and every worker is active."""
+        with self._cv:
+            self.step = int(step)
+            self._clock[:] = self.step
+            self._done[:] = False
+            self._cv.notify_all()
+
     def start_dense(self, flat: np.ndarray, state: np.ndarray | None = None,
-                    updates: int = 0) -> None:
-        """Give this rank's service thread its dense slice (once; later calls are no-ops).
+                    updates: int = 0, replace: bool = False) -> None:
+        """Give this rank's service thread its dense slice (once; later calls are no-ops
+        unless `replace`: a restore, when no update is in flight).
 
         state: optionally the optimizer's per-parameter state, (k, dense_size) for the
         first k slots of the C layout (Adam: m, v; Adagrad: accum), e.g. restored from a
         checkpoint; updates: how many updates it has seen (Adam's bias correction)."""
         with self._cv:
-            if self._master is not None or not self.dense_size:
+            if (self._master is not None and not replace) or not self.dense_size:
                 return
             lo, hi = self._bounds[self._rank], self._bounds[self._rank + 1]
             flat = np.asarray(flat, np.float32).reshape(-1)
             if flat.size != self.dense_size:
-                raise ValueError(f"start_dense: {flat.size} values, expected {self.dense_size}")
+                raise InvalidArgumentError(
+                    f"start_dense: {flat.size} values, expected {self.dense_size}")
             self._master = flat[lo:hi].copy().reshape(1, -1)
             self._slots = init_slots(self._dense_opt, hi - lo) if hi > lo else None
             if state is not None and hi > lo and len(state):
@@ -220,15 +243,18 @@ class SspExchange:
         self.trace.append(_Trace(step, lead, 0, time.time()))
         return lead
 
-    def pull(self, ids: dict[str, np.ndarray], step: int, *, dense: bool = True,
-             create: bool = True):
-        """Rows of every table's ids (created if new, with create) and, with dense, the
-        whole dense vector, as served by the owners under the staleness rule.
-        Returns (Pull, dense flat or None): the rows in the layout of a BSP pull (owner
-        after owner, then table after table)."""
+    def pull(self, ids: dict[str, np.ndarray], *, header=None, proceed=None,
+             dense: bool = True, create: bool = True) -> Pull:
+        """Start step self.step + 1: wait for its turn (SSP), then the rows of every
+        table's ids (created if new, with create) and, with dense, the whole dense
+        vector (Pull.dense), as served by the owners under the staleness rule. The rows
+        come in the layout of a BSP pull (owner after owner, then table after table).
+        header and proceed are BSP's agreement: here each rank decides alone."""
+        step = self.step + 1
+        self.wait_turn(step)
         world, me = self._world, self._rank
         if set(ids) != set(self._names):
-            raise ValueError(f"pull: ids must name every table exactly; got {sorted(ids)}, "
+            raise InvalidArgumentError(f"pull: ids must name every table exactly; got {sorted(ids)}, "
                              f"tables {self._names}")
         given = [np.ascontiguousarray(ids[n], np.int64) for n in self._names]
         plan = self._set.plan(given, world)
@@ -277,8 +303,19 @@ class SspExchange:
         if self.trace and self.trace[-1].step == step:
             self.trace[-1].staleness = stale
         out = Pull(self._set, self._names, [a.size for a in given], payload, plan)
+        out.step, out.dense = step, flat
         self._last = out if create else None
-        return out, flat
+        self.step = step
+        return out
+
+    def lookup(self, ids: dict[str, np.ndarray], *, header=None, proceed=None) -> Pull | None:
+        """Rows for evaluation (absent ids read zeros, nothing changes): a BSP collective
+        on the trainer's communicator, so call it when no rank is stepping (after
+        finish())."""
+        if self._lookups is None:
+            self._lookups = BspExchange(self.comm, self.tables)
+        self._lookups.set_step(self.step)
+        return self._lookups.lookup(ids, header=header, proceed=proceed)
 
     def _offsets(self, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Where each owner's ids and rows start in a pull's payloads (counts: (world,
@@ -289,15 +326,23 @@ class SspExchange:
         np.cumsum((counts * self._dims).sum(axis=1), out=fl_at[1:])
         return id_at, fl_at
 
-    def push(self, grads: dict[str, np.ndarray], dense_grad: np.ndarray | None, step: int) -> None:
-        """Send the gradients of the last pull's rows (and of the dense vector) to their
-        owners, and announce that this worker finished `step`. Does not wait for them
-        to be applied. grads: per group or per table, as for a BSP push (see
-        Pull.payload_of); the owners apply them as they are."""
-        world, last = self._world, self._last
+    def push(self, pull: Pull | None, grads: dict, dense_grad: np.ndarray | None = None,
+             extra: np.ndarray | None = None, lr: dict | None = None,
+             dense_lr: float | None = None) -> "Posted":
+        """Send the gradients of pull's rows (and of the dense vector) to their owners,
+        and announce that this worker finished that step. Does not wait for them to be
+        applied. grads: per group or per table, as for a BSP push (see
+        Pull.payload_of); the owners apply them as they are, with lr (table name ->
+        learning rate for this step; absent: the table's own) and dense_lr (the dense
+        kernel's). Returns a handle like BSP's, whose reduced() is [dense_grad, extra]
+        of this rank alone (nothing is summed over ranks here)."""
+        world = self._world
+        last = pull if pull is not None and pull is self._last else None
+        step = pull.step if pull is not None else self.step
         if last is None:
             if any(np.size(g) for g in grads.values()):
-                raise ValueError("push: row gradients without a pull (create=True) before")
+                raise InvalidArgumentError(
+                    "push: row gradients without this step's pull (create=True) before")
             counts = np.zeros((world, len(self._names)), np.int64)
             payload = np.zeros(0, np.float32)
         else:
@@ -306,21 +351,31 @@ class SspExchange:
         if dense_grad is not None:
             dense_grad = np.ascontiguousarray(dense_grad, np.float32).reshape(-1)
             if dense_grad.size != self.dense_size:
-                raise ValueError(f"push: dense gradient of {dense_grad.size} values, "
-                                 f"expected {self.dense_size}")
+                raise InvalidArgumentError(f"push: dense gradient of {dense_grad.size} "
+                                           f"values, expected {self.dense_size}")
+        # this step's learning rates: one per table, then the dense kernel's (NaN: keep)
+        rates = np.full(len(self._names) + 1, np.nan, np.float32)
+        for t, name in enumerate(self._names):
+            if lr and name in lr:
+                rates[t] = lr[name]
+        if dense_lr is not None:
+            rates[-1] = dense_lr
         for r in range(world):
             rg = payload[fl_at[r]:fl_at[r + 1]]
             dg = dense_grad[self._bounds[r]:self._bounds[r + 1]] if dense_grad is not None \
                 else None
             if r == self._rank:  # this rank's own share: applied here, in order, at once
-                self._apply(r, step, counts[r], rg, dg)
+                self._apply(r, step, counts[r], rg, dg, rates)
                 continue
             msg = _pack([_PUSH, step, int(dg is not None), 0], [counts[r]],
-                        [rg, dg if dg is not None else np.zeros(0, np.float32)])
+                        [rates, rg, dg if dg is not None else np.zeros(0, np.float32)])
             self._send(self._req, msg, r, "ssp:push")
         self._last = None
         if self.trace and self.trace[-1].step == step:
             self.trace[-1].t_end = time.time()
+        parts = [np.asarray(p, np.float32).reshape(-1) for p in (dense_grad, extra)
+                 if p is not None]
+        return Posted(np.concatenate(parts) if parts else None)
 
     def _send(self, comm: Comm, msg: np.ndarray, dest: int, op: str) -> None:
         sends = self._sends
@@ -334,11 +389,12 @@ class SspExchange:
         while self._sends:
             self._sends.popleft().wait()
 
-    def finish(self, step: int) -> int:
-        """This worker is done (its clock is `step`): announce it, wait until every rank
-        is done (all their updates applied here), barrier. Afterwards every update of
-        every worker is in every owner's rows and slices. Returns the largest clock of
-        any worker, from which every worker continues."""
+    def finish(self) -> int:
+        """This worker is done (its clock is self.step): announce it, wait until every
+        rank is done (all their updates applied here), barrier. Afterwards every update
+        of every worker is in every owner's rows and slices. Returns the largest clock
+        of any worker, from which every worker continues (self.step becomes it)."""
+        step = self.step
         for r in range(self._world):
             self._send(self._req, _pack([_DONE, step, 0, 0]), r, "ssp:done")
         self._drain_sends()
@@ -365,6 +421,7 @@ class SspExchange:
             # A next step (new epoch) starts from a common clock, with everyone active.
             self._done[:] = False
             np.maximum(self._clock, top, out=self._clock)
+        self.step = top
         return top
 
     def dense(self) -> np.ndarray:
@@ -497,21 +554,39 @@ class SspExchange:
 
     def _apply_push(self, src, clock, has_dense, rd) -> None:
         counts = rd.ints(len(self._names))
+        rates = rd.floats(len(self._names) + 1)
         grads = rd.floats(int((counts * self._dims).sum()))
         lo, hi = self._bounds[self._rank], self._bounds[self._rank + 1]
-        self._apply(src, clock, counts, grads, rd.floats(hi - lo) if has_dense else None)
+        self._apply(src, clock, counts, grads, rd.floats(hi - lo) if has_dense else None, rates)
 
-    def _apply(self, src, clock, counts, grads, dense_grad) -> None:
+    def _dense_kernel(self, rate: float):
+        """The dense optimizer with learning rate `rate` (NaN: its own)."""
+        if np.isnan(rate):
+            return self._dense_opt
+        kernel = self._dense_kernels.get(float(rate))
+        if kernel is None:
+            if len(self._dense_kernels) > 64:
+                self._dense_kernels.clear()
+            kernel = dataclasses.replace(self._dense_opt, learning_rate=float(rate))
+            self._dense_kernels[float(rate)] = kernel
+        return kernel
+
+    def _apply(self, src, clock, counts, grads, dense_grad, rates) -> None:
         """Apply worker src's push of step `clock` to this rank's rows and dense slice,
         then record its clock (service thread for peers, training thread for itself).
         The rows are those its pull found here (kv_xapply, no lookup); a row evicted
-        in between drops its gradient (counted in the table's dropped_grads)."""
+        in between drops its gradient (counted in the table's dropped_grads). rates:
+        the push's learning rate per table, then the dense one (NaN: unchanged)."""
         state = self._served.pop((src, clock), None)
         if counts.any():
             if state is None:
                 raise CommError(f"rank {self._rank}: rank {src} pushed row gradients for step "
                                 f"{clock} without pulling those rows first")
-            self._set.apply(state, np.ascontiguousarray(grads, np.float32), max(1, clock))
+            with self._apply_lock:
+                for t, table in enumerate(self._set.tables):
+                    if not np.isnan(rates[t]):
+                        table.set_learning_rate(float(rates[t]))
+                self._set.apply(state, np.ascontiguousarray(grads, np.float32), max(1, clock))
         with self._cv:
             if dense_grad is not None:
                 lo, hi = self._bounds[self._rank], self._bounds[self._rank + 1]
@@ -521,9 +596,24 @@ class SspExchange:
                         raise CommError(f"rank {self._rank}: dense push from rank {src} "
                                         "before this rank's slice was initialised")
                     self._dense_updates += 1
-                    apply_rows(self._dense_opt, self._master, self._slots, g.reshape(1, -1),
-                               self._dense_updates)
+                    apply_rows(self._dense_kernel(rates[-1]), self._master, self._slots,
+                               g.reshape(1, -1), self._dense_updates)
             self.pushes_applied += 1
             self._clock[src] = max(self._clock[src], clock)
             self._done[src] = False
             self._cv.notify_all()
+
+
+class Posted:
+    """An SSP/ASP push, already sent: the same handle as a BSP push (reduced(),
+    commit()), with nothing left to wait for."""
+
+    def __init__(self, local: np.ndarray | None):
+        self._local = local
+
+    def reduced(self) -> np.ndarray | None:
+        """This rank's own [dense_grad, extra] (no sum over ranks in SSP/ASP)."""
+        return self._local
+
+    def commit(self, apply: bool = True) -> None:
+        """Nothing to do: the owners apply SSP/ASP pushes as they arrive."""

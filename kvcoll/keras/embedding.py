@@ -1,0 +1,139 @@
+"""kv.Embedding: the Keras layer over a sharded, growable kvcoll table.
+
+TensorFlow never holds a table. Inside kvcoll's compiled step the layer receives, in
+place of its ids, each id's position in the batch's rows matrix (the rows the
+exchange pulled for this batch: a matrix sized by the batch, not the vocabulary) and
+gathers from it; the matrix reaches the layer through `rows_scope`. Outside that
+scope the layer has no rows: calling the model directly raises, and `model.predict`
+(a collective) is the way to run it.
+
+While kvcoll discovers which model input feeds which table, the layer runs under
+`recording`: it notes the tensor it was called on and returns zeros of its output
+shape, so the rest of the model traces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import keras
+import tensorflow as tf
+
+from ..errors import InvalidArgumentError
+
+__all__ = ["Embedding", "rows_scope", "recording", "COMBINERS"]
+
+COMBINERS = (None, "sum", "mean", "sqrtn")
+_context = threading.local()
+
+
+@contextlib.contextmanager
+def rows_scope(rows: dict):
+    """Run the model with `rows` (table name -> rows matrix) as the tables' rows."""
+    prev = getattr(_context, "rows", None)
+    _context.rows = rows
+    try:
+        yield
+    finally:
+        _context.rows = prev
+
+
+@contextlib.contextmanager
+def recording(calls: list):
+    """Trace the model with every kv.Embedding appending (layer, its input) to calls."""
+    prev = getattr(_context, "calls", None)
+    _context.calls = calls
+    try:
+        yield
+    finally:
+        _context.calls = prev
+
+
+class Embedding(keras.layers.Layer):
+    """A Keras layer over a sharded, growable kvcoll table.
+
+    table: the table's name; several layers (features) may share one table, with
+        the same settings. dim: the row width. combiner: None for one id per sample
+        (output [batch, dim]); "sum", "mean" or "sqrtn" for multi-hot features
+        (output [batch, dim]). initializer, seed: how new rows start (see
+        kvcoll.Initializer). optimizer: the table's row optimizer (default: the
+        DistributedOptimizer's `sparse`).
+        Feature lifecycle (see kvcoll.KvTable): admit_min_count (K >= 2: an id gets a
+        row once seen in K steps; before, it reads zeros and its gradients are
+        dropped), admit ("exact" or "bloom"), evict_after_steps (TTL in steps),
+        max_rows (the whole table's row budget, summed over ranks: each rank keeps
+        ceil(max_rows / world)), evict_policy ("lru" or "lfu"); kv.callbacks.Evict
+        (or Trainer.evict()) enforces the last three.
+
+    Call it on a model input of ids: 1-D (one id per sample) or, with a combiner, 2-D
+    or ragged (several per sample). Ids may be int64, int32 or strings (hashed).
+    """
+
+    def __init__(self, table: str, dim: int, *, combiner: str | None = None,
+                 initializer=("uniform", -0.05, 0.05), seed: int = 0, optimizer=None,
+                 admit_min_count: int = 0, admit: str = "exact",
+                 evict_after_steps: int | None = None, max_rows: int | None = None,
+                 evict_policy: str = "lru", **kwargs):
+        kwargs.setdefault("name", f"kv_embedding_{table}")
+        super().__init__(**kwargs)
+        if not isinstance(table, str) or not table:
+            raise InvalidArgumentError(f"Embedding: table must be a non-empty name, got {table!r}")
+        if combiner not in COMBINERS:
+            raise InvalidArgumentError(
+                f"Embedding {table!r}: combiner must be one of {COMBINERS}, got {combiner!r}")
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise InvalidArgumentError(f"Embedding {table!r}: dim must be a positive int, got {dim!r}")
+        self.table = table
+        self.dim = dim
+        self.combiner = combiner
+        self.initializer = initializer
+        self.seed = seed
+        self.row_optimizer = optimizer
+        self.lifecycle = dict(admit_min_count=admit_min_count, admit=admit,
+                              evict_after_steps=evict_after_steps, max_rows=max_rows,
+                              evict_policy=evict_policy)
+
+    def compute_output_spec(self, ids):
+        shape = tuple(ids.shape[:1]) + (self.dim,) if self.combiner is not None \
+            else tuple(ids.shape) + (self.dim,)
+        return keras.KerasTensor(shape, dtype="float32")
+
+    def call(self, index):
+        if index.dtype == tf.string:  # positions given to an Input declared as strings
+            index = tf.strings.to_number(index, out_type=tf.int64)
+        calls = getattr(_context, "calls", None)
+        if calls is not None:  # discovery: note the input, touch it only through its shape
+            shape = tf.shape(index)
+            calls.append((self, index, shape.op.name))
+            lead = shape[:1] if self.combiner is not None else shape
+            return tf.zeros(tf.concat([lead, [self.dim]], 0), tf.float32)
+        rows = getattr(_context, "rows", None)
+        if rows is None or self.table not in rows:
+            raise InvalidArgumentError(
+                f"kv.Embedding {self.name!r} (table {self.table!r}) has no rows here: run the "
+                "model through model.fit / evaluate / predict (collectives that pull the "
+                "rows), or kv.Trainer")
+        rows = rows[self.table]
+        if self.combiner is None:
+            return tf.gather(rows, index)
+        # Multi-hot: index is [batch, width] with -1 padding.
+        mask = tf.cast(index >= 0, rows.dtype)
+        vecs = tf.gather(rows, tf.maximum(index, 0)) * mask[..., None]
+        total = tf.reduce_sum(vecs, axis=1)
+        if self.combiner == "sum":
+            return total
+        count = tf.maximum(tf.reduce_sum(mask, axis=1, keepdims=True), 1.0)
+        return total / (count if self.combiner == "mean" else tf.sqrt(count))
+
+    def table_spec(self, default_optimizer) -> tuple:
+        """What the table behind this layer is made of; layers sharing a table must
+        agree on it."""
+        return (self.dim, self.initializer, self.seed, self.row_optimizer or default_optimizer,
+                tuple(sorted(self.lifecycle.items())))
+
+    def get_config(self):
+        cfg = super().get_config()
+        cfg.update(table=self.table, dim=self.dim, combiner=self.combiner, seed=self.seed,
+                   initializer=self.initializer, **self.lifecycle)
+        return cfg

@@ -1,0 +1,155 @@
+"""kv.Trainer: a step loop of your own, on the same engine as model.fit.
+
+    trainer = kv.Trainer(model, keras.losses.BinaryCrossentropy(from_logits=True),
+                         kv.DistributedOptimizer(keras.optimizers.Adam(1e-3),
+                                                 sparse=kv.optimizers.Adagrad(0.05)))
+    for features, labels in my_batches:            # this rank's slice of each step
+        loss = trainer.train_step(features, labels)
+    trainer.finish()                               # uneven data: keep the others company
+
+It compiles the model with the loss and optimizer and runs the engine's steps
+(kvcoll.keras.engine) one at a time: the same exchange, the same agreement on bad
+batches, the same results as fit. BSP: train_step returns the global mean loss and every
+rank must call it (or be in finish()); SSP/ASP: each rank steps on its own and gets its
+own loss, and finish() is the collective that ends the run.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..errors import InvalidArgumentError
+from .engine import Engine, _ENGINES
+from .optimizer import is_distributed
+
+__all__ = ["Trainer"]
+
+
+class Trainer:
+    """Runs training and evaluation of a Keras model with kv.Embedding layers, step by
+    step. loss: a Keras loss (or a callable (labels, outputs) -> per-sample loss);
+    optimizer: kv.DistributedOptimizer(...); step_mode: "bsp", "ssp", "asp" or a
+    kv.StepMode (default: the run's --step-mode); staleness: SSP's bound."""
+
+    def __init__(self, model, loss, optimizer, *, jit: bool = True, comm=None, step_mode=None,
+                 staleness: int | None = None):
+        if not is_distributed(optimizer):
+            raise InvalidArgumentError(
+                "optimizer must be kv.DistributedOptimizer(keras_optimizer, sparse=...), "
+                f"got {optimizer!r}")
+        model.compile(optimizer=optimizer, loss=loss)
+        old = _ENGINES.get(model)
+        if old is not None:
+            old.close()
+        self.engine = Engine(model, comm=comm, step_mode=step_mode, staleness=staleness, jit=jit)
+        _ENGINES[model] = self.engine
+        self.model = model
+        self.opt = optimizer
+        self.comm = self.engine.comm
+        self.step_mode = self.engine.mode
+        self._targets = None
+
+    # -- what the engine knows ------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        return self.engine.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.engine.set_step(value)
+
+    @property
+    def tables(self) -> dict:
+        return self.engine.tables or {}
+
+    @property
+    def features(self) -> dict:
+        return self.engine.features
+
+    @property
+    def timings(self) -> dict:
+        return self.engine.timings
+
+    @property
+    def local_steps(self) -> int:
+        return self.engine.local_steps
+
+    @property
+    def staleness_observed(self) -> int:
+        """The most steps any data this rank read was behind (0 in BSP)."""
+        return getattr(self.engine.ex, "staleness_observed", 0)
+
+    @property
+    def max_lead(self) -> int:
+        """The most steps this rank ran ahead of the slowest rank it knew of (0 in BSP)."""
+        return getattr(self.engine.ex, "max_lead", 0)
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def _begin(self, element, x_only=False):
+        if self.engine.layout is None or (self._targets is None and not x_only):
+            got = self.engine.begin(element, x_only=x_only)
+            if not x_only:
+                self._targets = got
+        return self._targets
+
+    def train_step(self, features: dict, labels) -> float:
+        """One step on this rank's slice of the global batch. BSP: returns the global
+        mean loss; every rank must call it (or be inside finish()). SSP/ASP: returns this
+        rank's mean loss; ranks step independently."""
+        element = (features, labels)
+        targets = self._begin(element)
+        out = self.engine.train_step(element, targets=targets)
+        return out.loss
+
+    def finish(self) -> int:
+        """This rank's data has run out: keeps answering the other ranks' steps (BSP)
+        or waits for every rank (SSP/ASP) until everyone is done; afterwards every update
+        is applied and (SSP/ASP) every rank holds the same dense model. Returns the
+        steps this rank served with no data of its own (BSP)."""
+        if self.engine.layout is None:
+            self._begin(None)
+        before = self.engine.step
+        self.engine.finish()
+        return self.engine.step - before if self.engine.synchronous else 0
+
+    def predict(self, features: dict) -> np.ndarray:
+        """Model outputs for this rank's samples; a collective (every rank calls it,
+        possibly with zero samples). Unknown ids read zeros; tables are unchanged."""
+        self.engine.sync()
+        self._begin(features, x_only=True)
+        _, out = self.engine.predict_step(features)
+        err = self.engine._pending_error
+        if err is not None:
+            self.engine._pending_error = None
+            raise err
+        return out
+
+    def table_stats(self) -> dict:
+        """Per table: rows and bytes summed over all ranks (a collective)."""
+        tables = self.tables
+        local = np.array([[len(t), t.stats().bytes] for t in tables.values()], np.int64)
+        total = self.comm.allreduce(local.reshape(-1), op="table_stats").reshape(-1, 2)
+        return {n: {"rows": int(r), "bytes": int(b)} for n, (r, b) in zip(tables, total)}
+
+    def evict(self, step: int | None = None, tables=None) -> float:
+        """Apply the eviction policy of every table (or the named `tables`) to this rank's
+        shards as of `step` (default: now). Local, not a collective. Returns the seconds
+        it took: the pause it adds to training (stagger the tables over steps)."""
+        return evict(self.engine, step, tables)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def evict(engine, step: int | None = None, tables=None) -> float:
+    """Every table's (or the named tables') eviction policy on this rank's shards as of
+    `step` (default: the engine's). Returns the seconds it took."""
+    step = engine.step if step is None else int(step)
+    t0 = time.perf_counter()
+    for name in (engine.tables if tables is None else tables):
+        engine.tables[name].evict(step)
+    return time.perf_counter() - t0
