@@ -1,10 +1,9 @@
 """KvTable: one rank's shard of one embedding table, backed by the C core.
 
-This is the only module that calls the C library. Every call is one C call per
-batch: numpy arrays cross zero-copy after their dtype, shape and contiguity have been
-checked here, and the C side validates values (finite, in range) before it changes
-anything, so an error leaves the table exactly as it was. Status codes become typed
-exceptions in one place, `_check`.
+Every call is one C call per batch: numpy arrays cross zero-copy after their dtype,
+shape and contiguity have been checked here, and the C side validates values (finite, in
+range) before it changes anything, so an error leaves the table exactly as it was. Status
+codes become typed exceptions in one place, `kvcoll._c.check`.
 
     >>> t = KvTable(4, name="user", optimizer=optimizers.Adagrad(0.1))
     >>> rows = t.find_or_create(np.array([7, 42, 7]))     # (3, 4) float32
@@ -34,14 +33,7 @@ import numpy as np
 
 from . import errors, optimizers
 from ._buffers import aligned_empty
-
-try:
-    from ._kvcoll_c import ffi, lib
-except ImportError as exc:  # pragma: no cover - exercised only without a build
-    raise ImportError(
-        "kvcoll's C extension is not built: run `./dev build` (or `pip install .`) "
-        f"from the kvcoll checkout ({exc})"
-    ) from exc
+from ._c import EMPTY, check, ffi, lib, ptr, step32
 
 __all__ = ["KvTable", "TableSet", "Initializer", "TableStats", "owner_of", "unique_partition",
            "gather_grad",
@@ -61,23 +53,6 @@ _OPT_KINDS = {
     "group_adam": lib.KV_OPT_GROUP_ADAM,
     "group_adagrad": lib.KV_OPT_GROUP_ADAGRAD,
 }
-
-_ERRORS = {
-    lib.KV_ENOMEM: errors.CapacityError,
-    lib.KV_EINVAL: errors.InvalidArgumentError,
-    lib.KV_ENONFINITE: errors.NonFiniteError,
-    lib.KV_EFULL: errors.TableFullError,
-    lib.KV_EOPTIM: errors.InvalidArgumentError,
-    lib.KV_EINIT: errors.InvalidArgumentError,
-}
-
-
-def _check(status: int, what: str) -> None:
-    """Turn a C status code into the matching exception (the one place that does)."""
-    if status == lib.KV_OK:
-        return
-    text = ffi.string(lib.kv_strerror(status)).decode()
-    raise _ERRORS.get(status, errors.KvcollError)(f"{what}: {text}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,14 +133,6 @@ def _table_id(name: str) -> int:
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
 
 
-_EMPTY = np.zeros(8, np.int64)  # a valid address for zero-length batches
-
-
-def _ptr(ctype: str, arr: np.ndarray):
-    """Zero-copy pointer into a checked, C-contiguous array (never NULL)."""
-    return ffi.cast(ctype, ffi.from_buffer(arr if arr.size else _EMPTY))
-
-
 class KvTable:
     """One rank's shard of a growable int64 -> float32[dim] table with a row optimizer.
 
@@ -243,7 +210,7 @@ class KvTable:
         fill_optim(self._cfg.optim, self.optimizer)
         self.slot_floats = int(lib.kv_optim_slot_floats(ffi.addressof(self._cfg.optim), self.dim))
         out = ffi.new("kv_table_t **")
-        _check(lib.kv_table_create(self._cfg, out), f"table {name!r}: create")
+        check(lib.kv_table_create(self._cfg, out), f"table {name!r}: create")
         self._t = out[0]
         self._close_lock = threading.Lock()
 
@@ -368,9 +335,9 @@ class KvTable:
                 raise errors.DimensionError(
                     f"table {self.name!r}: default must have shape ({self.dim},), got {d.shape}")
             dflt = ffi.cast("float *", ffi.from_buffer(d))
-        _check(lib.kv_table_find(self._handle(), _ptr("int64_t *", k), k.size,
-                                 _ptr("float *", out), _ptr("uint8_t *", found), dflt),
-               f"table {self.name!r}: find")
+        check(lib.kv_table_find(self._handle(), ptr("int64_t *", k), k.size,
+                                ptr("float *", out), ptr("uint8_t *", found), dflt),
+              f"table {self.name!r}: find")
         return (out, found.astype(bool)) if return_found else out
 
     def find_or_create(self, keys, *, step: int = 0, return_has_row: bool = False):
@@ -382,10 +349,10 @@ class KvTable:
         out = np.empty((k.size, self.dim), np.float32)
         has = np.empty(k.size, np.uint8) if return_has_row else None
         created = ffi.new("int64_t *")
-        _check(lib.kv_table_find_or_create(self._handle(), _ptr("int64_t *", k), k.size,
-                                           _ptr("float *", out), _step32(step), created,
-                                           ffi.NULL if has is None else _ptr("uint8_t *", has)),
-               f"table {self.name!r}: find_or_create")
+        check(lib.kv_table_find_or_create(self._handle(), ptr("int64_t *", k), k.size,
+                                          ptr("float *", out), step32(step), created,
+                                          ffi.NULL if has is None else ptr("uint8_t *", has)),
+              f"table {self.name!r}: find_or_create")
         return (out, has.astype(bool)) if return_has_row else out
 
     def find_or_create_ref(self, keys, *, step: int = 0, out: np.ndarray | None = None):
@@ -396,9 +363,9 @@ class KvTable:
         k = self._keys(keys)
         out = self._out(out, k.size)
         refs = np.empty(k.size, np.uint32)
-        _check(lib.kv_table_find_or_create_ref(
-            self._handle(), _ptr("int64_t *", k), k.size, _ptr("float *", out),
-            _step32(step), ffi.NULL, _ptr("uint32_t *", refs)),
+        check(lib.kv_table_find_or_create_ref(
+            self._handle(), ptr("int64_t *", k), k.size, ptr("float *", out),
+            step32(step), ffi.NULL, ptr("uint32_t *", refs)),
             f"table {self.name!r}: find_or_create")
         return out, refs
 
@@ -415,9 +382,9 @@ class KvTable:
         missing = ffi.new("int64_t *")
         flags = (lib.KV_APPLY_CREATE_MISSING if create_missing else 0) | \
             (lib.KV_APPLY_DISTINCT if distinct else 0)
-        _check(lib.kv_table_apply_gradients_ref(
-            self._handle(), _ptr("int64_t *", k), _ptr("uint32_t *", r), k.size,
-            _ptr("float *", g), int(step), flags, missing),
+        check(lib.kv_table_apply_gradients_ref(
+            self._handle(), ptr("int64_t *", k), ptr("uint32_t *", r), k.size,
+            ptr("float *", g), int(step), flags, missing),
             f"table {self.name!r}: apply_gradients")
         return int(missing[0])
 
@@ -425,21 +392,21 @@ class KvTable:
         """Assign rows (creating absent keys). Duplicate keys: the last row wins."""
         k = self._keys(keys)
         v = self._rows(values, k.size, "values")
-        _check(lib.kv_table_update(self._handle(), _ptr("int64_t *", k), k.size,
-                                   _ptr("float *", v)),
-               f"table {self.name!r}: update")
+        check(lib.kv_table_update(self._handle(), ptr("int64_t *", k), k.size,
+                                  ptr("float *", v)),
+              f"table {self.name!r}: update")
 
     def delete(self, keys) -> int:
         """Remove keys; absent ones are ignored. Returns how many were removed."""
         k = self._keys(keys)
         n = ffi.new("int64_t *")
-        _check(lib.kv_table_delete(self._handle(), _ptr("int64_t *", k), k.size, n),
-               f"table {self.name!r}: delete")
+        check(lib.kv_table_delete(self._handle(), ptr("int64_t *", k), k.size, n),
+              f"table {self.name!r}: delete")
         return int(n[0])
 
     def clear(self) -> None:
         """Remove every key."""
-        _check(lib.kv_table_clear(self._handle()), f"table {self.name!r}: clear")
+        check(lib.kv_table_clear(self._handle()), f"table {self.name!r}: clear")
 
     def apply_gradients(self, keys, grads, *, step: int, create_missing: bool = False) -> int:
         """Apply the row optimizer. Duplicate keys are summed, then applied once.
@@ -450,9 +417,9 @@ class KvTable:
         self._check_apply_step(step)
         missing = ffi.new("int64_t *")
         flags = lib.KV_APPLY_CREATE_MISSING if create_missing else 0
-        _check(lib.kv_table_apply_gradients(self._handle(), _ptr("int64_t *", k), k.size,
-                                            _ptr("float *", g), int(step), flags, missing),
-               f"table {self.name!r}: apply_gradients")
+        check(lib.kv_table_apply_gradients(self._handle(), ptr("int64_t *", k), k.size,
+                                           ptr("float *", g), int(step), flags, missing),
+              f"table {self.name!r}: apply_gradients")
         return int(missing[0])
 
     def export(self, *, dirty_only: bool = False, clear_dirty: bool = False,
@@ -474,11 +441,11 @@ class KvTable:
                 "counts": np.empty(batch, np.uint32),
                 "dirty": np.empty(batch, np.uint8),
             }
-            _check(lib.kv_table_export(
-                t, cursor, batch, flags, _ptr("int64_t *", p["keys"]),
-                _ptr("float *", p["values"]), _ptr("float *", p["slots"]),
-                _ptr("uint32_t *", p["last_step"]), _ptr("uint32_t *", p["counts"]),
-                _ptr("uint8_t *", p["dirty"]), n_out), f"table {self.name!r}: export")
+            check(lib.kv_table_export(
+                t, cursor, batch, flags, ptr("int64_t *", p["keys"]),
+                ptr("float *", p["values"]), ptr("float *", p["slots"]),
+                ptr("uint32_t *", p["last_step"]), ptr("uint32_t *", p["counts"]),
+                ptr("uint8_t *", p["dirty"]), n_out), f"table {self.name!r}: export")
             n = int(n_out[0])
             parts.append({name: a[:n] for name, a in p.items()})
             if n < batch:
@@ -495,26 +462,26 @@ class KvTable:
         s = None if slots is None else self._rows(slots, k.size, "slots", self.slot_floats)
         ls = self._u32(last_step, k.size, "last_step")
         c = self._u32(counts, k.size, "counts")
-        _check(lib.kv_table_import(
-            self._handle(), _ptr("int64_t *", k), k.size, _ptr("float *", v),
-            ffi.NULL if s is None else _ptr("float *", s),
-            ffi.NULL if ls is None else _ptr("uint32_t *", ls),
-            ffi.NULL if c is None else _ptr("uint32_t *", c)),
+        check(lib.kv_table_import(
+            self._handle(), ptr("int64_t *", k), k.size, ptr("float *", v),
+            ffi.NULL if s is None else ptr("float *", s),
+            ffi.NULL if ls is None else ptr("uint32_t *", ls),
+            ffi.NULL if c is None else ptr("uint32_t *", c)),
             f"table {self.name!r}: import")
 
     def initial_values(self, keys) -> np.ndarray:
         """The value find_or_create would give each key if it were new."""
         k = self._keys(keys)
         out = np.empty((k.size, self.dim), np.float32)
-        _check(lib.kv_initial_values(self._cfg, _ptr("int64_t *", k), k.size,
-                                     _ptr("float *", out)),
-               f"table {self.name!r}: initial_values")
+        check(lib.kv_initial_values(self._cfg, ptr("int64_t *", k), k.size,
+                                    ptr("float *", out)),
+              f"table {self.name!r}: initial_values")
         return out
 
     def stats(self) -> TableStats:
         """Rows, capacity, bytes held, load factor and lifecycle counters of this shard."""
         s = ffi.new("kv_table_stats_t *")
-        _check(lib.kv_table_stats(self._handle(), s), f"table {self.name!r}: stats")
+        check(lib.kv_table_stats(self._handle(), s), f"table {self.name!r}: stats")
         return TableStats(int(s.rows), int(s.row_capacity), int(s.index_slots), int(s.bytes),
                           int(s.row_bytes), int(s.dim), int(s.slot_floats),
                           float(s.load_factor), int(s.admitted), int(s.rejected),
@@ -546,16 +513,16 @@ class KvTable:
             raise errors.InvalidArgumentError(
                 f"table {self.name!r}: min_last_step must be in [0, 2**32), got {min_last_step}")
         n = ffi.new("int64_t *")
-        _check(lib.kv_table_evict(self._handle(), int(min_last_step),
-                                  -1 if max_rows is None else int(max_rows), _POLICY[policy], n),
-               f"table {self.name!r}: evict")
+        check(lib.kv_table_evict(self._handle(), int(min_last_step),
+                                 -1 if max_rows is None else int(max_rows), _POLICY[policy], n),
+              f"table {self.name!r}: evict")
         return int(n[0])
 
     def track_removed(self, on: bool = True) -> None:
         """Start (or stop, discarding it) the log of removed keys that take_removed()
         drains; checkpoints turn it on to record evictions in incremental saves."""
-        _check(lib.kv_table_track_removed(self._handle(), 1 if on else 0),
-               f"table {self.name!r}: track_removed")
+        check(lib.kv_table_track_removed(self._handle(), 1 if on else 0),
+              f"table {self.name!r}: track_removed")
 
     def take_removed(self, batch: int = 1 << 20) -> np.ndarray:
         """Keys removed (evicted or deleted) since the last call, as int64; empties the
@@ -565,8 +532,8 @@ class KvTable:
         parts = []
         while True:
             buf = np.empty(batch, np.int64)
-            _check(lib.kv_table_take_removed(t, _ptr("int64_t *", buf), batch, n),
-                   f"table {self.name!r}: take_removed")
+            check(lib.kv_table_take_removed(t, ptr("int64_t *", buf), batch, n),
+                  f"table {self.name!r}: take_removed")
             parts.append(buf[:int(n[0])])
             if int(n[0]) < batch:
                 break
@@ -577,7 +544,7 @@ def fill_optim(c_optim, optimizer) -> None:
     """Copy a row optimizer's hyperparameters into a kv_optim_t and check them in C."""
     for field, value in optimizer._c_fields().items():
         setattr(c_optim, field, _OPT_KINDS[value] if field == "kind" else value)
-    _check(lib.kv_optim_check(ffi.addressof(c_optim)), f"optimizer {optimizer!r}")
+    check(lib.kv_optim_check(ffi.addressof(c_optim)), f"optimizer {optimizer!r}")
 
 
 def _c_optim(optimizer):
@@ -644,15 +611,9 @@ def apply_rows(optimizer, w: np.ndarray, slots: np.ndarray, g: np.ndarray, step:
         raise errors.InvalidArgumentError(f"apply_rows: step must be an integer >= 1, got {step!r}")
     if nrows == 0:
         return
-    lib.kv_optim_apply_rows(o, dim, nrows, _ptr("float *", w),
-                            _ptr("float *", slots) if ns else ffi.NULL,
-                            _ptr("float *", g), int(step))
-
-
-def _step32(step) -> int:
-    if not isinstance(step, (int, np.integer)) or step < 0:
-        raise errors.InvalidArgumentError(f"step must be an integer >= 0, got {step!r}")
-    return int(step) & 0xFFFFFFFF
+    lib.kv_optim_apply_rows(o, dim, nrows, ptr("float *", w),
+                            ptr("float *", slots) if ns else ffi.NULL,
+                            ptr("float *", g), int(step))
 
 
 def _ids(keys) -> np.ndarray:
@@ -706,9 +667,9 @@ def hash_strings(values) -> np.ndarray:
         raise errors.InvalidArgumentError(
             f"hash_strings takes strings or bytes, got {arr.dtype}")
     out = np.empty(n, np.int64)
-    _check(lib.kv_hash_strings(ffi.cast("uint8_t *", ffi.from_buffer(raw if raw.size else _EMPTY)),
-                               _ptr("int64_t *", starts), _ptr("int64_t *", lens), n,
-                               STRING_HASH_SEED, _ptr("int64_t *", out)), "hash_strings")
+    check(lib.kv_hash_strings(ffi.cast("uint8_t *", ffi.from_buffer(raw if raw.size else EMPTY)),
+                              ptr("int64_t *", starts), ptr("int64_t *", lens), n,
+                              STRING_HASH_SEED, ptr("int64_t *", out)), "hash_strings")
     return out.reshape(shape)
 
 
@@ -716,7 +677,7 @@ def hash64(keys) -> np.ndarray:
     """kvcoll's 64-bit mix of each key (uint64), the hash routing and buckets use."""
     k = _ids(keys)
     out = np.empty(k.size, np.uint64)
-    _check(lib.kv_hash_batch(_ptr("int64_t *", k), k.size, _ptr("uint64_t *", out)), "hash64")
+    check(lib.kv_hash_batch(ptr("int64_t *", k), k.size, ptr("uint64_t *", out)), "hash64")
     return out
 
 
@@ -747,7 +708,7 @@ class TableSet:
         inverse, upos, pos, n_unique); ids[t] are int64 C-contiguous arrays."""
         ntab = len(self.tables)
         n = np.array([a.size for a in ids], np.int64)
-        bufs = [ffi.from_buffer(a if a.size else _EMPTY) for a in ids]
+        bufs = [ffi.from_buffer(a if a.size else EMPTY) for a in ids]
         ptrs = ffi.new("int64_t *[]", [ffi.cast("int64_t *", b) for b in bufs])
         total = int(n.sum())
         send = np.empty(total, np.int64)
@@ -756,11 +717,11 @@ class TableSet:
         upos = np.empty(total, np.int64)
         pos = np.empty(total, np.int64)
         nu = np.empty(ntab, np.int64)
-        _check(lib.kv_xplan(ntab, int(world), ptrs, _ptr("int64_t *", n),
-                            _ptr("int32_t *", self.group), _ptr("int64_t *", send),
-                            _ptr("int64_t *", counts), _ptr("int64_t *", inverse),
-                            _ptr("int64_t *", upos), _ptr("int64_t *", pos),
-                            _ptr("int64_t *", nu)), "exchange: plan")
+        check(lib.kv_xplan(ntab, int(world), ptrs, ptr("int64_t *", n),
+                           ptr("int32_t *", self.group), ptr("int64_t *", send),
+                           ptr("int64_t *", counts), ptr("int64_t *", inverse),
+                           ptr("int64_t *", upos), ptr("int64_t *", pos),
+                           ptr("int64_t *", nu)), "exchange: plan")
         return send[:int(nu.sum())], counts, inverse, upos[:int(nu.sum())], pos, nu
 
     def serve(self, recv_ids: np.ndarray, recv_counts: np.ndarray, step: int, create: bool,
@@ -774,21 +735,21 @@ class TableSet:
                 reply.dtype != np.float32 or reply.size != int((rc * self.dims).sum()):
             raise errors.InvalidArgumentError("exchange: serve: payload sizes do not match counts")
         if not create:
-            _check(lib.kv_xserve(self._handles(), ntab, world, _ptr("int64_t *", recv_ids),
-                                 _ptr("int64_t *", rc), _step32(step), 0, _ptr("float *", reply),
-                                 ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL),
-                   "exchange: serve")
+            check(lib.kv_xserve(self._handles(), ntab, world, ptr("int64_t *", recv_ids),
+                                ptr("int64_t *", rc), step32(step), 0, ptr("float *", reply),
+                                ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL),
+                  "exchange: serve")
             return None
         uidx = np.empty(total, np.int64)
         ukeys = np.empty(total, np.int64)
         urefs = np.empty(total, np.uint32)
         ustart = np.empty(ntab + 1, np.int64)
         gens = np.empty(ntab, np.uint64)
-        _check(lib.kv_xserve(self._handles(), ntab, world, _ptr("int64_t *", recv_ids),
-                             _ptr("int64_t *", rc), _step32(step), 1, _ptr("float *", reply),
-                             _ptr("int64_t *", uidx), _ptr("int64_t *", ukeys),
-                             _ptr("uint32_t *", urefs), _ptr("int64_t *", ustart),
-                             _ptr("uint64_t *", gens)), "exchange: serve")
+        check(lib.kv_xserve(self._handles(), ntab, world, ptr("int64_t *", recv_ids),
+                            ptr("int64_t *", rc), step32(step), 1, ptr("float *", reply),
+                            ptr("int64_t *", uidx), ptr("int64_t *", ukeys),
+                            ptr("uint32_t *", urefs), ptr("int64_t *", ustart),
+                            ptr("uint64_t *", gens)), "exchange: serve")
         return (rc, uidx, ukeys, urefs, ustart, gens)
 
     def apply(self, state, grads: np.ndarray, step: int, scale: float = 1.0) -> np.ndarray:
@@ -802,33 +763,33 @@ class TableSet:
         if not isinstance(step, (int, np.integer)) or step < 1:
             raise errors.InvalidArgumentError(f"exchange: step must be an integer >= 1, got {step!r}")
         missing = np.zeros(len(self.tables), np.int64)
-        _check(lib.kv_xapply(self._handles(), len(self.tables), rc.shape[0], _ptr("int64_t *", rc),
-                             _ptr("float *", grads), float(scale), int(step),
-                             _ptr("int64_t *", uidx),
-                             _ptr("int64_t *", ukeys), _ptr("uint32_t *", urefs),
-                             _ptr("int64_t *", ustart), _ptr("uint64_t *", gens),
-                             _ptr("int64_t *", missing)), "exchange: apply gradients")
+        check(lib.kv_xapply(self._handles(), len(self.tables), rc.shape[0], ptr("int64_t *", rc),
+                            ptr("float *", grads), float(scale), int(step),
+                            ptr("int64_t *", uidx),
+                            ptr("int64_t *", ukeys), ptr("uint32_t *", urefs),
+                            ptr("int64_t *", ustart), ptr("uint64_t *", gens),
+                            ptr("int64_t *", missing)), "exchange: apply gradients")
         return missing
 
     def regroup(self, counts: np.ndarray, payload: np.ndarray, out: list) -> None:
         """Payload rows (layout of counts) into out[g], one float32 matrix per group."""
         bufs = [ffi.from_buffer(o) for o in out]
-        _check(lib.kv_xregroup(len(self.tables), counts.shape[0],
-                               _ptr("int64_t *", np.ascontiguousarray(counts, np.int64)),
-                               _ptr("int32_t *", self.dims), _ptr("int32_t *", self.group),
-                               _ptr("float *", payload),
-                               ffi.new("float *[]", [ffi.cast("float *", b) for b in bufs])),
-               "exchange: regroup")
+        check(lib.kv_xregroup(len(self.tables), counts.shape[0],
+                              ptr("int64_t *", np.ascontiguousarray(counts, np.int64)),
+                              ptr("int32_t *", self.dims), ptr("int32_t *", self.group),
+                              ptr("float *", payload),
+                              ffi.new("float *[]", [ffi.cast("float *", b) for b in bufs])),
+              "exchange: regroup")
 
     def ungroup(self, counts: np.ndarray, mats: list, payload: np.ndarray) -> None:
         """The group matrices mats[g] into payload (layout of counts)."""
         bufs = [ffi.from_buffer(m) for m in mats]
-        _check(lib.kv_xungroup(len(self.tables), counts.shape[0],
-                               _ptr("int64_t *", np.ascontiguousarray(counts, np.int64)),
-                               _ptr("int32_t *", self.dims), _ptr("int32_t *", self.group),
-                               ffi.new("float *[]", [ffi.cast("float *", b) for b in bufs]),
-                               _ptr("float *", payload)),
-               "exchange: ungroup")
+        check(lib.kv_xungroup(len(self.tables), counts.shape[0],
+                              ptr("int64_t *", np.ascontiguousarray(counts, np.int64)),
+                              ptr("int32_t *", self.dims), ptr("int32_t *", self.group),
+                              ffi.new("float *[]", [ffi.cast("float *", b) for b in bufs]),
+                              ptr("float *", payload)),
+              "exchange: ungroup")
 
 
 def gather_grad(values: np.ndarray, indices: np.ndarray, n_rows: int) -> np.ndarray:
@@ -849,9 +810,9 @@ def gather_grad(values: np.ndarray, indices: np.ndarray, n_rows: int) -> np.ndar
             f"{i.shape}")
     dim = v.shape[1]
     out = aligned_empty(int(n_rows) * dim, np.float32).reshape(int(n_rows), dim)
-    _check(lib.kv_xrowgrad(int(n_rows), dim, _ptr("float *", v), _ptr("int64_t *", i),
-                           i.size, _ptr("float *", out)),
-           f"gather_grad: an index outside [0, {int(n_rows)}), or a bad size")
+    check(lib.kv_xrowgrad(int(n_rows), dim, ptr("float *", v), ptr("int64_t *", i),
+                          i.size, ptr("float *", out)),
+          f"gather_grad: an index outside [0, {int(n_rows)}), or a bad size")
     return out
 
 
@@ -859,8 +820,8 @@ def owner_of(keys, world: int) -> np.ndarray:
     """Owner rank (int32) of each key in a world of `world` ranks."""
     k = _ids(keys)
     out = np.empty(k.size, np.int32)
-    _check(lib.kv_owner_batch(_ptr("int64_t *", k), k.size, int(world),
-                              _ptr("int32_t *", out)), "owner_of")
+    check(lib.kv_owner_batch(ptr("int64_t *", k), k.size, int(world),
+                             ptr("int32_t *", out)), "owner_of")
     return out
 
 
@@ -875,9 +836,9 @@ def unique_partition(keys, world: int):
     inverse = np.empty(k.size, np.int64)
     counts = np.empty(int(world), np.int64)
     n = ffi.new("int64_t *")
-    _check(lib.kv_unique_partition(_ptr("int64_t *", k), k.size, int(world),
-                                   _ptr("int64_t *", uniq), _ptr("int64_t *", inverse),
-                                   _ptr("int64_t *", counts), n), "unique_partition")
+    check(lib.kv_unique_partition(ptr("int64_t *", k), k.size, int(world),
+                                  ptr("int64_t *", uniq), ptr("int64_t *", inverse),
+                                  ptr("int64_t *", counts), n), "unique_partition")
     return uniq[: int(n[0])], inverse, counts
 
 
@@ -891,9 +852,9 @@ def segment_sum(keys, rows):
     uniq = np.empty(k.size, np.int64)
     sums = np.empty_like(r)
     n = ffi.new("int64_t *")
-    _check(lib.kv_segment_sum(_ptr("int64_t *", k), k.size, _ptr("float *", r), r.shape[1],
-                              _ptr("int64_t *", uniq), _ptr("float *", sums), n),
-           "segment_sum")
+    check(lib.kv_segment_sum(ptr("int64_t *", k), k.size, ptr("float *", r), r.shape[1],
+                             ptr("int64_t *", uniq), ptr("float *", sums), n),
+          "segment_sum")
     return uniq[: int(n[0])], sums[: int(n[0])]
 
 
@@ -937,15 +898,15 @@ class SynthPermutation:
         self._c = ffi.new("kv_synth_perm_t *")
         self._c.num_fields = nf
         for name, arr in arrays.items():
-            setattr(self._c, name, _ptr("uint64_t *", arr))
-        _check(lib.kv_synth_perm_check(self._c), "synthetic id permutation")
+            setattr(self._c, name, ptr("uint64_t *", arr))
+        check(lib.kv_synth_perm_check(self._c), "synthetic id permutation")
 
     def apply(self, values, inverse: bool = False) -> np.ndarray:
         """perm_f (or its inverse) of every values[i, f] (uint64 [n, F], < vocab_f)."""
         x = _synth_array(values, np.uint64, (None, self.num_fields), "values")
         out = np.empty_like(x)
-        _check(lib.kv_synth_permute(self._c, _ptr("uint64_t *", x), x.shape[0], int(bool(inverse)),
-                                    _ptr("uint64_t *", out)), "synthetic id permutation")
+        check(lib.kv_synth_permute(self._c, ptr("uint64_t *", x), x.shape[0], int(bool(inverse)),
+                                   ptr("uint64_t *", out)), "synthetic id permutation")
         return out
 
 
@@ -983,8 +944,8 @@ class SynthModel:
         self._c.zipf_exponent = float(zipf_exponent)
         self._c.bias = float(bias)
         for name, (ctype, arr) in arrays.items():
-            setattr(self._c, name, _ptr(ctype, arr))
-        _check(lib.kv_synth_check(self._c), "synthetic data parameters")
+            setattr(self._c, name, ptr(ctype, arr))
+        check(lib.kv_synth_check(self._c), "synthetic data parameters")
 
     def samples(self, keys, first: int, n: int, *, logit: bool = False):
         """Samples first, ..., first + n - 1 of the stream with channel keys `keys`
@@ -998,10 +959,10 @@ class SynthModel:
                "numeric": np.empty((n, nd), np.float32),
                "label": np.empty(n, np.float32)}
         lg = np.empty(n, np.float64) if logit else None
-        _check(lib.kv_synth_samples(
-            self._c, _ptr("uint64_t *", k), int(first), n,
-            _ptr("int64_t *", out["categorical"]), _ptr("float *", out["numeric"]),
-            _ptr("float *", out["label"]), ffi.NULL if lg is None else _ptr("double *", lg)),
+        check(lib.kv_synth_samples(
+            self._c, ptr("uint64_t *", k), int(first), n,
+            ptr("int64_t *", out["categorical"]), ptr("float *", out["numeric"]),
+            ptr("float *", out["label"]), ffi.NULL if lg is None else ptr("double *", lg)),
             "synthetic samples")
         return out, lg
 
@@ -1011,7 +972,7 @@ class SynthModel:
         r = _synth_array(ranks, np.uint64, (None, self.num_fields), "ranks")
         x = _synth_array(numeric, np.float32, (r.shape[0], self.num_numeric), "numeric")
         out = np.empty(r.shape[0], np.float64)
-        _check(lib.kv_synth_logit(self._c, _ptr("uint64_t *", r), _ptr("float *", x), r.shape[0],
-                                  _ptr("double *", out)), "synthetic planted logit")
+        check(lib.kv_synth_logit(self._c, ptr("uint64_t *", r), ptr("float *", x), r.shape[0],
+                                 ptr("double *", out)), "synthetic planted logit")
         return out
 
