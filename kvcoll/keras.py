@@ -48,7 +48,8 @@ from .errors import CommError, InvalidArgumentError, NonFiniteError
 from .exchange import BspExchange, SspExchange
 from ._buffers import aligned_empty
 from .exchange.bsp import group_key
-from .table import KvTable, gather_grad, hash_strings
+from .ids import hash_strings
+from .table import KvTable, gather_grad
 
 __all__ = ["Embedding", "DistributedOptimizer", "Trainer", "broadcast_variables"]
 

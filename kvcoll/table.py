@@ -15,7 +15,7 @@ been seen in K find_or_create calls (exactly, or with `admit="bloom"` through a
 counting Bloom filter of bounded size); until then it reads zeros and its gradients
 are dropped (and counted). `evict()` removes rows not touched for `evict_after_steps`
 steps and, beyond `max_rows`, the least recently (or frequently) used ones. String
-ids are hashed to int64 with XXH64 (seed 0): see `hash_strings`.
+ids are hashed to int64 with XXH64 (seed 0): see `kvcoll.ids.hash_strings`.
 
     >>> t = KvTable(8, name="item", admit_min_count=3, max_rows=1_000_000,
     ...             evict_after_steps=10_000)
@@ -34,14 +34,12 @@ import numpy as np
 from . import errors, optimizers
 from ._buffers import aligned_empty
 from ._c import EMPTY, check, ffi, lib, ptr, step32
+from .ids import as_keys
 
 __all__ = ["KvTable", "TableSet", "Initializer", "TableStats", "owner_of", "unique_partition",
-           "gather_grad",
-           "segment_sum", "hash64", "hash_strings", "STRING_HASH_SEED", "slot_floats", "init_slots", "apply_rows",
+           "gather_grad", "segment_sum", "slot_floats", "init_slots", "apply_rows",
            "SynthPermutation", "SynthModel", "SYNTH_PERM_ROUNDS"]
 
-# XXH64's seed for string ids. Fixed forever: changing it would move every string key.
-STRING_HASH_SEED = 0
 _ADMIT = {"exact": lib.KV_ADMIT_EXACT, "bloom": lib.KV_ADMIT_BLOOM}
 _POLICY = {"lru": lib.KV_EVICT_LRU, "lfu": lib.KV_EVICT_LFU}
 
@@ -253,24 +251,6 @@ class KvTable:
 
     # -- argument checks ---------------------------------------------------------------
 
-    def _keys(self, keys, what: str = "ids") -> np.ndarray:
-        arr = np.asarray(keys)
-        if arr.dtype.kind in "USO" and arr.size:
-            arr = hash_strings(arr)  # string ids: XXH64 keys (the 1-D check still applies)
-        if arr.dtype == np.int32 or (arr.dtype == np.int64):
-            pass
-        elif arr.size == 0 and arr.dtype == np.float64:  # np.asarray([]) is float64
-            arr = arr.astype(np.int64)
-        else:
-            raise errors.InvalidArgumentError(
-                f"table {self.name!r}: {what} must be int64 or int32, got {arr.dtype} "
-                "(string ids are accepted too: they are hashed with hash_strings)")
-        if arr.ndim != 1:
-            raise errors.InvalidArgumentError(
-                f"table {self.name!r}: {what} must be 1-D, got shape {arr.shape}; "
-                "flatten them (ragged ids: pass the flat values)")
-        return np.ascontiguousarray(arr, dtype=np.int64)
-
     def _rows(self, values, n: int, what: str, width: int | None = None) -> np.ndarray:
         width = self.dim if width is None else width
         arr = np.asarray(values)
@@ -325,7 +305,7 @@ class KvTable:
         """Rows of `keys` as an (n, dim) float32 array (`out` if given); absent keys
         read `default` (a dim-vector, zeros if None). With return_found, also a bool
         mask."""
-        k = self._keys(keys)
+        k = as_keys(keys, table=self.name)
         out = self._out(out, k.size)
         found = np.empty(k.size, np.uint8)
         dflt = ffi.NULL
@@ -345,7 +325,7 @@ class KvTable:
         marks every returned row as touched at `step`. With admission, keys not yet
         admitted read zeros and get no row; return_has_row adds a bool mask of the
         keys that have a row."""
-        k = self._keys(keys)
+        k = as_keys(keys, table=self.name)
         out = np.empty((k.size, self.dim), np.float32)
         has = np.empty(k.size, np.uint8) if return_has_row else None
         created = ffi.new("int64_t *")
@@ -360,7 +340,7 @@ class KvTable:
         apply_gradients_ref: returns (rows, refs). refs[i] (uint32) is 0 for a key
         without a row (not admitted). `out`, if given, is a C-contiguous float32
         (n, dim) array the rows are written to (and returned as rows)."""
-        k = self._keys(keys)
+        k = as_keys(keys, table=self.name)
         out = self._out(out, k.size)
         refs = np.empty(k.size, np.uint32)
         check(lib.kv_table_find_or_create_ref(
@@ -375,7 +355,7 @@ class KvTable:
         lookup, the same result (refs are checked; if one went stale, e.g. by eviction
         in between, the batch goes by key). distinct=True promises that no key appears
         twice. Returns the number of keys without a row (skipped)."""
-        k = self._keys(keys)
+        k = as_keys(keys, table=self.name)
         g = self._rows(grads, k.size, "gradients")
         r = self._u32(refs, k.size, "refs")
         self._check_apply_step(step)
@@ -390,7 +370,7 @@ class KvTable:
 
     def update(self, keys, values) -> None:
         """Assign rows (creating absent keys). Duplicate keys: the last row wins."""
-        k = self._keys(keys)
+        k = as_keys(keys, table=self.name)
         v = self._rows(values, k.size, "values")
         check(lib.kv_table_update(self._handle(), ptr("int64_t *", k), k.size,
                                   ptr("float *", v)),
@@ -398,7 +378,7 @@ class KvTable:
 
     def delete(self, keys) -> int:
         """Remove keys; absent ones are ignored. Returns how many were removed."""
-        k = self._keys(keys)
+        k = as_keys(keys, table=self.name)
         n = ffi.new("int64_t *")
         check(lib.kv_table_delete(self._handle(), ptr("int64_t *", k), k.size, n),
               f"table {self.name!r}: delete")
@@ -412,7 +392,7 @@ class KvTable:
         """Apply the row optimizer. Duplicate keys are summed, then applied once.
         Rejects NaN/Inf before changing anything. Returns the number of missing keys
         skipped (0 with create_missing)."""
-        k = self._keys(keys)
+        k = as_keys(keys, table=self.name)
         g = self._rows(grads, k.size, "gradients")
         self._check_apply_step(step)
         missing = ffi.new("int64_t *")
@@ -457,7 +437,7 @@ class KvTable:
     def import_(self, keys, values, *, slots=None, last_step=None, counts=None) -> None:
         """Insert or overwrite whole rows (the inverse of export); imported rows are
         clean. Missing slots start at the optimizer's initial state."""
-        k = self._keys(keys)
+        k = as_keys(keys, table=self.name)
         v = self._rows(values, k.size, "values")
         s = None if slots is None else self._rows(slots, k.size, "slots", self.slot_floats)
         ls = self._u32(last_step, k.size, "last_step")
@@ -471,7 +451,7 @@ class KvTable:
 
     def initial_values(self, keys) -> np.ndarray:
         """The value find_or_create would give each key if it were new."""
-        k = self._keys(keys)
+        k = as_keys(keys, table=self.name)
         out = np.empty((k.size, self.dim), np.float32)
         check(lib.kv_initial_values(self._cfg, ptr("int64_t *", k), k.size,
                                     ptr("float *", out)),
@@ -616,71 +596,6 @@ def apply_rows(optimizer, w: np.ndarray, slots: np.ndarray, g: np.ndarray, step:
                             ptr("float *", g), int(step))
 
 
-def _ids(keys) -> np.ndarray:
-    arr = np.asarray(keys)
-    if arr.dtype not in (np.int64, np.int32) or arr.ndim != 1:
-        raise errors.InvalidArgumentError(
-            f"ids must be a 1-D int64 or int32 array, got {arr.dtype} {arr.shape}")
-    return np.ascontiguousarray(arr, dtype=np.int64)
-
-
-def hash_strings(values) -> np.ndarray:
-    """int64 keys of string ids: XXH64 (the published xxHash64, seed STRING_HASH_SEED
-    = 0) of each id's UTF-8 bytes (bytes are hashed as they are).
-
-    Equal strings get equal keys on every rank, in every run and process (unlike
-    Python's salted hash()), so they meet the same row. Distinct strings may collide:
-    among n distinct ids the probability of any collision is at most n(n-1)/2^65
-    (about 2.7e-4 for 10^8 ids, 2.7 % for 10^9); a collision makes two ids share a
-    row, it never loses one. Keys are not stored: export and checkpoints hold the
-    hashes. Accepts str, bytes, or any array/list of them (numpy 'U', 'S' or object);
-    numpy 'S' arrays drop trailing NUL bytes, as numpy itself does. Output has the
-    input's shape.
-    """
-    arr = np.asarray(values)
-    shape = arr.shape
-    flat = arr.reshape(-1)
-    n = flat.size
-    if arr.dtype.kind == "S" and arr.dtype.itemsize:
-        buf = np.ascontiguousarray(flat)
-        lens = np.char.str_len(buf).astype(np.int64)
-        starts = np.arange(n, dtype=np.int64) * arr.dtype.itemsize
-        raw = buf.view(np.uint8)
-    elif arr.dtype.kind in "USO":
-        try:
-            parts = [v.encode("utf-8") if isinstance(v, str) else bytes(v)
-                     if isinstance(v, (bytes, bytearray, memoryview)) else None
-                     for v in flat.tolist()]
-        except UnicodeEncodeError as exc:
-            raise errors.InvalidArgumentError(f"string ids must be valid text: {exc}") from None
-        bad = [v for v, p in zip(flat.tolist(), parts) if p is None]
-        if bad:
-            raise errors.InvalidArgumentError(
-                f"string ids must all be str or bytes, got {type(bad[0]).__name__} "
-                f"{bad[0]!r}; convert mixed ids with str() first")
-        lens = np.fromiter((len(p) for p in parts), np.int64, n)
-        starts = np.zeros(n, np.int64)
-        if n > 1:
-            np.cumsum(lens[:-1], out=starts[1:])
-        raw = np.frombuffer(b"".join(parts) or b"\0", np.uint8)
-    else:
-        raise errors.InvalidArgumentError(
-            f"hash_strings takes strings or bytes, got {arr.dtype}")
-    out = np.empty(n, np.int64)
-    check(lib.kv_hash_strings(ffi.cast("uint8_t *", ffi.from_buffer(raw if raw.size else EMPTY)),
-                              ptr("int64_t *", starts), ptr("int64_t *", lens), n,
-                              STRING_HASH_SEED, ptr("int64_t *", out)), "hash_strings")
-    return out.reshape(shape)
-
-
-def hash64(keys) -> np.ndarray:
-    """kvcoll's 64-bit mix of each key (uint64), the hash routing and buckets use."""
-    k = _ids(keys)
-    out = np.empty(k.size, np.uint64)
-    check(lib.kv_hash_batch(ptr("int64_t *", k), k.size, ptr("uint64_t *", out)), "hash64")
-    return out
-
-
 class TableSet:
     """An ordered set of this rank's table shards, for the exchange kernels
     (csrc/kv_exchange.h): each phase of a BSP exchange is one C call over every table.
@@ -818,7 +733,7 @@ def gather_grad(values: np.ndarray, indices: np.ndarray, n_rows: int) -> np.ndar
 
 def owner_of(keys, world: int) -> np.ndarray:
     """Owner rank (int32) of each key in a world of `world` ranks."""
-    k = _ids(keys)
+    k = as_keys(keys)
     out = np.empty(k.size, np.int32)
     check(lib.kv_owner_batch(ptr("int64_t *", k), k.size, int(world),
                              ptr("int32_t *", out)), "owner_of")
@@ -831,7 +746,7 @@ def unique_partition(keys, world: int):
     Rank-local example, world=2, keys=[5, 9, 5, 2] (say 5, 2 -> rank 0; 9 -> rank 1):
     uniq=[5, 2, 9], inverse=[0, 2, 0, 1], counts=[2, 1].
     """
-    k = _ids(keys)
+    k = as_keys(keys)
     uniq = np.empty(k.size, np.int64)
     inverse = np.empty(k.size, np.int64)
     counts = np.empty(int(world), np.int64)
@@ -844,7 +759,7 @@ def unique_partition(keys, world: int):
 
 def segment_sum(keys, rows):
     """Unique keys (first-appearance order) and the sum of the rows of each."""
-    k = _ids(keys)
+    k = as_keys(keys)
     r = np.ascontiguousarray(rows, np.float32)
     if r.ndim != 2 or r.shape[0] != k.size:
         raise errors.DimensionError(
