@@ -73,7 +73,8 @@ import weakref
 import numpy as np
 
 from .errors import CheckpointError
-from .table import KvTable, owner_of
+from .routing import owner_of
+from .table import KvTable
 
 __all__ = ["save", "restore", "Checkpointer", "SaveInfo", "RestoreInfo", "read_shard",
            "FORMAT", "VERSION"]

@@ -16,6 +16,7 @@ from kvcoll import optimizers
 from kvcoll.checkpoint import Checkpointer, read_shard
 from kvcoll.comm import Comm
 from kvcoll.ids import hash_strings
+from kvcoll.routing import owner_of
 from kvcoll.table import KvTable
 
 INIT = ("uniform", -1.0, 1.0)
@@ -197,6 +198,6 @@ def test_equal_strings_equal_rows_across_processes_and_ranks():
     rows = t.find_or_create(np.array(words, dtype=object), step=1)
     np.testing.assert_array_equal(t.find(np.array(words[::-1]))[::-1], rows)
     np.testing.assert_array_equal(rows, t.initial_values(hash_strings(words)))
-    owners = kv.table.owner_of(hash_strings(words), 4)
-    np.testing.assert_array_equal(owners, kv.table.owner_of(hash_strings(list(words)), 4))
+    owners = owner_of(hash_strings(words), 4)
+    np.testing.assert_array_equal(owners, owner_of(hash_strings(list(words)), 4))
     assert len(np.unique(hash_strings(words))) == len(words)

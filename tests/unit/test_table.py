@@ -11,7 +11,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import kvcoll as kv
 from kvcoll import optimizers
 from kvcoll.ids import hash64
-from kvcoll.table import KvTable, gather_grad, owner_of, segment_sum, unique_partition
+from kvcoll.routing import owner_of, segment_sum, unique_partition
+from kvcoll.table import KvTable, gather_grad
 
 DIM = 3
 KEYS = st.integers(min_value=-(2**63), max_value=2**63 - 1)
