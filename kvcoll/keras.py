@@ -48,8 +48,9 @@ from .errors import CommError, InvalidArgumentError, NonFiniteError
 from .exchange import BspExchange, SspExchange
 from ._buffers import aligned_empty
 from .exchange.bsp import group_key
+from .exchange.kernels import gather_grad
 from .ids import hash_strings
-from .table import KvTable, gather_grad
+from .table import KvTable
 
 __all__ = ["Embedding", "DistributedOptimizer", "Trainer", "broadcast_variables"]
 

@@ -31,7 +31,8 @@ import numpy as np
 
 from .._buffers import aligned_empty
 from ..comm import Comm
-from ..table import KvTable, TableSet
+from ..table import KvTable
+from .kernels import TableSet
 
 
 def group_key(dim: int) -> str:
