@@ -58,7 +58,8 @@ import numpy as np
 
 from ..comm import SPIN, Comm
 from ..errors import CommError, CommTimeoutError
-from ..table import KvTable, apply_rows, init_slots
+from ..table import KvTable
+from .dense import apply_rows, init_slots
 from .kernels import TableSet
 from .._buffers import aligned_empty
 from .bsp import Pull
