@@ -1,9 +1,11 @@
-"""KvTable: one rank's shard of one embedding table, backed by the C core.
+"""KvTable: one rank's shard of one embedding table, backed by the C core (with
+Initializer, how a new key's row is drawn, and TableStats, what a shard holds).
 
-Every call is one C call per batch: numpy arrays cross zero-copy after their dtype,
-shape and contiguity have been checked here, and the C side validates values (finite, in
-range) before it changes anything, so an error leaves the table exactly as it was. Status
-codes become typed exceptions in one place, `kvcoll._c.check`.
+Every call is one C call per batch: ids are checked by `kvcoll.ids.as_keys`, other
+numpy arrays here (dtype, shape, contiguity), and all cross zero-copy; the C side
+validates values (finite, in range) before it changes anything, so an error leaves the
+table exactly as it was. Status codes become typed exceptions in one place,
+`kvcoll._c.check`.
 
     >>> t = KvTable(4, name="user", optimizer=optimizers.Adagrad(0.1))
     >>> rows = t.find_or_create(np.array([7, 42, 7]))     # (3, 4) float32
