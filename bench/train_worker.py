@@ -195,7 +195,7 @@ def limit(args, trainer, data, tf, world_comm):
     optimizer) alone; with N processes, all N at once (each its own, no communication
     while timed)."""
     import kvcoll as kv
-    from kvcoll.table import gather_grad
+    from kvcoll.exchange.kernels import gather_grad
 
     n = args.limit_batch or args.batch_size
     batches = []

@@ -3,7 +3,7 @@
  *
  * Every fallible kvcoll function returns an int: KV_OK (0) or one of the negative
  * KV_E* codes below. C never aborts and never prints; kv_strerror() turns a code
- * into text and the Python layer (kvcoll/table.py, one function) turns it into a
+ * into text and the Python layer (kvcoll/_c.py, one function) turns it into a
  * typed exception.
  *
  * All heap memory goes through kv_malloc/kv_calloc/kv_realloc/kv_free so the C

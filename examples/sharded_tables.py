@@ -19,7 +19,7 @@ import numpy as np
 import kvcoll as kv  # kvcoll:
 from kvcoll.exchange import BspExchange
 from kvcoll.runtime import comm as kv_comm
-from kvcoll.table import hash64
+from kvcoll.ids import hash64
 
 DIMS = {"user": 16, "item": 8}
 

@@ -4,7 +4,7 @@ All readers return batches as dicts of numpy arrays — "categorical" int64 [n, 
 "numeric" float32 [n, D], "label" float32 [n] — and cut a global batch over ranks
 with `even_split`, so a batch depends on the step and never on the world size.
 Nothing here imports MPI or TensorFlow; the synthetic set's per-sample work runs in
-kvcoll's C core (reached through kvcoll.table).
+kvcoll's C core (reached through kvcoll.data._synth_c).
 """
 
 from .criteo import CriteoFormatError, criteo_id, parse_criteo_lines, read_criteo

@@ -68,7 +68,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from ..table import SYNTH_PERM_ROUNDS, SynthModel, SynthPermutation
+from ._synth_c import SYNTH_PERM_ROUNDS, SynthModel, SynthPermutation
 from .shard import even_split
 
 __all__ = ["EVAL", "TRAIN", "SyntheticCTR", "auc"]

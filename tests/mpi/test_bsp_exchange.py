@@ -5,7 +5,7 @@ import pytest
 
 from kvcoll import KvTable, optimizers
 from kvcoll.exchange import BspExchange
-from kvcoll.table import owner_of
+from kvcoll.routing import owner_of
 
 DIMS = {"a": 4, "b": 3, "c": 1}
 

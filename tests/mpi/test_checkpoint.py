@@ -16,7 +16,7 @@ import pytest
 import kvcoll as kv
 from kvcoll.checkpoint import Checkpointer
 from kvcoll.comm import Comm
-from kvcoll.table import owner_of
+from kvcoll.routing import owner_of
 
 DIMS = {"a": 4, "b": 3}
 

@@ -15,7 +15,7 @@ import tensorflow as tf  # noqa: E402
 
 import kvcoll as kv  # noqa: E402
 from kvcoll.comm import Comm  # noqa: E402
-from kvcoll.table import owner_of  # noqa: E402
+from kvcoll.routing import owner_of  # noqa: E402
 
 tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(1)

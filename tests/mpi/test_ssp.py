@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 
 import kvcoll as kv  # noqa: E402
 from kvcoll.exchange import SspExchange  # noqa: E402
-from kvcoll.table import owner_of  # noqa: E402
+from kvcoll.routing import owner_of  # noqa: E402
 
 DIMS = {"a": 3, "b": 2}
 LR = 0.5

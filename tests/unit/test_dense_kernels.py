@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 
 import kvcoll as kv  # noqa: E402
 from kvcoll.keras import _dense_row_optimizer  # noqa: E402
-from kvcoll.table import apply_rows, init_slots, slot_floats  # noqa: E402
+from kvcoll.exchange.dense import apply_rows, init_slots, slot_floats  # noqa: E402
 
 
 @pytest.mark.parametrize("opt", [kv.optimizers.SGD(0.1), kv.optimizers.Adagrad(0.1),

@@ -15,7 +15,9 @@ import kvcoll as kv
 from kvcoll import optimizers
 from kvcoll.checkpoint import Checkpointer, read_shard
 from kvcoll.comm import Comm
-from kvcoll.table import KvTable, hash_strings
+from kvcoll.ids import hash_strings
+from kvcoll.routing import owner_of
+from kvcoll.table import KvTable
 
 INIT = ("uniform", -1.0, 1.0)
 
@@ -185,7 +187,7 @@ def test_equal_strings_equal_rows_across_processes_and_ranks():
     """Another process (another PYTHONHASHSEED) hashes the same strings to the same keys;
     the same string finds the same row, and every rank routes it to the same owner."""
     words = ["user_%d" % i for i in range(1000)] + ["05db9164", "68fd1e64"]
-    code = ("import sys, numpy as np; from kvcoll.table import hash_strings; "
+    code = ("import sys, numpy as np; from kvcoll.ids import hash_strings; "
             "sys.stdout.write(' '.join(map(str, hash_strings(sys.argv[1:]).tolist())))")
     runs = [subprocess.run([sys.executable, "-c", code, *words], check=True,
                            capture_output=True, text=True,
@@ -196,6 +198,6 @@ def test_equal_strings_equal_rows_across_processes_and_ranks():
     rows = t.find_or_create(np.array(words, dtype=object), step=1)
     np.testing.assert_array_equal(t.find(np.array(words[::-1]))[::-1], rows)
     np.testing.assert_array_equal(rows, t.initial_values(hash_strings(words)))
-    owners = kv.table.owner_of(hash_strings(words), 4)
-    np.testing.assert_array_equal(owners, kv.table.owner_of(hash_strings(list(words)), 4))
+    owners = owner_of(hash_strings(words), 4)
+    np.testing.assert_array_equal(owners, owner_of(hash_strings(list(words)), 4))
     assert len(np.unique(hash_strings(words))) == len(words)

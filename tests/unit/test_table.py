@@ -10,8 +10,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import kvcoll as kv
 from kvcoll import optimizers
-from kvcoll.table import (KvTable, gather_grad, hash64, owner_of, segment_sum,
-                          unique_partition)
+from kvcoll.ids import hash64
+from kvcoll.routing import owner_of, segment_sum, unique_partition
+from kvcoll.exchange.kernels import gather_grad
+from kvcoll.table import KvTable
 
 DIM = 3
 KEYS = st.integers(min_value=-(2**63), max_value=2**63 - 1)

@@ -1,0 +1,154 @@
+"""The exchange's C kernels: each phase of a step as one C call over every table.
+
+`TableSet` wraps csrc/kv_exchange.h for this rank's shards: the sender plans a pull
+(unique + partition of every table's ids), the owner serves the rows and later applies
+the push at the rows it served, and the rows are regrouped into one matrix per dim.
+`gather_grad` sums the gradient of gathered rows per row. The step modes (bsp.py,
+ssp.py) move the payloads between ranks; nothing here calls MPI.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import errors
+from .._buffers import aligned_empty
+from .._c import EMPTY, check, ffi, lib, ptr, step32
+
+__all__ = ["TableSet", "gather_grad"]
+
+
+class TableSet:
+    """An ordered set of this rank's table shards, for the exchange kernels
+    (csrc/kv_exchange.h): each phase of a BSP exchange is one C call over every table.
+
+    Tables of one dim form a group (numbered in order of first appearance); a pull's
+    rows come back as one matrix per group. Arrays are checked by the caller
+    (kvcoll.exchange.bsp builds them); this class only checks what C needs to stay in
+    bounds (dtype, contiguity, sizes).
+    """
+
+    def __init__(self, tables):
+        self.tables = list(tables)
+        if not self.tables:
+            raise errors.InvalidArgumentError("TableSet needs at least one table")
+        self.dims = np.array([t.dim for t in self.tables], np.int32)
+        first = {}
+        self.group = np.array([first.setdefault(int(d), len(first)) for d in self.dims], np.int32)
+        self.group_dims = list(first)  # dim of each group
+
+    def _handles(self):
+        return ffi.new("kv_table_t *[]", [t._handle() for t in self.tables])
+
+    def plan(self, ids: list, world: int):
+        """Sender side of a pull (kv_xplan): returns (send_ids, counts (world, ntab),
+        inverse, upos, pos, n_unique); ids[t] are int64 C-contiguous arrays."""
+        ntab = len(self.tables)
+        n = np.array([a.size for a in ids], np.int64)
+        bufs = [ffi.from_buffer(a if a.size else EMPTY) for a in ids]
+        ptrs = ffi.new("int64_t *[]", [ffi.cast("int64_t *", b) for b in bufs])
+        total = int(n.sum())
+        send = np.empty(total, np.int64)
+        counts = np.empty((int(world), ntab), np.int64)
+        inverse = np.empty(total, np.int64)
+        upos = np.empty(total, np.int64)
+        pos = np.empty(total, np.int64)
+        nu = np.empty(ntab, np.int64)
+        check(lib.kv_xplan(ntab, int(world), ptrs, ptr("int64_t *", n),
+                           ptr("int32_t *", self.group), ptr("int64_t *", send),
+                           ptr("int64_t *", counts), ptr("int64_t *", inverse),
+                           ptr("int64_t *", upos), ptr("int64_t *", pos),
+                           ptr("int64_t *", nu)), "exchange: plan")
+        return send[:int(nu.sum())], counts, inverse, upos[:int(nu.sum())], pos, nu
+
+    def serve(self, recv_ids: np.ndarray, recv_counts: np.ndarray, step: int, create: bool,
+              reply: np.ndarray):
+        """Owner side of a pull (kv_xserve): writes the rows into `reply` (float32, payload
+        layout). Returns the state kv_xapply needs (create=True), else None."""
+        ntab, world = len(self.tables), recv_counts.shape[0]
+        rc = np.ascontiguousarray(recv_counts, np.int64)
+        total = int(rc.sum())
+        if recv_ids.dtype != np.int64 or recv_ids.size != total or \
+                reply.dtype != np.float32 or reply.size != int((rc * self.dims).sum()):
+            raise errors.InvalidArgumentError("exchange: serve: payload sizes do not match counts")
+        if not create:
+            check(lib.kv_xserve(self._handles(), ntab, world, ptr("int64_t *", recv_ids),
+                                ptr("int64_t *", rc), step32(step), 0, ptr("float *", reply),
+                                ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL),
+                  "exchange: serve")
+            return None
+        uidx = np.empty(total, np.int64)
+        ukeys = np.empty(total, np.int64)
+        urefs = np.empty(total, np.uint32)
+        ustart = np.empty(ntab + 1, np.int64)
+        gens = np.empty(ntab, np.uint64)
+        check(lib.kv_xserve(self._handles(), ntab, world, ptr("int64_t *", recv_ids),
+                            ptr("int64_t *", rc), step32(step), 1, ptr("float *", reply),
+                            ptr("int64_t *", uidx), ptr("int64_t *", ukeys),
+                            ptr("uint32_t *", urefs), ptr("int64_t *", ustart),
+                            ptr("uint64_t *", gens)), "exchange: serve")
+        return (rc, uidx, ukeys, urefs, ustart, gens)
+
+    def apply(self, state, grads: np.ndarray, step: int, scale: float = 1.0) -> np.ndarray:
+        """Owner side of a push (kv_xapply): scale * grads (float32, payload layout) of
+        the ids a serve returned `state` for. Returns the ids without a row, per table."""
+        rc, uidx, ukeys, urefs, ustart, gens = state
+        if grads.dtype != np.float32 or not grads.flags.c_contiguous or \
+                grads.size != int((rc * self.dims).sum()):
+            raise errors.InvalidArgumentError("exchange: apply: gradient payload does not match "
+                                              "the served ids")
+        if not isinstance(step, (int, np.integer)) or step < 1:
+            raise errors.InvalidArgumentError(
+                f"exchange: step must be an integer >= 1, got {step!r}")
+        missing = np.zeros(len(self.tables), np.int64)
+        check(lib.kv_xapply(self._handles(), len(self.tables), rc.shape[0], ptr("int64_t *", rc),
+                            ptr("float *", grads), float(scale), int(step),
+                            ptr("int64_t *", uidx),
+                            ptr("int64_t *", ukeys), ptr("uint32_t *", urefs),
+                            ptr("int64_t *", ustart), ptr("uint64_t *", gens),
+                            ptr("int64_t *", missing)), "exchange: apply gradients")
+        return missing
+
+    def regroup(self, counts: np.ndarray, payload: np.ndarray, out: list) -> None:
+        """Payload rows (layout of counts) into out[g], one float32 matrix per group."""
+        bufs = [ffi.from_buffer(o) for o in out]
+        check(lib.kv_xregroup(len(self.tables), counts.shape[0],
+                              ptr("int64_t *", np.ascontiguousarray(counts, np.int64)),
+                              ptr("int32_t *", self.dims), ptr("int32_t *", self.group),
+                              ptr("float *", payload),
+                              ffi.new("float *[]", [ffi.cast("float *", b) for b in bufs])),
+              "exchange: regroup")
+
+    def ungroup(self, counts: np.ndarray, mats: list, payload: np.ndarray) -> None:
+        """The group matrices mats[g] into payload (layout of counts)."""
+        bufs = [ffi.from_buffer(m) for m in mats]
+        check(lib.kv_xungroup(len(self.tables), counts.shape[0],
+                              ptr("int64_t *", np.ascontiguousarray(counts, np.int64)),
+                              ptr("int32_t *", self.dims), ptr("int32_t *", self.group),
+                              ffi.new("float *[]", [ffi.cast("float *", b) for b in bufs]),
+                              ptr("float *", payload)),
+              "exchange: ungroup")
+
+
+def gather_grad(values: np.ndarray, indices: np.ndarray, n_rows: int) -> np.ndarray:
+    """The gradient of an (n_rows, dim) matrix from the gradient of gathers of it:
+    row r is the sum of values[i] over the i with indices[i] == r (zeros if none), in
+    order of i. values: (n, dim) float32, one row per gathered position (what
+    tf.gather's backward gives, as tf.IndexedSlices); indices: (n,) int64. The result
+    is 64-byte aligned (TensorFlow and the push take it without a copy).
+
+        values=[[1, 1], [2, 2], [3, 3]], indices=[2, 0, 2], n_rows=3
+        -> [[2, 2], [0, 0], [4, 4]]
+    """
+    v = np.ascontiguousarray(values, np.float32)
+    i = np.ascontiguousarray(indices, np.int64)
+    if v.ndim != 2 or i.shape != (v.shape[0],):
+        raise errors.InvalidArgumentError(
+            f"gather_grad: values must be (n, dim) and indices (n,), got {v.shape} and "
+            f"{i.shape}")
+    dim = v.shape[1]
+    out = aligned_empty(int(n_rows) * dim, np.float32).reshape(int(n_rows), dim)
+    check(lib.kv_xrowgrad(int(n_rows), dim, ptr("float *", v), ptr("int64_t *", i),
+                          i.size, ptr("float *", out)),
+          f"gather_grad: an index outside [0, {int(n_rows)}), or a bad size")
+    return out
