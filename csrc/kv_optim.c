@@ -161,8 +161,9 @@ static void sgd_row(const kv_optim_t *o, int32_t dim, float *w, const float *g)
  *   w -= lr * g / (sqrt(accum) + epsilon)    TensorFlow's kernel (the default; Keras 2
  *                                            and tf.compat.v1 Adagrad run it)
  *   w -= lr * g / sqrt(accum + epsilon)      Keras 3's Adagrad (KV_OPTF_EPS_INSIDE_SQRT)
- * The two differ most where accum is small: with accum = 0 (initial accumulator 0 and
- * a zero gradient) the first divides by epsilon, the second by sqrt(epsilon).
+ * They differ where accum is small: near accum = 0 (initial accumulator 0, a tiny first
+ * gradient) the first divides by about epsilon, the second by about sqrt(epsilon), so
+ * TF's step is up to 1 / sqrt(epsilon) times Keras 3's.
  *                                                                 slots: accum[dim]
  */
 static void adagrad_row(const kv_optim_t *o, int32_t dim, float *w, float *s,

@@ -192,8 +192,8 @@ class Adagrad(_RowOptimizer):
         Keras 2 and tf.compat.v1 run: w -= learning_rate * g / (sqrt(accum) + epsilon)
       epsilon_inside_sqrt=True: Keras 3's Adagrad:
         w -= learning_rate * g / sqrt(accum + epsilon)
-    They differ where accum is small (at most by a factor sqrt(epsilon) / epsilon at
-    accum = 0); the default keeps existing runs and checkpoints as they were.
+    They differ where accum is small (near accum = 0, TF's step is 1 / sqrt(epsilon)
+    times Keras 3's); the default keeps existing runs and checkpoints as they were.
 
     learning_rate: step size, > 0, or a schedule of the step (see the module).
     initial_accumulator_value: accum of a new row, >= 0 (0 with epsilon 0 divides by
