@@ -59,6 +59,12 @@ int kv_optim_check(const kv_optim_t *o)
         return KV_EOPTIM;
     if (!(isfinite(o->lr_power) && o->lr_power <= 0.0f))
         return KV_EOPTIM;
+    if (!finite_nonneg(o->beta))
+        return KV_EOPTIM;
+    if (o->flags & ~KV_OPTF_EPS_INSIDE_SQRT)
+        return KV_EOPTIM; /* unknown bits */
+    if ((o->flags & KV_OPTF_EPS_INSIDE_SQRT) && o->kind != KV_OPT_ADAGRAD)
+        return KV_EOPTIM; /* would be ignored: refuse rather than look as if it worked */
     return KV_OK;
 }
 
@@ -147,17 +153,34 @@ static void sgd_row(const kv_optim_t *o, int32_t dim, float *w, const float *g)
         w[i] -= lr * g[i];
 }
 
-/* ---- Adagrad (tf.raw_ops.ResourceSparseApplyAdagradV2, update_slots = true) --------- */
+/* ---- Adagrad (tf.raw_ops.ResourceSparseApplyAdagradV2, update_slots = true; or
+ *      Keras 3's Adagrad.update_step) ------------------------------------------------ */
 
-/* accum += g^2;  w -= lr * g / (sqrt(accum) + epsilon)          slots: accum[dim] */
+/*
+ * accum += g^2, then
+ *   w -= lr * g / (sqrt(accum) + epsilon)    TensorFlow's kernel (the default; Keras 2
+ *                                            and tf.compat.v1 Adagrad run it)
+ *   w -= lr * g / sqrt(accum + epsilon)      Keras 3's Adagrad (KV_OPTF_EPS_INSIDE_SQRT)
+ * They differ where accum is small: near accum = 0 (initial accumulator 0, a tiny first
+ * gradient) the first divides by about epsilon, the second by about sqrt(epsilon), so
+ * TF's step is up to 1 / sqrt(epsilon) times Keras 3's.
+ *                                                                 slots: accum[dim]
+ */
 static void adagrad_row(const kv_optim_t *o, int32_t dim, float *w, float *s,
                         const float *g)
 {
     const float lr = o->lr, eps = o->epsilon;
     float *accum = s;
-    for (int32_t i = 0; i < dim; i++) {
-        accum[i] += g[i] * g[i];
-        w[i] -= lr * g[i] / (sqrtf(accum[i]) + eps);
+    if (o->flags & KV_OPTF_EPS_INSIDE_SQRT) {
+        for (int32_t i = 0; i < dim; i++) {
+            accum[i] += g[i] * g[i];
+            w[i] -= lr * g[i] / sqrtf(accum[i] + eps);
+        }
+    } else {
+        for (int32_t i = 0; i < dim; i++) {
+            accum[i] += g[i] * g[i];
+            w[i] -= lr * g[i] / (sqrtf(accum[i]) + eps);
+        }
     }
 }
 
@@ -187,20 +210,26 @@ static void adam_row(const kv_optim_t *o, int32_t dim, float *w, float *s, const
     }
 }
 
-/* ---- FTRL (tf.raw_ops.ResourceSparseApplyFtrlV2, multiply_linear_by_lr = false) ----- */
+/* ---- FTRL (tf.raw_ops.ResourceSparseApplyFtrlV2, multiply_linear_by_lr = false;
+ *      with beta, Keras 3's Ftrl.update_step) ---------------------------------------- */
 
 /*
  * p = lr_power (<= 0), P(x) = x^(-p), P = sqrt when p == -0.5 exactly
+ * l2'       = l2 + beta / (2 lr)                         (Keras' beta; l2' = l2 when
+ *                                                         beta = 0, bit for bit)
  * g_s       = g + 2 * l2_shrinkage * w
  * accum'    = accum + g^2                                (plain gradient)
  * linear   += g_s - (P(accum') - P(accum)) / lr * w      (gradient with shrinkage)
- * w         = (clip(linear, -l1, l1) - linear) / (P(accum') / lr + 2 l2)
+ * w         = (clip(linear, -l1, l1) - linear) / (P(accum') / lr + 2 l2')
  * accum     = accum'                                     slots: accum[dim] linear[dim]
+ * l2' is computed from this call's lr, so it follows a learning-rate schedule as
+ * Keras' does (it evaluates beta / (2 lr) at every step).
  */
 static void ftrl_row(const kv_optim_t *o, int32_t dim, float *w, float *s, const float *g)
 {
     float *accum = s, *linear = s + dim;
-    const float lr = o->lr, l1 = o->l1, two_l2 = 2.0f * o->l2;
+    const float lr = o->lr, l1 = o->l1;
+    const float two_l2 = 2.0f * (o->l2 + o->beta / (2.0f * lr));
     const float two_shrink = 2.0f * o->l2_shrinkage;
     const int use_sqrt = o->lr_power == -0.5f;
     const float neg_p = -o->lr_power;

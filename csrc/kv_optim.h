@@ -7,12 +7,18 @@
  * layout of each kind are documented in kv_optim.c next to the code.
  *
  *   KV_OPT_SGD            w -= lr * g                                    slots: none
- *   KV_OPT_ADAGRAD        TF ResourceSparseApplyAdagradV2                 slots: accum[dim]
+ *   KV_OPT_ADAGRAD        TF ResourceSparseApplyAdagradV2 (epsilon
+ *                         outside the sqrt), or Keras 3's Adagrad (inside,
+ *                         flag KV_OPTF_EPS_INSIDE_SQRT)                  slots: accum[dim]
  *   KV_OPT_ADAM           TF Adam (bias correction from the step)        slots: m[dim] v[dim] step
  *   KV_OPT_FTRL           TF ResourceSparseApplyFtrlV2 (l1, l2,
- *                         l2_shrinkage, lr_power)                        slots: accum[dim] linear[dim]
+ *                         l2_shrinkage, lr_power), plus Keras' beta      slots: accum[dim] linear[dim]
  *   KV_OPT_GROUP_ADAM     TFPlus Group Adam (l1, l2, l21)                see kv_optim.c
  *   KV_OPT_GROUP_ADAGRAD  TFPlus Group Adagrad / sparse group FTRL       see kv_optim.c
+ *
+ * The hyperparameters may change between calls (a learning-rate schedule): nothing
+ * derived from them is cached in the slots, so every call uses the values in `o` as
+ * they are then (FTRL's beta / (2 lr) included).
  *
  * No function here locks or keeps global state: all are thread-safe as long as two
  * threads do not update the same row at once (the table's lock sees to that).
@@ -30,10 +36,16 @@
 #define KV_OPT_GROUP_ADAM 4
 #define KV_OPT_GROUP_ADAGRAD 5
 
+/* kv_optim_t.flags (bits) */
+#define KV_OPTF_EPS_INSIDE_SQRT 1 /* Adagrad only: w -= lr g / sqrt(accum + epsilon)
+                                     (Keras 3) instead of / (sqrt(accum) + epsilon) (TF) */
+
 typedef struct kv_optim {
     int32_t kind;          /* KV_OPT_* */
     int32_t per_row_step;  /* Adam, Group Adam: 1 = bias correction from the row's own
                               update count (kept in a slot), 0 = from the step argument */
+    int32_t flags;         /* KV_OPTF_* bits; a flag given to a kind it does not apply
+                              to is an error */
     float lr;              /* learning rate, > 0 */
     float beta1;           /* Adam, Group Adam: first-moment decay, [0, 1) */
     float beta2;           /* Adam, Group Adam: second-moment decay, [0, 1) */
@@ -44,6 +56,8 @@ typedef struct kv_optim {
     float l2;              /* FTRL, Group Adam, Group Adagrad: >= 0 */
     float l21;             /* Group Adam, Group Adagrad: group lasso strength, >= 0 */
     float l2_shrinkage;    /* FTRL, Group Adagrad: >= 0 */
+    float beta;            /* FTRL: Keras' beta, adds beta / (2 lr) to l2 (with the lr of
+                              each call), >= 0 */
 } kv_optim_t;
 
 /* KV_OK if kind and hyperparameters are valid, else KV_EOPTIM. Thread-safe. */

@@ -838,6 +838,18 @@ void kv_table_destroy(kv_table_t *t) {
 
 int32_t kv_table_dim(const kv_table_t *t) { return t ? t->dim : 0; }
 
+int kv_table_set_optim(kv_table_t *t, const kv_optim_t *o) {
+    if (!t || !o) return KV_EINVAL;
+    if (kv_optim_check(o) != KV_OK) return KV_EOPTIM;
+    /* kind and nslot are fixed at create: no lock needed to read them */
+    if (o->kind != t->cfg.optim.kind || kv_optim_slot_floats(o, t->dim) != t->nslot)
+        return KV_EINVAL;
+    pthread_rwlock_wrlock(&t->lock);
+    t->cfg.optim = *o;
+    pthread_rwlock_unlock(&t->lock);
+    return KV_OK;
+}
+
 int64_t kv_table_size(kv_table_t *t) {
     if (!t) return 0;
     pthread_rwlock_rdlock(&t->lock);

@@ -42,7 +42,7 @@
  *   read lock  (any number at once): kv_table_find, kv_table_stats, kv_table_export
  *              without KV_EXPORT_CLEAR_DIRTY, kv_table_size
  *   write lock (exclusive): every other kv_table_* call (find_or_create, evict,
- *              take_removed, track_removed included)
+ *              take_removed, track_removed, set_optim included)
  * So any two calls may run on one table from two threads at once, except
  * kv_table_destroy, which must be the last call on a table.
  */
@@ -126,6 +126,20 @@ void kv_table_destroy(kv_table_t *t);
 
 /* The row width (fixed at create; no lock). 0 for NULL. */
 int32_t kv_table_dim(const kv_table_t *t);
+
+/*
+ * Replace the table's row-optimizer hyperparameters with a copy of *o, e.g. the
+ * learning rate of a schedule, evaluated per step by the training loop. Rows and their
+ * slots are untouched: every update after the call uses the new values, rows created
+ * after it start from its initial accumulator. The kind and the slot floats per row
+ * must stay what they were at create (the rows' state layout).
+ *   t   the table
+ *   o   the new hyperparameters (not kept: the table copies them)
+ * Write lock (so no update runs with half-written values).
+ * Returns KV_OK; KV_EINVAL (t or o NULL, or o would change the kind or the slot floats
+ * per row); KV_EOPTIM (o fails kv_optim_check). On an error nothing changed.
+ */
+int kv_table_set_optim(kv_table_t *t, const kv_optim_t *o);
 
 /* Number of live keys. Read lock. */
 int64_t kv_table_size(kv_table_t *t);

@@ -8,15 +8,27 @@ gradients.
 
     >>> from kvcoll.optimizers import Adagrad
     >>> Adagrad(0.05)
-    Adagrad(learning_rate=0.05, initial_accumulator_value=0.1, epsilon=1e-07)
+    Adagrad(learning_rate=0.05, initial_accumulator_value=0.1, epsilon=1e-07, epsilon_inside_sqrt=False)
 
 SGD, Adagrad, Adam and Ftrl compute what TensorFlow's kernels compute
 (ResourceSparseApplyAdagradV2, ResourceApplyAdam on the batch's rows,
-ResourceSparseApplyFtrlV2) and take Keras' parameter names and defaults. GroupAdam and
+ResourceSparseApplyFtrlV2) and take Keras' parameter names and defaults; Keras 3's
+own variants are options: `Adagrad(epsilon_inside_sqrt=True)` (Keras 3 divides by
+sqrt(accum + epsilon)) and `Ftrl(beta=...)`. GroupAdam and
 GroupAdagrad are TFPlus's sparse-group-lasso optimizers (Yue et al., "Adaptive
 Optimizers with Sparse Group Lasso for Neural Networks in CTR Prediction", ECML PKDD
 2021) with TFPlus's parameter names and defaults: a row whose group norm falls under
 the l21 threshold becomes exactly zero.
+
+Every optimizer's `learning_rate` is a positive float or a schedule: a callable of the
+integer step returning a float, such as a `keras.optimizers.schedules.
+LearningRateSchedule` (its tensor is converted with float()). `learning_rate_at(step)`
+evaluates it; the training loop passes the value to each table per step
+(`KvTable.set_learning_rate`), counting steps as Keras' `optimizer.iterations` does (0
+for the first update). A table starts with `learning_rate_at(0)`.
+
+    >>> Adagrad(lambda step: 0.1 * 0.5 ** (step // 1000)).learning_rate_at(2500)
+    0.025
 """
 
 from __future__ import annotations
@@ -25,8 +37,12 @@ import dataclasses
 import math
 import numbers
 import struct
+from typing import Callable, Union
 
 from .errors import InvalidArgumentError
+
+# A learning rate: a float, or a schedule (a callable of the integer step).
+LearningRate = Union[float, Callable[[int], float]]
 
 __all__ = ["SGD", "Adagrad", "Adam", "Ftrl", "GroupAdagrad", "GroupAdam"]
 
@@ -39,24 +55,74 @@ def _as_f32(x: float) -> float:
         return math.copysign(math.inf, x)
 
 
-def _number(opt, field: str) -> float:
-    value = getattr(opt, field)
+def _real(value, what: str) -> float:
+    """value as a float that is finite in float32; `what` names it in the error."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise InvalidArgumentError(
-            f"{type(opt).__name__}: {field} must be a number, got {value!r}")
+        raise InvalidArgumentError(f"{what} must be a number, got {value!r}")
     x = float(value)
     if not math.isfinite(_as_f32(x)):
-        raise InvalidArgumentError(
-            f"{type(opt).__name__}: {field} must be a finite float32, got {value!r}")
+        raise InvalidArgumentError(f"{what} must be a finite float32, got {value!r}")
     return x
 
 
-def _positive(opt, field: str) -> None:
-    x = _number(opt, field)
+def _number(opt, field: str) -> float:
+    return _real(getattr(opt, field), f"{type(opt).__name__}: {field}")
+
+
+def _checked_learning_rate(value, what: str,
+                           fix: str = "pass a positive learning rate such as 0.01"
+                           ) -> float:
+    """value as a learning rate: a number, finite and > 0 once rounded to float32 (what
+    the C side stores). Also KvTable.set_learning_rate's check."""
+    x = _real(value, what)
     if not _as_f32(x) > 0:
-        raise InvalidArgumentError(
-            f"{type(opt).__name__}: {field} must be > 0 (as float32), got {x!r}; "
-            "pass a positive learning rate such as 0.01")
+        raise InvalidArgumentError(f"{what} must be > 0 (as float32), got {x!r}; {fix}")
+    return x
+
+
+def _is_schedule(value) -> bool:
+    return callable(value) and not isinstance(value, numbers.Real)
+
+
+class _RowOptimizer:
+    """What every row optimizer shares: its learning rate, a float or a schedule."""
+
+    def _check_learning_rate(self) -> None:
+        lr = self.learning_rate
+        if _is_schedule(lr):
+            self.learning_rate_at(0)  # a schedule that fails at once fails here
+        elif isinstance(lr, bool) or not isinstance(lr, numbers.Real):
+            raise InvalidArgumentError(
+                f"{type(self).__name__}: learning_rate must be a positive float or a "
+                f"schedule (a callable of the integer step returning a float), got {lr!r}")
+        else:
+            _checked_learning_rate(lr, f"{type(self).__name__}: learning_rate")
+
+    @property
+    def is_scheduled(self) -> bool:
+        """True if learning_rate is a schedule (a callable of the step)."""
+        return _is_schedule(self.learning_rate)
+
+    def learning_rate_at(self, step: int) -> float:
+        """The learning rate for `step` (>= 0, counted as Keras' optimizer.iterations):
+        the float itself, or float(schedule(step)), checked positive and finite."""
+        name = type(self).__name__
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise InvalidArgumentError(
+                f"{name}: step must be an integer >= 0, got {step!r}")
+        lr = self.learning_rate
+        if not _is_schedule(lr):
+            return float(lr)
+        value = lr(int(step))
+        what = f"{name}: learning_rate at step {int(step)} (from the schedule {lr!r})"
+        try:
+            x = float(value)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(
+                f"{what} must be a number, got {value!r}; the schedule must return a "
+                "float or a scalar tensor") from None
+        return _checked_learning_rate(
+            x, what, "the schedule must return finite values > 0 at every step")
 
 
 def _non_negative(opt, field: str) -> None:
@@ -90,70 +156,80 @@ def _flag(opt, field: str) -> None:
             f"{type(opt).__name__}: {field} must be True or False, got {value!r}")
 
 
-def _fields(kind: str, **kw) -> dict:
-    """kv_optim_t's fields by their C names; the ones a kind does not use are 0."""
-    out = {"kind": kind, "per_row_step": 0, "lr": 0.0, "beta1": 0.0, "beta2": 0.0,
-           "epsilon": 0.0, "initial_accumulator": 0.0, "lr_power": 0.0, "l1": 0.0,
-           "l2": 0.0, "l21": 0.0, "l2_shrinkage": 0.0}
+def _fields(kind: str, flags: tuple = (), **kw) -> dict:
+    """kv_optim_t's fields by their C names; the ones a kind does not use are 0.
+    flags: names of KV_OPTF_* bits (table.py maps them: "eps_inside_sqrt")."""
+    out = {"kind": kind, "per_row_step": 0, "flags": tuple(flags), "lr": 0.0, "beta1": 0.0,
+           "beta2": 0.0, "epsilon": 0.0, "initial_accumulator": 0.0, "lr_power": 0.0,
+           "l1": 0.0, "l2": 0.0, "l21": 0.0, "l2_shrinkage": 0.0, "beta": 0.0}
     out.update({k: (int(v) if k == "per_row_step" else float(v)) for k, v in kw.items()})
     return out
 
 
 @dataclasses.dataclass(frozen=True)
-class SGD:
+class SGD(_RowOptimizer):
     """Plain gradient descent: w -= learning_rate * g. No state.
 
-    learning_rate: step size, > 0.
+    learning_rate: step size, > 0, or a schedule of the step (see the module).
     """
 
-    learning_rate: float
+    learning_rate: LearningRate
 
     def __post_init__(self):
-        _positive(self, "learning_rate")
+        self._check_learning_rate()
 
     def _c_fields(self) -> dict:
-        return _fields("sgd", lr=self.learning_rate)
+        return _fields("sgd", lr=self.learning_rate_at(0))
 
     def _slot_layout(self, dim: int) -> list:
         return []
 
 
 @dataclasses.dataclass(frozen=True)
-class Adagrad:
-    """Adagrad as TF's ResourceSparseApplyAdagradV2 (Keras' Adagrad):
-    accum += g^2; w -= learning_rate * g / (sqrt(accum) + epsilon).
+class Adagrad(_RowOptimizer):
+    """Adagrad: accum += g^2, then one of two published rules for epsilon:
+      epsilon_inside_sqrt=False (the default): TF's ResourceSparseApplyAdagradV2, which
+        Keras 2 and tf.compat.v1 run: w -= learning_rate * g / (sqrt(accum) + epsilon)
+      epsilon_inside_sqrt=True: Keras 3's Adagrad:
+        w -= learning_rate * g / sqrt(accum + epsilon)
+    They differ where accum is small (near accum = 0, TF's step is 1 / sqrt(epsilon)
+    times Keras 3's); the default keeps existing runs and checkpoints as they were.
 
-    learning_rate: step size, > 0.
+    learning_rate: step size, > 0, or a schedule of the step (see the module).
     initial_accumulator_value: accum of a new row, >= 0 (0 with epsilon 0 divides by
         zero on a zero gradient).
-    epsilon: added to sqrt(accum), >= 0.
+    epsilon: added to sqrt(accum) (or to accum, see above), >= 0.
+    epsilon_inside_sqrt: which of the two rules; True for Keras 3's.
     Slots per row: accum[dim].
     """
 
-    learning_rate: float
+    learning_rate: LearningRate
     initial_accumulator_value: float = 0.1
     epsilon: float = 1e-7
+    epsilon_inside_sqrt: bool = False
 
     def __post_init__(self):
-        _positive(self, "learning_rate")
+        self._check_learning_rate()
         _non_negative(self, "initial_accumulator_value")
         _non_negative(self, "epsilon")
+        _flag(self, "epsilon_inside_sqrt")
 
     def _c_fields(self) -> dict:
-        return _fields("adagrad", lr=self.learning_rate, epsilon=self.epsilon,
-                       initial_accumulator=self.initial_accumulator_value)
+        return _fields("adagrad", lr=self.learning_rate_at(0), epsilon=self.epsilon,
+                       initial_accumulator=self.initial_accumulator_value,
+                       flags=("eps_inside_sqrt",) if self.epsilon_inside_sqrt else ())
 
     def _slot_layout(self, dim: int) -> list:
         return [("accum", dim)]
 
 
 @dataclasses.dataclass(frozen=True)
-class Adam:
+class Adam(_RowOptimizer):
     """Adam as TF's ResourceApplyAdam (Keras' Adam), applied lazily to the batch's rows:
     m = beta_1 m + (1 - beta_1) g; v = beta_2 v + (1 - beta_2) g^2;
     w -= lr_t m / (sqrt(v) + epsilon), lr_t = lr sqrt(1 - beta_2^t) / (1 - beta_1^t).
 
-    learning_rate: step size, > 0.
+    learning_rate: step size, > 0, or a schedule of the step (see the module).
     beta_1, beta_2: decay of the first and second moments, in [0, 1).
     epsilon: added to sqrt(v), >= 0.
     per_row_step: False: t is the global training step passed to apply_gradients (what
@@ -162,69 +238,79 @@ class Adam:
     Slots per row: m[dim], v[dim], step (the row's update count, uint32 bits).
     """
 
-    learning_rate: float
+    learning_rate: LearningRate
     beta_1: float = 0.9
     beta_2: float = 0.999
     epsilon: float = 1e-7
     per_row_step: bool = False
 
     def __post_init__(self):
-        _positive(self, "learning_rate")
+        self._check_learning_rate()
         _decay(self, "beta_1")
         _decay(self, "beta_2")
         _non_negative(self, "epsilon")
         _flag(self, "per_row_step")
 
     def _c_fields(self) -> dict:
-        return _fields("adam", lr=self.learning_rate, beta1=self.beta_1, beta2=self.beta_2,
-                       epsilon=self.epsilon, per_row_step=self.per_row_step)
+        return _fields("adam", lr=self.learning_rate_at(0), beta1=self.beta_1,
+                       beta2=self.beta_2, epsilon=self.epsilon,
+                       per_row_step=self.per_row_step)
 
     def _slot_layout(self, dim: int) -> list:
         return [("m", dim), ("v", dim), ("step", 1)]
 
 
 @dataclasses.dataclass(frozen=True)
-class Ftrl:
-    """FTRL-proximal as TF's ResourceSparseApplyFtrlV2 (Keras' Ftrl without `beta`).
+class Ftrl(_RowOptimizer):
+    """FTRL-proximal as TF's ResourceSparseApplyFtrlV2, with Keras' `beta` (Keras 3's
+    Ftrl): w = (clip(linear, -l1, l1) - linear) / (accum^-p / lr + 2 l2'),
+    l2' = l2 + beta / (2 lr); the rest of the rule is in csrc/kv_optim.c.
 
-    learning_rate: step size, > 0.
+    learning_rate: step size, > 0, or a schedule of the step (see the module).
     learning_rate_power: <= 0; -0.5 is the usual 1/sqrt(accum) schedule (computed with
         sqrt exactly as TF does), 0 a constant rate.
     initial_accumulator_value: accum of a new row, >= 0.
     l1_regularization_strength, l2_regularization_strength: >= 0.
     l2_shrinkage_regularization_strength: >= 0; adds 2 * strength * w to the gradient
         that enters `linear` (not the one squared into `accum`), as TF does.
+    beta: >= 0, Keras' beta (default 0.0, TF's rule): adds beta / (2 * lr) to the l2
+        strength, computed in C with the learning rate of each step, so it follows a
+        schedule as Keras' does.
     Slots per row: accum[dim], linear[dim].
     """
 
-    learning_rate: float
+    learning_rate: LearningRate
     learning_rate_power: float = -0.5
     initial_accumulator_value: float = 0.1
     l1_regularization_strength: float = 0.0
     l2_regularization_strength: float = 0.0
     l2_shrinkage_regularization_strength: float = 0.0
+    beta: float = 0.0
 
     def __post_init__(self):
-        _positive(self, "learning_rate")
+        self._check_learning_rate()
         _non_positive(self, "learning_rate_power")
         _non_negative(self, "initial_accumulator_value")
         _non_negative(self, "l1_regularization_strength")
         _non_negative(self, "l2_regularization_strength")
         _non_negative(self, "l2_shrinkage_regularization_strength")
+        _non_negative(self, "beta")
 
     def _c_fields(self) -> dict:
-        return _fields("ftrl", lr=self.learning_rate, lr_power=self.learning_rate_power,
+        return _fields("ftrl", lr=self.learning_rate_at(0),
+                       lr_power=self.learning_rate_power,
                        initial_accumulator=self.initial_accumulator_value,
                        l1=self.l1_regularization_strength,
                        l2=self.l2_regularization_strength,
-                       l2_shrinkage=self.l2_shrinkage_regularization_strength)
+                       l2_shrinkage=self.l2_shrinkage_regularization_strength,
+                       beta=self.beta)
 
     def _slot_layout(self, dim: int) -> list:
         return [("accum", dim), ("linear", dim)]
 
 
 @dataclasses.dataclass(frozen=True)
-class GroupAdam:
+class GroupAdam(_RowOptimizer):
     """TFPlus's Group Adam (GroupAdamOptimizer, kernel version 4): Adam in FTRL form
     with l1, l2 and group-lasso (l21) regularization of each row.
 
@@ -232,7 +318,8 @@ class GroupAdam:
     to exact zeros; with l1 = l2 = l21 = 0 this is Adam. The exact rule is in
     csrc/kv_optim.c.
 
-    learning_rate: step size, > 0 (also scales l1, l2 and l21, as TFPlus does).
+    learning_rate: step size, > 0, or a schedule of the step (also scales l1, l2 and
+        l21, as TFPlus does).
     initial_accumulator_value: v of a new row, >= 0 (TFPlus's version-4 kernel keeps
         its v at 0, the default).
     beta1, beta2: decay of the first and second moments, in [0, 1).
@@ -243,7 +330,7 @@ class GroupAdam:
     Slots per row: m[dim], v[dim], linear[dim], step (uint32 bits).
     """
 
-    learning_rate: float
+    learning_rate: LearningRate
     initial_accumulator_value: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.999
@@ -254,7 +341,7 @@ class GroupAdam:
     per_row_step: bool = False
 
     def __post_init__(self):
-        _positive(self, "learning_rate")
+        self._check_learning_rate()
         _non_negative(self, "initial_accumulator_value")
         _decay(self, "beta1")
         _decay(self, "beta2")
@@ -265,7 +352,7 @@ class GroupAdam:
         _flag(self, "per_row_step")
 
     def _c_fields(self) -> dict:
-        return _fields("group_adam", lr=self.learning_rate, beta1=self.beta1,
+        return _fields("group_adam", lr=self.learning_rate_at(0), beta1=self.beta1,
                        beta2=self.beta2, epsilon=self.epsilon,
                        initial_accumulator=self.initial_accumulator_value,
                        l1=self.l1_regularization_strength,
@@ -278,14 +365,14 @@ class GroupAdam:
 
 
 @dataclasses.dataclass(frozen=True)
-class GroupAdagrad:
+class GroupAdagrad(_RowOptimizer):
     """TFPlus's Group Adagrad (SparseGroupFtrlOptimizer): FTRL-proximal with l1, l2,
     l2-shrinkage and group-lasso (l21) regularization of each row.
 
     A row whose l1-shrunk `linear` has norm <= l21 * sqrt(dim) is set to exact zeros;
     with l21 = 0 and no shrinkage this is Ftrl. The exact rule is in csrc/kv_optim.c.
 
-    learning_rate: step size, > 0.
+    learning_rate: step size, > 0, or a schedule of the step (see the module).
     learning_rate_power: <= 0, -0.5 usual.
     initial_accumulator_value: accum of a new row, >= 0.
     l1_regularization_strength, l2_regularization_strength,
@@ -295,7 +382,7 @@ class GroupAdagrad:
     Slots per row: accum[dim], linear[dim].
     """
 
-    learning_rate: float
+    learning_rate: LearningRate
     learning_rate_power: float = -0.5
     initial_accumulator_value: float = 0.1
     l1_regularization_strength: float = 0.0
@@ -304,7 +391,7 @@ class GroupAdagrad:
     l2_shrinkage_regularization_strength: float = 0.0
 
     def __post_init__(self):
-        _positive(self, "learning_rate")
+        self._check_learning_rate()
         _non_positive(self, "learning_rate_power")
         _non_negative(self, "initial_accumulator_value")
         _non_negative(self, "l1_regularization_strength")
@@ -313,7 +400,7 @@ class GroupAdagrad:
         _non_negative(self, "l2_shrinkage_regularization_strength")
 
     def _c_fields(self) -> dict:
-        return _fields("group_adagrad", lr=self.learning_rate,
+        return _fields("group_adagrad", lr=self.learning_rate_at(0),
                        lr_power=self.learning_rate_power,
                        initial_accumulator=self.initial_accumulator_value,
                        l1=self.l1_regularization_strength,

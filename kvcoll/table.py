@@ -51,6 +51,8 @@ _OPT_KINDS = {
     "group_adagrad": lib.KV_OPT_GROUP_ADAGRAD,
 }
 
+_OPT_FLAGS = {"eps_inside_sqrt": lib.KV_OPTF_EPS_INSIDE_SQRT}
+
 
 @dataclasses.dataclass(frozen=True)
 class Initializer:
@@ -205,6 +207,7 @@ class KvTable:
         self.evict_after_steps = None if evict_after_steps is None else int(evict_after_steps)
         self.evict_policy = evict_policy
         fill_optim(self._cfg.optim, self.optimizer)
+        self._learning_rate = self.optimizer.learning_rate_at(0)
         self.slot_floats = int(lib.kv_optim_slot_floats(ffi.addressof(self._cfg.optim), self.dim))
         out = ffi.new("kv_table_t **")
         check(lib.kv_table_create(self._cfg, out), f"table {name!r}: create")
@@ -383,6 +386,26 @@ class KvTable:
               f"table {self.name!r}: delete")
         return int(n[0])
 
+    @property
+    def learning_rate(self) -> float:
+        """The row optimizer's learning rate now (the C side holds it as float32)."""
+        return self._learning_rate
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Use learning rate `lr` (> 0, finite) from the next update on, e.g. the value
+        of a schedule at this step (optimizer.learning_rate_at(step)). The other
+        hyperparameters, the rows and their slots stay as they are; a no-op when lr is
+        the current one. Locked in C against concurrent updates."""
+        t = self._handle()
+        lr = optimizers._checked_learning_rate(lr, f"table {self.name!r}: learning_rate")
+        if lr == self._learning_rate:
+            return
+        o = ffi.new("kv_optim_t *", self._cfg.optim)
+        o.lr = lr
+        check(lib.kv_table_set_optim(t, o),
+              f"table {self.name!r}: set_learning_rate({lr!r})")
+        self._cfg.optim.lr, self._learning_rate = o.lr, lr
+
     def clear(self) -> None:
         """Remove every key."""
         check(lib.kv_table_clear(self._handle()), f"table {self.name!r}: clear")
@@ -522,5 +545,9 @@ class KvTable:
 def fill_optim(c_optim, optimizer) -> None:
     """Copy a row optimizer's hyperparameters into a kv_optim_t and check them in C."""
     for field, value in optimizer._c_fields().items():
-        setattr(c_optim, field, _OPT_KINDS[value] if field == "kind" else value)
+        if field == "kind":
+            value = _OPT_KINDS[value]
+        elif field == "flags":
+            value = sum(_OPT_FLAGS[name] for name in set(value))
+        setattr(c_optim, field, value)
     check(lib.kv_optim_check(ffi.addressof(c_optim)), f"optimizer {optimizer!r}")

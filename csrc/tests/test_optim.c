@@ -2,7 +2,8 @@
  * test_optim.c - smoke tests of the row optimizers (kv_optim.c), no table involved.
  *
  * Hyperparameter checks, slot counts and initial slots, one hand-computed step of
- * every rule, the group-lasso zeroing (exact +0.0f bits, threshold l21 * sqrt(dim)),
+ * every rule (Adagrad with epsilon outside and inside the sqrt, FTRL with Keras'
+ * beta, which follows a changed learning rate), the group-lasso zeroing (exact +0.0f bits, threshold l21 * sqrt(dim)),
  * Group Adam without regularization reducing to Adam, multi-row strides, and the
  * per-row step counter. The precise comparison with TensorFlow and TFPlus's rules
  * lives in tests/unit/test_optimizers.py. Buffers are malloc'ed at their exact size
@@ -54,6 +55,7 @@ static void test_check(void)
         {&o.epsilon, -1e-9f}, {&o.initial_accumulator, -0.1f}, {&o.l1, -1.0f},
         {&o.l2, -1.0f}, {&o.l21, -1.0f}, {&o.l2_shrinkage, -1.0f},
         {&o.lr_power, 0.5f}, {&o.epsilon, INFINITY}, {&o.l21, NAN},
+        {&o.beta, -0.1f}, {&o.beta, NAN}, {&o.beta, INFINITY},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         float keep = *cases[i].field;
@@ -73,6 +75,12 @@ static void test_check(void)
     for (int32_t k = KV_OPT_SGD; k <= KV_OPT_GROUP_ADAGRAD; k++) {
         o.kind = k;
         CHECK_EQ_INT(kv_optim_check(&o), KV_OK);
+        /* epsilon inside the sqrt: Adagrad's flag only; unknown bits never */
+        o.flags = KV_OPTF_EPS_INSIDE_SQRT;
+        CHECK_EQ_INT(kv_optim_check(&o), k == KV_OPT_ADAGRAD ? KV_OK : KV_EOPTIM);
+        o.flags = 2;
+        CHECK_EQ_INT(kv_optim_check(&o), KV_EOPTIM);
+        o.flags = 0;
     }
 }
 
@@ -124,6 +132,31 @@ static void test_sgd_and_adagrad(void)
     CHECK(CLOSE(w[0], 1.0 - 0.1 / (sqrt(1.1) + 1e-7), 1e-6));
     CHECK(CLOSE(w[1], 1.0 + 0.2 / (sqrt(4.1) + 1e-7), 1e-6));
     free(w), free(s);
+}
+
+/* Adagrad's two epsilon rules: TF's / (sqrt(accum) + eps) and Keras 3's
+ * / sqrt(accum + eps). A small accumulator makes them far apart. */
+static void test_adagrad_epsilon_inside_sqrt(void)
+{
+    for (int inside = 0; inside < 2; inside++) {
+        kv_optim_t o = base(KV_OPT_ADAGRAD, 0.1f);
+        o.initial_accumulator = 0.0f, o.epsilon = 1e-4f;
+        o.flags = inside ? KV_OPTF_EPS_INSIDE_SQRT : 0;
+        CHECK_EQ_INT(kv_optim_check(&o), KV_OK);
+        float *w = fvec(2, 1.0f), *s = fvec(2, 5.0f), g[2] = {1e-3f, -2.0f};
+        kv_optim_init_slots(&o, 2, s);
+        CHECK(s[0] == 0.0f && s[1] == 0.0f);
+        kv_optim_apply_rows(&o, 2, 1, w, s, g, 1);
+        for (int i = 0; i < 2; i++) {
+            double a = (double)g[i] * g[i];
+            double den = inside ? sqrt(a + 1e-4) : sqrt(a) + 1e-4;
+            CHECK(CLOSE(s[i], a, 1e-6));
+            CHECK(CLOSE(w[i], 1.0 - 0.1 * g[i] / den, 1e-6));
+        }
+        /* g = 1e-3: outside moves by lr * 0.909, inside by lr * 0.0995 */
+        CHECK(inside ? w[0] > 0.98f : w[0] < 0.92f);
+        free(w), free(s);
+    }
 }
 
 static void test_adam(void)
@@ -207,6 +240,44 @@ static void test_ftrl(void)
     kv_optim_apply_rows(&c, 1, 1, w3, s3, &g3, 1);
     CHECK(CLOSE(w3[0], -0.2, 1e-6)); /* -linear * lr */
     free(w), free(s), free(w2), free(s2), free(w3), free(s3);
+}
+
+/* Keras' beta adds beta / (2 lr) to l2, with the lr of each call: a learning rate
+ * changed between steps changes the extra l2 too. beta = 0 is TF's rule bit for bit. */
+static void test_ftrl_beta(void)
+{
+    kv_optim_t o = base(KV_OPT_FTRL, 0.1f);
+    o.lr_power = -0.5f, o.initial_accumulator = 0.1f, o.l2 = 0.05f, o.beta = 0.3f;
+    float *w = fvec(2, 0.0f), *s = fvec(4, 0.0f), g[2] = {1.0f, -0.5f};
+    kv_optim_init_slots(&o, 2, s);
+    kv_optim_apply_rows(&o, 2, 1, w, s, g, 1);
+    /* from w = 0 with l1 = 0: w = -g / (sqrt(accum') / lr + 2 l2 + beta / lr) */
+    for (int i = 0; i < 2; i++)
+        CHECK(CLOSE(w[i], -g[i] / (sqrt(0.1 + g[i] * g[i]) / 0.1 + 0.1 + 0.3 / 0.1), 1e-6));
+    /* a second step at lr 0.4 (a schedule): linear moves by g - dP / lr * w and the
+     * denominator uses beta / 0.4 */
+    o.lr = 0.4f;
+    float w1[2] = {w[0], w[1]}, lin[2] = {s[2], s[3]}, acc[2] = {s[0], s[1]};
+    kv_optim_apply_rows(&o, 2, 1, w, s, g, 2);
+    for (int i = 0; i < 2; i++) {
+        double a2 = (double)acc[i] + (double)g[i] * g[i];
+        double l = lin[i] + g[i] - (sqrt(a2) - sqrt((double)acc[i])) / 0.4 * w1[i];
+        CHECK(CLOSE(s[2 + i], l, 1e-5));
+        CHECK(CLOSE(w[i], -l / (sqrt(a2) / 0.4 + 0.1 + 0.3 / 0.4), 1e-5));
+    }
+    /* beta = 0 leaves the rule exactly as it was without it */
+    kv_optim_t z = base(KV_OPT_FTRL, 0.1f);
+    z.lr_power = -0.5f, z.initial_accumulator = 0.1f, z.l2 = 0.05f, z.l1 = 0.01f;
+    float *wa = fvec(3, 0.25f), *sa = fvec(6, 0.0f), ga[3] = {0.3f, -0.7f, 2.0f};
+    kv_optim_init_slots(&z, 3, sa);
+    kv_optim_apply_rows(&z, 3, 1, wa, sa, ga, 1);
+    for (int i = 0; i < 3; i++) {
+        const float new_accum = 0.1f + ga[i] * ga[i];
+        const float lin0 = (ga[i] - (sqrtf(new_accum) - sqrtf(0.1f)) / 0.1f * 0.25f);
+        const float x = (lin0 > 0.01f ? 0.01f : lin0 < -0.01f ? -0.01f : lin0) - lin0;
+        CHECK(bits(wa[i]) == bits(x / (sqrtf(new_accum) / 0.1f + 2.0f * 0.05f)));
+    }
+    free(w), free(s), free(wa), free(sa);
 }
 
 /* A Group Adagrad step from w = 0 with l1 = 0 gives linear = g: the row is kept iff
@@ -311,9 +382,11 @@ int main(void)
     test_check();
     test_slots();
     test_sgd_and_adagrad();
+    test_adagrad_epsilon_inside_sqrt();
     test_adam();
     test_step_counter_saturates();
     test_ftrl();
+    test_ftrl_beta();
     test_group_adagrad_threshold();
     test_group_adam_reduces_to_adam();
     test_multi_row_strides();

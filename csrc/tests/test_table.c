@@ -589,6 +589,106 @@ static void test_apply_and_dirty(void) {
     kv_table_destroy(t);
 }
 
+/* ---- kv_table_set_optim: new hyperparameters, same rows --------------------------- */
+
+/* Row `i` of a snapshot, found by key. */
+static int64_t snap_find(const snap_t *s, int64_t key) {
+    for (int64_t i = 0; i < s->n; i++)
+        if (s->keys[i] == key) return i;
+    return -1;
+}
+
+/* After set_optim, an update equals kv_optim_apply_rows with the new hyperparameters on
+ * the rows as they were; the call itself changes no row, slot or header; errors change
+ * nothing, not even the hyperparameters. */
+static void test_set_optim(void) {
+    enum { dim = 4, N = 50 };
+    const int32_t kinds[] = {KV_OPT_ADAGRAD, KV_OPT_ADAM, KV_OPT_FTRL};
+    for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++) {
+        kv_table_config_t c = config(dim, KV_INIT_UNIFORM, -0.5f, 0.5f);
+        memset(&c.optim, 0, sizeof c.optim);
+        c.optim.kind = kinds[k];
+        c.optim.lr = 0.1f, c.optim.epsilon = 1e-7f, c.optim.initial_accumulator = 0.1f;
+        c.optim.beta1 = 0.9f, c.optim.beta2 = 0.999f, c.optim.lr_power = -0.5f;
+        c.optim.beta = kinds[k] == KV_OPT_FTRL ? 0.2f : 0.0f;
+        kv_table_t *t = NULL;
+        CHECK_EQ_INT(kv_table_create(&c, &t), KV_OK);
+        int64_t keys[N];
+        float out[N * dim], g[N * dim];
+        uint64_t rng = 17 + k;
+        for (int i = 0; i < N; i++) keys[i] = key_of((uint64_t)i);
+        for (int i = 0; i < N * dim; i++) g[i] = (float)(test_rand(&rng) % 1000) * 2e-3f - 1.0f;
+        CHECK_EQ_INT(kv_table_find_or_create(t, keys, N, out, 1, NULL, NULL), KV_OK);
+        CHECK_EQ_INT(kv_table_apply_gradients(t, keys, N, g, 1, 0, NULL), KV_OK);
+
+        /* a new learning rate (and for Adagrad the other epsilon rule) changes no row */
+        kv_optim_t o = c.optim;
+        o.lr = 0.37f;
+        if (o.kind == KV_OPT_ADAGRAD) o.flags = KV_OPTF_EPS_INSIDE_SQRT;
+        if (o.kind == KV_OPT_ADAM) o.per_row_step = 1; /* same layout: allowed */
+        snap_t s0 = snapshot(t);
+        CHECK_EQ_INT(kv_table_set_optim(t, &o), KV_OK);
+        snap_t s1 = snapshot(t);
+        CHECK(snap_equal(&s0, &s1));
+        CHECK_EQ_INT(s1.st.slot_floats, kv_optim_slot_floats(&c.optim, dim));
+
+        /* errors: nothing changes, and the hyperparameters stay those of the last
+         * successful call */
+        kv_optim_t bad = o;
+        bad.flags = 0; /* Adagrad's flag would make the other kinds fail the check */
+        bad.kind = kinds[k] == KV_OPT_ADAM ? KV_OPT_GROUP_ADAM : KV_OPT_GROUP_ADAGRAD;
+        CHECK_EQ_INT(kv_table_set_optim(t, &bad), KV_EINVAL); /* another kind */
+        bad.kind = KV_OPT_SGD;
+        CHECK_EQ_INT(kv_table_set_optim(t, &bad), KV_EINVAL); /* fewer slots */
+        bad = o;
+        bad.lr = 0.0f;
+        CHECK_EQ_INT(kv_table_set_optim(t, &bad), KV_EOPTIM);
+        bad.lr = NAN;
+        CHECK_EQ_INT(kv_table_set_optim(t, &bad), KV_EOPTIM);
+        bad = o;
+        bad.beta = -1.0f;
+        CHECK_EQ_INT(kv_table_set_optim(t, &bad), KV_EOPTIM);
+        bad = o;
+        bad.flags = kinds[k] == KV_OPT_ADAGRAD ? 4 : KV_OPTF_EPS_INSIDE_SQRT;
+        CHECK_EQ_INT(kv_table_set_optim(t, &bad), KV_EOPTIM);
+        bad = o;
+        bad.kind = 99;
+        CHECK_EQ_INT(kv_table_set_optim(t, &bad), KV_EOPTIM);
+        CHECK_EQ_INT(kv_table_set_optim(NULL, &o), KV_EINVAL);
+        CHECK_EQ_INT(kv_table_set_optim(t, NULL), KV_EINVAL);
+        snap_t s2 = snapshot(t);
+        CHECK(snap_equal(&s0, &s2));
+
+        /* the next update uses o: compare with kv_optim_apply_rows on the old rows */
+        CHECK_EQ_INT(kv_table_apply_gradients(t, keys, N, g, 2, 0, NULL), KV_OK);
+        snap_t s3 = snapshot(t);
+        int ok = 1;
+        for (int i = 0; i < N; i++) {
+            int64_t a = snap_find(&s1, keys[i]), b = snap_find(&s3, keys[i]);
+            if (a < 0 || b < 0) {
+                ok = 0;
+                continue;
+            }
+            float w[dim], sl[3 * dim + 1];
+            memcpy(w, s1.values + a * dim, sizeof w);
+            memcpy(sl, s1.slots + a * s1.s, (size_t)s1.s * 4);
+            kv_optim_apply_rows(&o, dim, 1, w, sl, g + (size_t)i * dim, 2);
+            ok &= !memcmp(w, s3.values + b * dim, sizeof w);
+            ok &= !memcmp(sl, s3.slots + b * s3.s, (size_t)s3.s * 4);
+        }
+        CHECK(ok);
+        /* and differs from what the old hyperparameters would have given */
+        int64_t a0 = snap_find(&s1, keys[0]), b0 = snap_find(&s3, keys[0]);
+        float w_old[dim], sl_old[3 * dim + 1];
+        memcpy(w_old, s1.values + a0 * dim, sizeof w_old);
+        memcpy(sl_old, s1.slots + a0 * s1.s, (size_t)s1.s * 4);
+        kv_optim_apply_rows(&c.optim, dim, 1, w_old, sl_old, g, 2);
+        CHECK(memcmp(w_old, s3.values + b0 * dim, sizeof w_old) != 0);
+        snap_free(&s0), snap_free(&s1), snap_free(&s2), snap_free(&s3);
+        kv_table_destroy(t);
+    }
+}
+
 /* ---- export / import round trip ------------------------------------------------ */
 
 static void test_export_import(void) {
@@ -1132,7 +1232,7 @@ static void test_stats(void) {
     kv_table_destroy(t);
 }
 
-/* ---- two threads: finds never see a torn or foreign row ------------------------- */
+/* ---- two threads: finds never see a torn or foreign row (and set_optim is locked) - */
 
 typedef struct {
     kv_table_t *t;
@@ -1161,6 +1261,10 @@ static void *reader(void *arg) {
         }
         kv_table_stats_t st;
         kv_table_stats(s->t, &st);
+        /* a learning-rate schedule from another thread, while rows are created */
+        kv_optim_t o = g_optim;
+        o.lr = (s->iters & 1) ? 0.25f : g_optim.lr;
+        if (kv_table_set_optim(s->t, &o) != KV_OK) s->bad++;
         s->iters++;
     }
     return NULL;
@@ -1326,7 +1430,7 @@ int main(int argc, char **argv) {
     (void)test_init_determinism, (void)test_apply_and_dirty, (void)test_export_import;
     (void)test_errors, (void)test_oom, (void)test_stats, (void)test_chunks;
     (void)test_admission, (void)test_evict_exact, (void)test_removed_log, (void)test_lifecycle_oom;
-    (void)test_apply_ref, (void)test_init_normal_accuracy;
+    (void)test_apply_ref, (void)test_init_normal_accuracy, (void)test_set_optim;
 #else
     test_random_ops();
     test_key_patterns();
@@ -1335,6 +1439,7 @@ int main(int argc, char **argv) {
     test_init_determinism();
     test_init_normal_accuracy();
     test_apply_and_dirty();
+    test_set_optim();
     test_apply_ref();
     test_export_import();
     test_errors();

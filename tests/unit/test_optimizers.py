@@ -8,6 +8,9 @@ slots) is compared with
       same per-step unique ids and summed gradients.
 Group Adam and Group Adagrad follow TFPlus's kernels (see csrc/kv_optim.c); they are
 also checked against TensorFlow in the settings where they reduce to Adam and FTRL.
+Keras 3's variants (Adagrad with epsilon inside the sqrt, Ftrl's beta) are checked
+against Keras 3's own optimizers, and learning rates that change between steps
+(KvTable.set_learning_rate, schedules) against the numpy rules with the same rates.
 """
 
 import dataclasses
@@ -18,6 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvcoll import errors
 from kvcoll import optimizers as opt
 from kvcoll.table import KvTable
 
@@ -125,6 +129,7 @@ class NumpyRef:
     def __init__(self, o, w0, dtype=np.float64):
         self.o, self.rule, n, d = F32(o), type(o).__name__.lower(), w0.shape[0], w0.shape[1]
         self.dtype = dtype
+        self.lr = float(np.float32(o.learning_rate_at(0)))  # set per step for a schedule
         self.s = {"w": w0.astype(dtype)}
         for name, width in o._slot_layout(d):
             self.s[name] = (np.zeros(n, np.int64) if name == "step"
@@ -148,34 +153,38 @@ class NumpyRef:
         return float(t)
 
     def sgd(self, s, g, t):
-        s["w"] -= self.o.learning_rate * g
+        s["w"] -= self.lr * g
 
     def adagrad(self, s, g, t):
         o = self.o
         s["accum"] += g * g
-        s["w"] -= o.learning_rate * g / (np.sqrt(s["accum"]) + o.epsilon)
+        if o.epsilon_inside_sqrt:  # Keras 3
+            s["w"] -= self.lr * g / np.sqrt(s["accum"] + o.epsilon)
+        else:  # TensorFlow's kernel
+            s["w"] -= self.lr * g / (np.sqrt(s["accum"]) + o.epsilon)
 
     def adam(self, s, g, t):
         o, t = self.o, self._t(s, t)
         s["m"] = o.beta_1 * s["m"] + (1 - o.beta_1) * g
         s["v"] = o.beta_2 * s["v"] + (1 - o.beta_2) * g * g
-        lr_t = o.learning_rate * np.sqrt(1 - o.beta_2**t) / (1 - o.beta_1**t)
+        lr_t = self.lr * np.sqrt(1 - o.beta_2**t) / (1 - o.beta_1**t)
         s["w"] -= lr_t * s["m"] / (np.sqrt(s["v"]) + o.epsilon)
 
     def ftrl(self, s, g, t):
         o, w = self.o, s["w"]
-        p, lr = -o.learning_rate_power, o.learning_rate
+        p, lr = -o.learning_rate_power, self.lr
+        l2 = o.l2_regularization_strength + o.beta / (2 * lr)  # Keras' beta
         gs = g + 2 * o.l2_shrinkage_regularization_strength * w
         acc = s["accum"] + g * g
         s["linear"] += gs - (acc**p - s["accum"] ** p) / lr * w
         lin, l1 = s["linear"], o.l1_regularization_strength
-        s["w"] = (np.clip(lin, -l1, l1) - lin) / (acc**p / lr + 2 * o.l2_regularization_strength)
+        s["w"] = (np.clip(lin, -l1, l1) - lin) / (acc**p / lr + 2 * l2)
         s["accum"] = acc
 
     def groupadam(self, s, g, t):
         # TFPlus GroupAdam, kernel version 4 (KvVariableGroupSparseApplyAdamV4).
         o, t = self.o, self._t(s, t)
-        lr, w = o.learning_rate, s["w"]
+        lr, w = self.lr, s["w"]
         l1, l2, l21 = (lr * o.l1_regularization_strength, lr * o.l2_regularization_strength,
                        lr * o.l21_regularization_strength)
         b1p = o.beta1**t
@@ -191,7 +200,7 @@ class NumpyRef:
     def groupadagrad(self, s, g, t):
         # TFPlus SparseGroupFtrl (KvVariableSparseGroupSparseApplyFtrlV2).
         o, w = self.o, s["w"]
-        p, lr = -o.learning_rate_power, o.learning_rate
+        p, lr = -o.learning_rate_power, self.lr
         gs = g + 2 * o.l2_shrinkage_regularization_strength * w
         acc = s["accum"] + gs * gs
         s["linear"] += gs - (acc**p - s["accum"] ** p) / lr * w
@@ -213,10 +222,15 @@ def group_lasso(linear, l1, l21, denom):
 
 
 def run_vs_numpy(o, keys, w0, batches, rtol=RTOL, atol=ATOL, dtype=np.float64, skip=()):
+    """With a scheduled optimizer, the table and the rule both use learning_rate_at(
+    step - 1) at step `step` (steps count from 1, Keras' iterations from 0)."""
     ref = NumpyRef(o, w0, dtype)
     with new_table(o, w0, keys) as t:
         assert_state(snapshot(t, keys, o), ref.s, "initial")
         for step, bkeys, grads in batches:
+            if o.is_scheduled:
+                t.set_learning_rate(o.learning_rate_at(step - 1))
+                ref.lr = float(np.float32(o.learning_rate_at(step - 1)))
             t.apply_gradients(bkeys, grads, step=step)
             rows, g = summed(keys, bkeys, grads, dtype)
             ref.step(rows, g, step)
@@ -259,7 +273,9 @@ class TfRef:
             tf.raw_ops.ResourceSparseApplyFtrlV2(
                 var=s["w"].handle, accum=s["accum"].handle, linear=s["linear"].handle,
                 grad=g, indices=idx, lr=f(o.learning_rate),
-                l1=f(o.l1_regularization_strength), l2=f(o.l2_regularization_strength),
+                l1=f(o.l1_regularization_strength),
+                # Keras 2 passes its beta to this kernel the same way
+                l2=f(o.l2_regularization_strength) + f(o.beta) / (2 * f(o.learning_rate)),
                 l2_shrinkage=f(o.l2_shrinkage_regularization_strength),
                 lr_power=f(o.learning_rate_power))
         else:  # dense kernels on the gathered rows, scattered back
@@ -329,14 +345,22 @@ TF_CASES = {
                                      l2_shrinkage_regularization_strength=0.1),
     "ftrl_power_zero": opt.Ftrl(0.05, learning_rate_power=0.0,
                                 l1_regularization_strength=0.01),
+    "ftrl_beta": opt.Ftrl(0.1, l1_regularization_strength=0.05,
+                          l2_regularization_strength=0.02, beta=0.3),
+}
+# No TensorFlow kernel divides by sqrt(accum + epsilon): checked against Keras 3 below.
+KERAS3_CASES = {
+    "adagrad_eps_inside": opt.Adagrad(0.1, epsilon_inside_sqrt=True),
+    "adagrad_eps_inside_small_acc": opt.Adagrad(0.05, initial_accumulator_value=0.001,
+                                                epsilon=1e-3, epsilon_inside_sqrt=True),
 }
 
 
-@pytest.mark.parametrize("case", sorted(TF_CASES))
+@pytest.mark.parametrize("case", sorted(TF_CASES) + sorted(KERAS3_CASES))
 def test_matches_numpy_rule(case):
     keys = make_keys(2)
     w0 = np.random.default_rng(3).uniform(-0.5, 0.5, (N_KEYS, DIM)).astype(np.float32)
-    run_vs_numpy(TF_CASES[case], keys, w0, make_batches(4, keys))
+    run_vs_numpy({**TF_CASES, **KERAS3_CASES}[case], keys, w0, make_batches(4, keys))
 
 
 @pytest.mark.parametrize("case", sorted(TF_CASES))
@@ -578,10 +602,10 @@ def _optimizers():
     decay = st.floats(0.0, 0.99)
     return st.one_of(
         st.builds(opt.SGD, lr),
-        st.builds(opt.Adagrad, lr, acc, st.floats(0.0, 1e-3)),
+        st.builds(opt.Adagrad, lr, acc, st.floats(0.0, 1e-3), st.booleans()),
         st.builds(opt.Adam, lr, decay, st.floats(0.5, 0.999), st.floats(1e-8, 1e-3),
                   st.booleans()),
-        st.builds(opt.Ftrl, lr, power, acc, reg, reg, reg),
+        st.builds(opt.Ftrl, lr, power, acc, reg, reg, reg, reg),
         # l21 = 0 keeps the comparison away from the prune/keep boundary
         st.builds(opt.GroupAdam, lr, st.floats(0.0, 0.1), decay, st.floats(0.5, 0.999),
                   st.floats(1e-8, 1e-3), reg, reg, st.just(0.0), st.booleans()),
@@ -624,9 +648,10 @@ def test_defaults_are_accepted_and_slots_start_at_initial_state(o):
 
 
 def test_keras_and_tfplus_defaults():
-    assert opt.Adagrad(0.1) == opt.Adagrad(0.1, initial_accumulator_value=0.1, epsilon=1e-7)
+    assert opt.Adagrad(0.1) == opt.Adagrad(0.1, initial_accumulator_value=0.1, epsilon=1e-7,
+                                           epsilon_inside_sqrt=False)
     assert opt.Adam(0.1) == opt.Adam(0.1, beta_1=0.9, beta_2=0.999, epsilon=1e-7)
-    assert opt.Ftrl(0.1) == opt.Ftrl(0.1, -0.5, 0.1, 0.0, 0.0, 0.0)
+    assert opt.Ftrl(0.1) == opt.Ftrl(0.1, -0.5, 0.1, 0.0, 0.0, 0.0, 0.0)
     assert opt.GroupAdam(0.1) == opt.GroupAdam(0.1, 0.0, 0.9, 0.999, 1e-8, 0.0, 0.0, 0.0)
     assert opt.GroupAdagrad(0.1) == opt.GroupAdagrad(0.1, -0.5, 0.1, 0.0, 0.0, 0.0, 0.0)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -642,6 +667,12 @@ BAD = [
     (opt.Adagrad, {"learning_rate": 0.1, "initial_accumulator_value": -0.1},
      "initial_accumulator_value"),
     (opt.Adagrad, {"learning_rate": 0.1, "epsilon": -1e-7}, "epsilon"),
+    (opt.Adagrad, {"learning_rate": 0.1, "epsilon_inside_sqrt": 1}, "epsilon_inside_sqrt"),
+    (opt.Adam, {"learning_rate": -0.5}, "learning_rate"),
+    (opt.Adam, {"learning_rate": float("inf")}, "learning_rate"),
+    (opt.Adam, {"learning_rate": None}, "learning_rate"),
+    (opt.Ftrl, {"learning_rate": lambda step: -1.0}, "learning_rate"),
+    (opt.Ftrl, {"learning_rate": lambda step: float("nan")}, "learning_rate"),
     (opt.Adam, {"learning_rate": 0.1, "beta_1": 1.0}, "beta_1"),
     (opt.Adam, {"learning_rate": 0.1, "beta_2": -0.1}, "beta_2"),
     (opt.Adam, {"learning_rate": 0.1, "beta_2": 0.99999999}, "beta_2"),  # 1 in float32
@@ -654,6 +685,8 @@ BAD = [
      "l2_regularization_strength"),
     (opt.Ftrl, {"learning_rate": 0.1, "l2_shrinkage_regularization_strength": -1.0},
      "l2_shrinkage_regularization_strength"),
+    (opt.Ftrl, {"learning_rate": 0.1, "beta": -0.1}, "beta"),
+    (opt.Ftrl, {"learning_rate": 0.1, "beta": float("nan")}, "beta"),
     (opt.GroupAdam, {"learning_rate": 0.1, "beta1": 1.5}, "beta1"),
     (opt.GroupAdam, {"learning_rate": 0.1, "l21_regularization_strength": -0.1},
      "l21_regularization_strength"),
@@ -675,3 +708,251 @@ def test_invalid_hyperparameters_name_the_field(cls, kwargs, field):
     with pytest.raises(ValueError, match=rf"\b{field}\b") as info:
         cls(**kwargs)
     assert cls.__name__ in str(info.value)
+
+
+# ---- learning rates that change during training -------------------------------------
+
+# One rate per step (index = Keras' iteration, step - 1), up and down by 15x.
+RATES = [0.1, 0.03, 0.2, 0.013, 0.07, 0.3]
+
+
+def rate_of(step: int) -> float:
+    return RATES[step]
+
+
+SCHEDULED_CASES = {
+    "sgd": opt.SGD(rate_of),
+    "adagrad": opt.Adagrad(rate_of),
+    "adagrad_eps_inside": opt.Adagrad(rate_of, initial_accumulator_value=0.01,
+                                      epsilon=1e-3, epsilon_inside_sqrt=True),
+    "adam": opt.Adam(rate_of),
+    "adam_per_row_step": opt.Adam(rate_of, beta_1=0.5, per_row_step=True),
+    "ftrl_beta": opt.Ftrl(rate_of, l1_regularization_strength=0.05,
+                          l2_regularization_strength=0.02, beta=0.3),
+    "ftrl_beta_shrinkage_power": opt.Ftrl(rate_of, learning_rate_power=-0.7, beta=1.0,
+                                          l2_shrinkage_regularization_strength=0.1),
+    "group_adam": opt.GroupAdam(rate_of, l1_regularization_strength=0.01,
+                                l21_regularization_strength=0.1),
+    "group_adagrad": opt.GroupAdagrad(rate_of, l1_regularization_strength=0.01,
+                                      l21_regularization_strength=0.05),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SCHEDULED_CASES))
+def test_changing_learning_rate_matches_numpy_rule(case):
+    # run_vs_numpy sets table and rule to learning_rate_at(step - 1) before each step
+    o = SCHEDULED_CASES[case]
+    assert o.is_scheduled
+    keys = make_keys(40)
+    w0 = np.random.default_rng(41).uniform(-0.5, 0.5, (N_KEYS, DIM)).astype(np.float32)
+    batches = make_batches(42, keys, steps=len(RATES))
+    changed, _ = run_vs_numpy(o, keys, w0, batches)
+    # the rates made a difference: the same run at the first rate throughout differs
+    fixed, _ = run_vs_numpy(dataclasses.replace(o, learning_rate=RATES[0]), keys, w0,
+                            batches)
+    assert not np.allclose(changed["w"], fixed["w"], rtol=1e-3, atol=1e-4)
+
+
+def test_changing_learning_rate_matches_tensorflow_kernels(tf):
+    # TF's kernels take the rate per call; Ftrl's beta goes into l2 as Keras 2 does
+    keys = make_keys(43)
+    w0 = np.random.default_rng(44).uniform(-0.5, 0.5, (N_KEYS, DIM)).astype(np.float32)
+    batches = make_batches(45, keys, steps=len(RATES))
+    for o in (opt.Adagrad(rate_of), opt.Adam(rate_of),
+              opt.Ftrl(rate_of, l1_regularization_strength=0.05, beta=0.3)):
+        with new_table(o, w0, keys) as t:
+            ref = None
+            for step, bkeys, grads in batches:
+                fixed = dataclasses.replace(o, learning_rate=o.learning_rate_at(step - 1))
+                if ref is None:
+                    ref = TfRef(tf, fixed, w0)
+                ref.o = fixed
+                t.set_learning_rate(fixed.learning_rate)
+                t.apply_gradients(bkeys, grads, step=step)
+                rows, g = summed(keys, bkeys, grads, np.float32)
+                ref.step(rows, g, step)
+                assert_state(snapshot(t, keys, o), ref.numpy(),
+                             f"{type(o).__name__} step {step} vs TensorFlow")
+
+
+def test_set_learning_rate_changes_nothing_else():
+    o = opt.Adam(0.01)
+    keys = make_keys(46)
+    w0 = np.random.default_rng(47).uniform(-0.5, 0.5, (N_KEYS, DIM)).astype(np.float32)
+    with new_table(o, w0, keys) as t:
+        assert t.learning_rate == 0.01
+        _, bkeys, grads = make_batches(48, keys, steps=1)[0]
+        t.apply_gradients(bkeys, grads, step=1)
+        before = t.export()
+        t.set_learning_rate(0.5)
+        assert t.learning_rate == 0.5
+        t.set_learning_rate(0.5)  # the current one: a no-op
+        t.set_learning_rate(np.float32(0.25))
+        assert t.learning_rate == 0.25
+        after = t.export()
+        for name in before:
+            np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+        assert t.optimizer == o  # the table's optimizer object is unchanged
+
+
+@pytest.mark.parametrize("bad,words", [
+    (0.0, "> 0"), (-0.1, "> 0"), (1e-60, "> 0"), (float("nan"), "finite"),
+    (float("inf"), "finite"), ("0.1", "number"), (None, "number"), (True, "number"),
+])
+def test_set_learning_rate_rejects_bad_values(bad, words):
+    with new_table(opt.Adagrad(0.1), np.ones((2, 3), np.float32), np.array([1, 2])) as t:
+        with pytest.raises(errors.InvalidArgumentError, match="learning_rate") as info:
+            t.set_learning_rate(bad)
+        assert "'t'" in str(info.value) and words in str(info.value)
+        assert t.learning_rate == 0.1
+        t.apply_gradients(np.array([1]), np.ones((1, 3), np.float32), step=1)
+        np.testing.assert_allclose(t.find(np.array([1]))[0], 1 - 0.1 / np.sqrt(1.1),
+                                   rtol=1e-6)  # still at 0.1
+    with pytest.raises(errors.ClosedError):
+        t.set_learning_rate(0.2)
+
+
+def test_table_starts_at_the_schedules_first_rate():
+    o = opt.Ftrl(lambda step: 0.5 / (1 + step), beta=0.1)
+    with KvTable(3, optimizer=o, name="f") as t:
+        assert t.learning_rate == 0.5 == o.learning_rate_at(0)
+    assert o._c_fields()["lr"] == 0.5
+
+
+# ---- schedules ---------------------------------------------------------------------
+
+
+def test_schedule_function_learning_rate_at():
+    def halve_every_10(step):
+        return 0.2 * 0.5 ** (step // 10)
+
+    o = opt.Adagrad(halve_every_10, epsilon_inside_sqrt=True)
+    assert o.is_scheduled and not opt.Adagrad(0.2).is_scheduled
+    assert [o.learning_rate_at(s) for s in (0, 9, 10, 25)] == [0.2, 0.2, 0.1, 0.05]
+    assert opt.SGD(0.3).learning_rate_at(12345) == 0.3
+    assert isinstance(opt.SGD(np.float32(0.5)).learning_rate_at(0), float)
+    assert o.learning_rate_at(np.int64(20)) == 0.05
+    # a scheduled optimizer stays a frozen, comparable, printable dataclass
+    assert o == opt.Adagrad(halve_every_10, epsilon_inside_sqrt=True)
+    assert o != opt.Adagrad(lambda step: 0.2, epsilon_inside_sqrt=True)
+    assert "halve_every_10" in repr(o)
+    assert hash(o) == hash(opt.Adagrad(halve_every_10, epsilon_inside_sqrt=True))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        o.learning_rate = 0.1
+
+
+@pytest.mark.parametrize("step", [-1, 1.5, True, "3", None])
+def test_learning_rate_at_rejects_bad_steps(step):
+    for o in (opt.SGD(0.1), opt.SGD(rate_of)):
+        with pytest.raises(errors.InvalidArgumentError, match="SGD: step"):
+            o.learning_rate_at(step)
+
+
+@pytest.mark.parametrize("value,words", [
+    (-1.0, "got -1.0"), (0.0, "got 0.0"), (float("nan"), "finite"), (float("inf"), "finite"),
+    ("fast", "number"), (np.array([0.1, 0.2]), "number"),
+])
+def test_schedule_bad_value_names_optimizer_step_and_value(value, words):
+    o = opt.Adam(lambda step: value if step == 7 else 0.01)  # fine at step 0
+    assert o.learning_rate_at(6) == 0.01
+    with pytest.raises(errors.InvalidArgumentError) as info:
+        o.learning_rate_at(7)
+    msg = str(info.value)
+    assert msg.startswith("Adam: learning_rate at step 7") and words in msg, msg
+    # the same schedule failing at step 0 fails when the optimizer is built
+    with pytest.raises(errors.InvalidArgumentError, match="Adam: learning_rate at step 0"):
+        opt.Adam(lambda step: value)
+
+
+@pytest.fixture(scope="module")
+def keras():
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    keras = pytest.importorskip("keras")
+    if int(keras.__version__.split(".")[0]) < 3:
+        pytest.skip("Keras 3 is the reference here")
+    return keras
+
+
+def test_keras_schedule_learning_rate_at(keras):
+    sched = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=10, decay_rate=0.5)
+    o = opt.Ftrl(sched, beta=0.2)
+    assert o.is_scheduled
+    for step in (0, 1, 10, 15, 1000):
+        got = o.learning_rate_at(step)
+        assert type(got) is float
+        assert got == pytest.approx(0.1 * 0.5 ** (step / 10), rel=1e-6)
+    stair = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5, staircase=True)
+    assert opt.SGD(stair).learning_rate_at(19) == pytest.approx(0.05, rel=1e-6)
+    piece = keras.optimizers.schedules.PiecewiseConstantDecay([5], [0.1, -0.1])
+    with pytest.raises(errors.InvalidArgumentError, match="SGD: learning_rate at step 6"):
+        opt.SGD(piece).learning_rate_at(6)
+    assert "ExponentialDecay" in repr(o) and o == opt.Ftrl(sched, beta=0.2)
+
+
+# ---- against Keras 3's own optimizers -----------------------------------------------------
+
+
+def _dense_batches(seed, keys, steps=8, dim=DIM):
+    """Every key in every step (once or twice): Keras updates every row of a dense
+    variable each step, so only dense gradients compare like for like."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for t in range(1, steps + 1):
+        idx = np.concatenate([np.arange(len(keys)), rng.choice(len(keys), len(keys) // 2)])
+        rng.shuffle(idx)
+        out.append((t, keys[idx], rng.normal(size=(idx.size, dim)).astype(np.float32)))
+    return out
+
+
+def run_vs_keras(keras, o, k_opt, keys, w0, batches):
+    """max |kvcoll - Keras| / max(1, |Keras|) over every step."""
+    var = keras.Variable(w0)
+    worst = 0.0
+    with new_table(o, w0, keys) as t:
+        for step, bkeys, grads in batches:
+            # Keras evaluates a schedule at its iterations: 0 at the first update
+            assert int(k_opt.iterations.numpy()) == step - 1
+            t.set_learning_rate(o.learning_rate_at(step - 1))
+            t.apply_gradients(bkeys, grads, step=step)
+            _, g = summed(keys, bkeys, grads, np.float32)
+            k_opt.apply_gradients([(keras.ops.convert_to_tensor(g), var)])
+            want = keras.ops.convert_to_numpy(var)
+            worst = max(worst, float(np.max(np.abs(t.find(keys) - want)
+                                             / np.maximum(1.0, np.abs(want)))))
+    return worst
+
+
+KERAS_TOL = 1e-5
+
+
+# Keras 3's class name: (keyword arguments for both, kvcoll's option, the kvcoll rule
+# without it, which must NOT match: the comparison can fail).
+KERAS3_OPTIONS = {
+    "Adagrad": (dict(initial_accumulator_value=1e-3, epsilon=1e-2),  # the rules differ
+                dict(epsilon_inside_sqrt=True), dict(epsilon_inside_sqrt=False)),
+    "Ftrl": (dict(learning_rate_power=-0.5, initial_accumulator_value=0.1,
+                  l1_regularization_strength=0.01, l2_regularization_strength=0.02,
+                  l2_shrinkage_regularization_strength=0.05, beta=0.5),
+             {}, dict(beta=0.0)),
+}
+
+
+@pytest.mark.parametrize("scheduled", [False, True], ids=["constant", "schedule"])
+@pytest.mark.parametrize("name", sorted(KERAS3_OPTIONS))
+def test_keras3_options_match_keras3(keras, name, scheduled):
+    # Adagrad(epsilon_inside_sqrt=True) and Ftrl(beta=...) against keras.optimizers'
+    # Adagrad and Ftrl on a dense variable, with a constant rate and with a schedule
+    # (which Ftrl's beta / (2 lr) must follow)
+    kw, ours, without = KERAS3_OPTIONS[name]
+    lr = (keras.optimizers.schedules.ExponentialDecay(0.2, decay_steps=2, decay_rate=0.3)
+          if scheduled else 0.2)
+    keys = make_keys(50)
+    w0 = np.random.default_rng(51).uniform(-0.5, 0.5, (N_KEYS, DIM)).astype(np.float32)
+    batches = _dense_batches(52, keys)
+    ours_cls, keras_cls = getattr(opt, name), getattr(keras.optimizers, name)
+    err = run_vs_keras(keras, ours_cls(lr, **kw, **ours), keras_cls(lr, **kw), keys, w0,
+                       batches)
+    assert err <= KERAS_TOL
+    err_without = run_vs_keras(keras, ours_cls(lr, **{**kw, **without}), keras_cls(lr, **kw),
+                               keys, w0, batches)
+    assert err_without > 100 * KERAS_TOL
