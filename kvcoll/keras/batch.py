@@ -127,10 +127,15 @@ def _ordered(kind: str, names) -> list:
 
 
 def _structure(v) -> list | None:
+    """[kind, leaf names, [[dtype kind, static tail shape] per leaf]] of labels or
+    sample weights."""
     if v is None:
         return None
     kind, leaves = leaves_of(v)
-    return [kind, _ordered(kind, leaves)]
+    names = _ordered(kind, leaves)
+    forms = [_describe(leaves[n]) for n in names]
+    return [kind, names, [["int" if f[1].startswith(("int", "uint")) else "float", f[3]]
+                          for f in forms]]
 
 
 def signature(x, y, sw) -> str:
@@ -145,10 +150,13 @@ class Layout:
     """What a model's inputs are, and how a batch maps onto the compiled step.
 
     sig: a batch signature (see `signature`); features: the id inputs (name ->
-    Feature), found by tracing the model.
+    Feature), found by tracing the model; call: (kind, names) of the structure the
+    model is called with, when it differs from the data's (a functional model declared
+    with a list of Inputs takes a dict keyed by their names).
     """
 
-    def __init__(self, sig: str, features: dict):
+    def __init__(self, sig: str, features: dict, call: tuple | None = None, check=True):
+        self.call = call
         d = json.loads(sig)
         self.sig = sig
         self.kind, leaves = d["x"]
@@ -159,7 +167,7 @@ class Layout:
         self.multi = [f for f, spec in self.features.items() if spec.multi_hot]
         self.dense = [n for n in self.names if n not in self.features]
         self.y_struct, self.sw_struct = d["y"], d["sw"]
-        for name in self.dense:
+        for name in self.dense if check else ():
             form, kind = leaves[name][0], leaves[name][1]
             if form != "array" or kind == "string":
                 raise InvalidArgumentError(
@@ -191,8 +199,9 @@ class Layout:
                 if arr.dtype.kind not in "fiub":
                     raise InvalidArgumentError(
                         f"feature {name!r}: numeric input must be a number array, got {arr.dtype}")
-                if arr.dtype.kind == "f" and arr.dtype != np.float32:
-                    arr = arr.astype(np.float32)
+                want = _NUMPY.get(self.forms[name][1]) or np.dtype(self.forms[name][1])
+                if arr.dtype != want:
+                    arr = arr.astype(want)
                 dense[name] = arr
                 sizes[name] = arr.shape[0] if arr.ndim else 1
         ys = self._flat(y, self.y_struct, "labels", sizes)
@@ -215,16 +224,18 @@ class Layout:
             raise InvalidArgumentError(f"this batch has no {what}, the first one had; give "
                                        "every batch the same structure")
         kind, leaves = leaves_of(v)
-        if _structure(v) != struct:
-            raise InvalidArgumentError(f"{what}: structure {_structure(v)} differs "
-                                       f"from the first batch's {struct}")
+        if [kind, _ordered(kind, leaves)] != struct[:2]:
+            raise InvalidArgumentError(
+                f"{what}: structure {[kind, _ordered(kind, leaves)]} differs from the first "
+                f"batch's {struct[:2]}")
         out = []
-        for name in struct[1]:
+        for name, (dkind, _) in zip(struct[1], struct[2]):
             arr = _numpy(leaves[name], f"{what}[{name!r}]" if name else what)
-            if arr.dtype.kind == "f" and arr.dtype != np.float32:
-                arr = arr.astype(np.float32)
-            elif arr.dtype.kind == "b":
-                arr = arr.astype(np.float32)
+            if arr.dtype.kind not in "fiub":
+                raise InvalidArgumentError(f"{what}: must be numbers, got {arr.dtype}")
+            want = np.int64 if dkind == "int" else np.float32
+            if arr.dtype != want:
+                arr = arr.astype(want)
             out.append(arr)
             sizes[f"{what}[{name}]" if name else what] = arr.shape[0] if arr.ndim else 1
         return out
@@ -275,24 +286,28 @@ class Layout:
     # -- the compiled step's inputs ----------------------------------------------------------
 
     def rebuild(self, leaves: dict):
-        """A model input structure of the layout's kind from {name: tensor}."""
-        if self.kind == "dict":
-            return {n: leaves[n] for n in self.names}
-        if self.kind == "single":
-            return leaves[""]
-        seq = [leaves[str(i)] for i in range(len(self.names))]
-        return seq if self.kind == "list" else tuple(seq)
+        """The model's input structure from {name: tensor}."""
+        kind, names = self.call or (self.kind, self.names)
+        if kind == "dict":
+            return {n: leaves[n] for n in names}
+        if kind == "single":
+            return leaves[names[0]]
+        seq = [leaves[n] for n in names]
+        return seq if kind == "list" else tuple(seq)
 
     def rebuild_targets(self, flat, struct):
         """Labels or sample weights from their flat list (struct: the layout's)."""
         if struct is None or flat is None:
             return None
-        kind, names = struct
+        kind, names = struct[0], struct[1]
         if kind == "dict":
             return dict(zip(names, flat))
         if kind == "single":
             return flat[0]
         return list(flat) if kind == "list" else tuple(flat)
+
+
+_NUMPY = {"float": np.dtype(np.float32), "bool": np.dtype(bool)}
 
 
 def _numpy(value, what: str) -> np.ndarray:

@@ -146,6 +146,11 @@ class Engine:
         self._lr0 = None           # the dense optimizer's learning rate when training began
         self._dense_started = False
         self._pending_error = None  # predict: a failure to report at the next agreement
+        declared = _declared_inputs(model)
+        self._declared = None if declared is None else declared[:2]
+
+    def _call_structure(self):
+        return None if self._declared is None or self._declared[0] == "dict" else self._declared
 
     # -- properties ------------------------------------------------------------------------
 
@@ -179,6 +184,7 @@ class Engine:
         elif first is not None:
             try:
                 x, y, sw = unpack(first)
+                x = self._canonical(x)
                 mine = signature(x, None, None) if x_only else signature(x, y, sw)
             except Exception as exc:  # noqa: BLE001 - every rank must learn of it
                 err = exc
@@ -212,6 +218,19 @@ class Engine:
         d = json.loads(sig)
         return d["y"], d["sw"]
 
+    def _canonical(self, x):
+        """A functional model declared with a list of Inputs (or one) takes its data as a
+        list (or one array) or as a dict keyed by the Inputs' names: kvcoll uses the dict."""
+        declared = self._declared
+        if declared is None or declared[0] == "dict" or isinstance(x, dict):
+            return x
+        names = declared[1]
+        if declared[0] == "single" and not isinstance(x, (list, tuple)):
+            return {names[0]: x}
+        if isinstance(x, (list, tuple)) and len(x) == len(names):
+            return dict(zip(names, x))
+        return x
+
     def setup_from_model(self) -> None:
         """Set up without data, from a functional model's declared inputs (a collective):
         what kv.restore needs before the first fit."""
@@ -223,6 +242,8 @@ class Engine:
                 "fit, evaluate or predict once before kv.save / kv.restore / kv.export, or "
                 "restore inside fit with kv.callbacks.Checkpoint(dir, restore=True)")
         kind, leaves = leaves_of(struct)
+        if kind != "dict":
+            kind, leaves = "dict", {t.name: t for t in leaves.values()}
         forms = {}
         for name, t in leaves.items():
             dt = np.dtype(tf.as_dtype(t.dtype).as_numpy_dtype) if t.dtype != "string" \
@@ -233,13 +254,16 @@ class Engine:
 
     def _setup(self, sig: str) -> None:
         features = self._discover(sig)
-        self.layout = Layout(sig, features)
+        self.layout = Layout(sig, features, self._call_structure())
         layers = [l for l in _compat.sublayers(self.model) if isinstance(l, Embedding)]
         used = {f.table for f in features.values()}
         self.tables = _make_tables([l for l in layers if l.table in used],
                                    sparse_of(self.optimizer), self.comm.size)
         self._dense_vars = list(self.model.trainable_variables)
         self._n_dense = sum(int(np.prod(v.shape)) for v in self._dense_vars)
+        opt = self.optimizer
+        if opt is not None and not getattr(opt, "built", True):
+            opt.build(self._dense_vars)  # its state exists (and checkpoints see it) from now
         kernel = None
         if not self.synchronous and self._n_dense and self.optimizer is not None:
             kernel = dense_kernel(self.optimizer)
@@ -256,9 +280,7 @@ class Engine:
         specs = {}
         for name, form in forms.items():
             specs[name] = _trace_spec(name, form, by_name.get(name))
-        layout = Layout.__new__(Layout)
-        layout.kind, layout.names = kind, sorted(forms, key=int) if kind in ("list", "tuple") \
-            else sorted(forms)
+        layout = Layout(sig, {}, self._call_structure(), check=False)
         calls, got = [], {}
 
         def trace(leaves):
@@ -275,8 +297,12 @@ class Engine:
                 f"the model cannot be called on this data ({type(exc).__name__}: {exc}); "
                 "check the feature names and shapes against the model's inputs") from None
         features = {}
+        graph = next(iter(got.values())).graph
+        # Keras may first run the model in a scratch graph of its own (to build it): only
+        # the calls in the traced graph count
+        calls = [c for c in calls if c[1].graph is graph]
         for layer, tensor, shape_op in calls:
-            name = next((n for n, t in got.items() if t is tensor), None)
+            name = next((n for n, t in got.items() if _same(t, tensor)), None)
             if name is None:
                 raise InvalidArgumentError(
                     f"kv.Embedding {layer.name!r} (table {layer.table!r}) must be called "
@@ -416,8 +442,8 @@ class Engine:
         self._state_before = self._local_state(targets)
         inputs, rows = self._inputs(batch, pulled)
         fn = self._fn("train", targets)
-        loss_w, dense, row_grads, state = fn(*inputs, rows, *self._targets(batch, targets),
-                                              tf.constant(weight, tf.float32))
+        loss_w, dense, row_grads, state = fn(inputs, rows, *self._targets(batch, targets),
+                                             tf.constant(weight, tf.float32))
         row_np = {g: gather_grad(v.numpy(), i.numpy(), pulled.rows[g].shape[0])
                   for g, (v, i) in row_grads.items()}
         return float(loss_w), dense.numpy(), row_np, state.numpy()
@@ -473,7 +499,7 @@ class Engine:
         if batch is not None and batch.n:
             try:
                 inputs, rows = self._inputs(batch, pulled)
-                state = self._fn("test", targets)(*inputs, rows,
+                state = self._fn("test", targets)(inputs, rows,
                                                   *self._targets(batch, targets)).numpy()
             except Exception as exc:  # noqa: BLE001 - every rank must learn of it
                 fail, code = exc, _FAILED
@@ -504,7 +530,7 @@ class Engine:
             return True, None
         try:
             inputs, rows = self._inputs(batch, pulled)
-            out = self._fn("predict")(*inputs, rows)
+            out = self._fn("predict")(inputs, rows)
             return True, tf.nest.map_structure(lambda t: t.numpy(), out)
         except Exception as exc:  # noqa: BLE001 - reported at the next agreement
             self._pending_error = exc
@@ -600,6 +626,7 @@ class Engine:
             return None, data.exc
         try:
             x, y, sw = unpack(data)
+            x = self._canonical(x)
             if x_only:
                 y = sw = None
             struct = (None, None) if x_only else (targets or (None, None))
@@ -715,10 +742,15 @@ class Engine:
         y_spec, sw_spec = (), ()
         if targets is not None:
             ys, sws = targets
+
+            def specs(struct):
+                return tuple(tf.TensorSpec([None] + [None] * len(tail),
+                                           tf.int64 if kind == "int" else tf.float32)
+                             for kind, tail in struct[2])
             if ys is not None:
-                y_spec = tuple(tf.TensorSpec(None, tf.float32) for _ in ys[1])
+                y_spec = specs(ys)
             if sws is not None:
-                sw_spec = tuple(tf.TensorSpec([None], tf.float32) for _ in sws[1])
+                sw_spec = specs(sws)
         return (ids, multi, dense), rows, y_spec, sw_spec
 
     def _build(self, kind: str, targets):
@@ -888,14 +920,23 @@ def _make_tables(layers, default_optimizer, world: int = 1) -> dict[str, KvTable
     return tables
 
 
+def _declared_inputs(model) -> tuple | None:
+    """(kind, leaf names, {name: Input}) of a functional model's declared inputs: dict
+    keys, or the Inputs' names for a list or a single Input; None for other models."""
+    if not getattr(model, "inputs", None):
+        return None
+    kind, leaves = leaves_of(model.input)
+    if kind != "dict":
+        leaves = {t.name: t for t in leaves.values()}
+    return kind, list(leaves), leaves
+
+
 def _functional_inputs(model, kind: str, names: list) -> dict:
     """Leaf name -> the functional model's Input (KerasTensor) it feeds, if known."""
-    if not getattr(model, "inputs", None):
+    declared = _declared_inputs(model)
+    if declared is None:
         return {}
-    declared_kind, leaves = leaves_of(model.input)
-    if declared_kind != kind and not {declared_kind, kind} <= {"list", "tuple"}:
-        return {}
-    return {n: t for n, t in leaves.items() if n in names}
+    return {n: t for n, t in declared[2].items() if n in names}
 
 
 def _trace_spec(name: str, form: list, declared) -> tf.TensorSpec:
@@ -921,6 +962,12 @@ def _trace_spec(name: str, form: list, declared) -> tf.TensorSpec:
         return tf.TensorSpec([None] * max(1, ndim), tf.int64)
     dt = {"float": tf.float32, "bool": tf.bool}.get(kind) or tf.as_dtype(kind)
     return tf.TensorSpec([None] + [None if d is None else int(d) for d in tail], dt)
+
+
+def _same(a, b) -> bool:
+    """Whether two tensors of one graph are one (Keras may hand a layer a new Python
+    wrapper of its input)."""
+    return a is b or a.name == b.name
 
 
 def _as_input(t, dtype):

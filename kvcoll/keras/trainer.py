@@ -50,6 +50,8 @@ class Trainer:
         self.comm = self.engine.comm
         self.step_mode = self.engine.mode
         self._targets = None
+        if getattr(model, "inputs", None):  # a functional model: its tables exist at once
+            self.engine.setup_from_model()
 
     # -- what the engine knows ------------------------------------------------------------
 

@@ -67,7 +67,7 @@ def state(trainer) -> dict:
             out[f"{name}/{k}"] = v[order]
     for i, v in enumerate(trainer.model.variables):
         out[f"model/{i}"] = v.numpy()
-    for i, v in enumerate(trainer.opt.optimizer.variables):
+    for i, v in enumerate(trainer.opt.variables):
         out[f"opt/{i}"] = v.numpy()
     return out
 

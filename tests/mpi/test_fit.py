@@ -102,7 +102,7 @@ def make_adagrad_model(comm=None):
         engine_of(model, comm=comm)
     model.compile(optimizer=kv.DistributedOptimizer(keras.optimizers.Adam(0.01),
                                                     sparse=kv.optimizers.Adagrad(0.1)),
-                  loss=BCE, metrics=[keras.metrics.AUC(name="auc"),
+                  loss=BCE, metrics=[keras.metrics.AUC(name="auc", from_logits=True),
                                      keras.metrics.BinaryAccuracy(name="acc", threshold=0.0)])
     return model
 
@@ -144,8 +144,8 @@ def test_metrics_are_exact_over_all_ranks_with_uneven_data(comm):
     allp, _ = comm.allgatherv(pred[:, 0].astype(np.float64))
     ally, _ = comm.allgatherv(y[mine].astype(np.float64))
     assert allp.size == every.sum() == 300
-    auc = keras.metrics.AUC()
-    auc.update_state(ally, tf.sigmoid(allp))
+    auc = keras.metrics.AUC(from_logits=True)
+    auc.update_state(ally, allp)
     acc = keras.metrics.BinaryAccuracy(threshold=0.0)
     acc.update_state(ally, allp)
     np.testing.assert_allclose(logs["auc"], float(auc.result()), rtol=1e-6)

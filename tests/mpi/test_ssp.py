@@ -272,7 +272,7 @@ def test_trainer_dense_optimizer_state_round_trips(comm):
     for s in range(3):
         tr.train_step(*_batch(rank, s))
     tr.finish()
-    opt = tr.opt.optimizer
+    opt = tr.opt
     assert int(opt.iterations.numpy()) == 3 * world          # one update per push with data
     m = np.concatenate([np.asarray(v).reshape(-1) for v in opt._momentums])
     assert np.abs(m).sum() > 0

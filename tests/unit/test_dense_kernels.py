@@ -10,7 +10,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import kvcoll as kv  # noqa: E402
-from kvcoll.keras import _dense_row_optimizer  # noqa: E402
+from kvcoll.keras.optimizer import dense_kernel  # noqa: E402
 from kvcoll.exchange.dense import apply_rows, init_slots, slot_floats  # noqa: E402
 
 
@@ -49,8 +49,9 @@ def test_apply_rows_rejects_bad_input_unchanged():
 
 @pytest.mark.parametrize("make", [lambda: keras.optimizers.Adam(0.01, beta_1=0.8, beta_2=0.99),
                                   lambda: keras.optimizers.SGD(0.1),
-                                  lambda: keras.optimizers.Adagrad(0.1, epsilon=1e-10)],
-                         ids=["adam", "sgd", "adagrad"])
+                                  lambda: keras.optimizers.Adagrad(0.1, epsilon=1e-10),
+                                  lambda: keras.optimizers.Adagrad(0.1, epsilon=0.5)],
+                         ids=["adam", "sgd", "adagrad", "adagrad-large-epsilon"])
 def test_keras_optimizer_maps_to_the_matching_kernel(make):
     """Three updates of a dense vector: the C kernel agrees with the Keras optimizer."""
     rng = np.random.default_rng(2)
@@ -60,7 +61,7 @@ def test_keras_optimizer_maps_to_the_matching_kernel(make):
     v = keras.Variable(w0)
     for g in grads:
         ko.apply_gradients([(keras.ops.convert_to_tensor(g), v)])
-    row = _dense_row_optimizer(make())
+    row = dense_kernel(make())
     w, s = w0.reshape(1, -1).copy(), init_slots(row, 8)
     for step, g in enumerate(grads, 1):
         apply_rows(row, w, s, g.reshape(1, -1), step)
@@ -72,9 +73,15 @@ def test_keras_optimizer_maps_to_the_matching_kernel(make):
     (lambda: keras.optimizers.SGD(0.01, momentum=0.9), "no C kernel for momentum"),
     (lambda: keras.optimizers.Adam(0.01, amsgrad=True), "no C kernel for amsgrad"),
     (lambda: keras.optimizers.Adam(0.01, clipnorm=1.0), "no C kernel for clipnorm"),
-    (lambda: keras.optimizers.Adam(keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)),
-     "constant learning rate"),
 ])
 def test_optimizers_without_a_kernel_are_refused(opt, match):
     with pytest.raises(kv.InvalidArgumentError, match=match):
-        _dense_row_optimizer(opt())
+        dense_kernel(opt())
+
+
+def test_a_scheduled_learning_rate_is_taken_at_the_step():
+    """SSP/ASP pass the dense kernel the Keras schedule's rate at the worker's step."""
+    sched = keras.optimizers.schedules.ExponentialDecay(0.1, 1, 0.5)
+    opt = keras.optimizers.Adam(sched)
+    assert dense_kernel(opt).learning_rate == pytest.approx(0.1)
+    assert dense_kernel(opt, learning_rate=0.025).learning_rate == pytest.approx(0.025)
