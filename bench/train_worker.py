@@ -2,7 +2,9 @@
 
     mpirun -np 2 python bench/train_worker.py --impl kvcoll --steps 200 --out r.json
 
---impl kvcoll    DeepFM on kvcoll tables (kv.Trainer, BSP)
+--impl kvcoll    DeepFM on kvcoll tables (kv.Trainer: a hand-written step loop, BSP)
+--impl fit       the same through model.fit (a generator of the same batches,
+                 steps_per_epoch, verbose=0): what Keras' loop and callbacks add
 --impl baseline  the same DeepFM on fixed-size keras Embeddings over ids hashed modulo
                  --baseline-vocab rows per field, sparse Adagrad on the rows a batch
                  touches, gradients exchanged as Horovod does: one fused allreduce of the
@@ -48,7 +50,7 @@ NUM_FIELDS, NUM_NUMERIC = 26, 13
 
 def parse(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("--impl", choices=("kvcoll", "baseline", "baseline-gather", "limit",
+    p.add_argument("--impl", choices=("kvcoll", "fit", "baseline", "baseline-gather", "limit",
                                       "exchange"),
                    required=True)
     p.add_argument("--steps", type=int, default=200)
@@ -116,6 +118,8 @@ def main(argv=None):
             return limit(args, trainer, data, tf, world_comm)
         if args.impl == "exchange":
             return exchange_only(args, trainer, data, comm)
+        if args.impl == "fit":
+            return fit(args, trainer, data, comm)
         step_fn = trainer.train_step
         predict = trainer.predict
         timings = trainer.timings
@@ -190,6 +194,51 @@ def first_touch_gbps(size: int = 256 << 20) -> float:
     return size / seconds / 1e9
 
 
+def fit(args, trainer, data, comm):
+    """model.fit on the same batches as --impl kvcoll: a generator makes each batch (as
+    the loop does, inside the timed span), Keras' fit loop with its callbacks (History;
+    no progress bar) drives kvcoll's steps."""
+    import kvcoll as kv
+    from kvcoll.data import auc
+
+    rank, world = comm.rank, comm.size
+    model = trainer.model
+
+    def batches(first, n):
+        for step in range(first, first + n):
+            b = data.batch(step, args.batch_size, rank, world)
+            yield features(b), b["label"]
+
+    model.fit(batches(0, args.warmup), steps_per_epoch=args.warmup, epochs=1, verbose=0)
+    eng = trainer.engine
+    timings0 = dict(eng.timings)
+    comm.barrier()
+    t0 = time.perf_counter()
+    hist = model.fit(batches(args.warmup, args.steps), steps_per_epoch=args.steps, epochs=1,
+                     verbose=0)
+    comm.barrier()
+    elapsed = time.perf_counter() - t0
+    ev = data.eval_set(args.eval_samples, rank, world)
+    preds = model.predict(features(ev), batch_size=16384, verbose=0).reshape(-1)
+    all_preds, _ = comm.allgatherv(preds.astype(np.float32))
+    all_labels, _ = comm.allgatherv(ev["label"].astype(np.float32))
+    per_step = {k: (eng.timings[k] - timings0[k]) / args.steps * 1e3 for k in eng.timings}
+    per_step["total"] = elapsed / args.steps * 1e3
+    record = {
+        "impl": "fit", "world_size": world, "global_batch_size": args.batch_size,
+        "hidden": list(args.hidden), "steps": args.steps,
+        "samples_per_sec": args.steps * args.batch_size / elapsed,
+        "eval_auc": auc(all_labels, all_preds),
+        "planted_auc": data.planted_auc(args.eval_samples),
+        "final_loss": float(hist.history["loss"][-1]), "threads_per_rank": args.threads,
+        "samples_trained": (args.warmup + args.steps) * args.batch_size,
+        "ms_per_step": per_step,
+    }
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(record))
+    kv.shutdown()
+
+
 def limit(args, trainer, data, tf, world_comm):
     """Time the compiled dense step (forward, backward, the rows' gradient, dense
     optimizer) alone; with N processes, all N at once (each its own, no communication
@@ -198,25 +247,29 @@ def limit(args, trainer, data, tf, world_comm):
     from kvcoll.exchange.kernels import gather_grad
 
     n = args.limit_batch or args.batch_size
+    eng = trainer.engine
     batches = []
     for step in range(8):
         b = data.batch(step, n)
         trainer.train_step(features(b), b["label"])  # compiles, grows the tables
-        prepared = trainer._prepare(features(b), b["label"])
-        ids = {t: trainer._table_ids(prepared, t) for t in trainer.tables}
-        pulled = trainer.exchange.pull(ids, trainer.step, create=False)
-        inputs, rows = trainer._model_inputs(prepared, pulled)
-        batches.append((inputs, rows, tf.constant(prepared["labels"])))
+        targets = trainer._targets
+        prepared, _ = eng._prepare((features(b), b["label"]), targets, eng.layout)
+        pulled = eng.ex.lookup(eng._ids(prepared))
+        inputs, rows = eng._inputs(prepared, pulled)
+        batches.append((inputs, rows, eng._targets(prepared, targets)))
     flat = np.zeros(sum(int(np.prod(v.shape)) for v in trainer.model.trainable_variables),
                     np.float32)
+    train_fn, apply_fn = eng._fn("train", targets), eng._fn("apply")
+    state = tf.constant(eng._local_state(targets))
+    weight = tf.constant(1.0, tf.float32)
 
     def one(i):
-        inputs, rows, labels = batches[i % len(batches)]
-        loss_sum, dense_flat, row_grads = trainer._train_fn(inputs, rows, labels)
+        inputs, rows, (ys, sws) = batches[i % len(batches)]
+        loss, dense_flat, row_grads, _ = train_fn(inputs, rows, ys, sws, weight)
         dense_flat.numpy()
         for g, (v, ix) in row_grads.items():
             gather_grad(v.numpy(), ix.numpy(), rows[g].shape[0])
-        trainer._apply_dense(flat)
+        apply_fn(tf.constant(flat), state)
 
     for i in range(5):
         one(i)
@@ -244,15 +297,18 @@ def exchange_only(args, trainer, data, comm):
     import kvcoll as kv
 
     rank, world = comm.rank, comm.size
-    ex = trainer.exchange
+    eng = trainer.engine
+    b = data.batch(0, args.batch_size, rank, world)
+    trainer._begin((features(b), b["label"]))          # the engine set up, no step
+    ex = eng.ex
 
     def one(step):
         b = data.batch(step, args.batch_size, rank, world)
-        prepared = trainer._prepare(features(b), b["label"])
-        ids = {t: trainer._table_ids(prepared, t) for t in trainer.tables}
+        prepared, _ = eng._prepare((features(b), b["label"]), trainer._targets, eng.layout)
+        ids = eng._ids(prepared)
         t0 = time.perf_counter()
-        pulled = ex.pull(ids, step + 1)
-        ex.push({g: np.full_like(m, 1e-4) for g, m in pulled.rows.items()}, step + 1)
+        pulled = ex.pull(ids)
+        ex.push(pulled, {g: np.full_like(m, 1e-4) for g, m in pulled.rows.items()}).commit()
         return time.perf_counter() - t0
 
     for step in range(args.warmup):

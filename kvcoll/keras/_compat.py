@@ -85,6 +85,11 @@ def set_learning_rate(opt, value: float) -> None:
     opt.learning_rate = value
 
 
+def compile_token(model):
+    """An object that changes with every model.compile (its loss tracker)."""
+    return getattr(model, "_loss_tracker", None)
+
+
 def flatten_logs(model, logs: dict) -> list:
     """Logs as the list evaluate() returns without return_dict (Keras' order)."""
     return model._flatten_metrics_in_order(logs)

@@ -91,9 +91,14 @@ class Checkpoint(keras.callbacks.Callback):
             self._due = kind
 
     def on_epoch_end(self, epoch, logs=None):
-        if self._due is not None or self.every_epoch:
-            self._save("full" if self._due == "full" or self.every_epoch else "delta")
-            self._due = None
+        due, eng = self._due, self._engine()
+        if not eng.synchronous:  # ranks passed the marks at their own pace: agree
+            flags = eng.comm.allreduce(np.array([due == "delta", due == "full"], np.int64),
+                                       op="checkpoint:due")
+            due = "full" if flags[1] else "delta" if flags[0] else None
+        if due is not None or self.every_epoch:
+            self._save("full" if due == "full" or self.every_epoch else "delta")
+        self._due = None
 
     def on_train_end(self, logs=None):
         if self.save_at_end:
@@ -152,15 +157,17 @@ class Evict(keras.callbacks.Callback):
 
 
 class TableStats(keras.callbacks.Callback):
-    """Adds every table's statistics, summed over ranks, to the epoch's logs (so History,
-    CSVLogger and TensorBoard record them; put it before those): `<table>/rows`,
-    `/bytes`, `/admitted`, `/rejected`, `/evicted`, `/dropped_grads`. A collective at
-    every epoch end. `history` keeps them per epoch."""
+    """Adds the tables' statistics, summed over ranks and tables, to the epoch's logs
+    (so the progress bar, History, CSVLogger and TensorBoard record them; put it before
+    those): `kv_rows`, `kv_bytes`, `kv_admitted`, `kv_rejected`, `kv_evicted`,
+    `kv_dropped_grads`; with per_table=True also `<table>/rows` and so on. A collective
+    at every epoch end. `history` keeps every table's figures per epoch."""
 
     FIELDS = ("rows", "bytes", "admitted", "rejected", "evicted", "dropped_grads")
 
-    def __init__(self):
+    def __init__(self, per_table: bool = False):
         super().__init__()
+        self.per_table = bool(per_table)
         self.history = []
 
     def on_epoch_end(self, epoch, logs=None):
@@ -168,8 +175,12 @@ class TableStats(keras.callbacks.Callback):
         local = np.array([[getattr(t.stats(), f) for f in self.FIELDS]
                           for t in eng.tables.values()], np.float64)
         total = eng.comm.allreduce(local.reshape(-1), op="table_stats").reshape(local.shape)
-        out = {f"{name}/{f}": float(v) for name, row in zip(eng.tables, total)
-               for f, v in zip(self.FIELDS, row)}
-        self.history.append(out)
-        if logs is not None:
-            logs.update(out)
+        tables = {name: dict(zip(self.FIELDS, map(int, row)))
+                  for name, row in zip(eng.tables, total)}
+        self.history.append(tables)
+        if logs is None:
+            return
+        logs.update({f"kv_{f}": float(v) for f, v in zip(self.FIELDS, total.sum(axis=0))})
+        if self.per_table:
+            logs.update({f"{name}/{f}": float(v) for name, d in tables.items()
+                         for f, v in d.items()})

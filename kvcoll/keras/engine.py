@@ -146,6 +146,7 @@ class Engine:
         self._lr0 = None           # the dense optimizer's learning rate when training began
         self._dense_started = False
         self._pending_error = None  # predict: a failure to report at the next agreement
+        self._compiled = None       # the model.compile the compiled steps were made for
         declared = _declared_inputs(model)
         self._declared = None if declared is None else declared[:2]
 
@@ -721,6 +722,13 @@ class Engine:
     # -- the compiled functions ------------------------------------------------------------
 
     def _fn(self, kind: str, targets=None):
+        token = _compat.compile_token(self.model)
+        if token is not self._compiled:  # compiled again: new loss, metrics, optimizer
+            self._fns.clear()
+            self._mvars, self._state, self._compiled, self._lr0 = None, None, token, None
+            opt = self.optimizer
+            if opt is not None and not getattr(opt, "built", True):
+                opt.build(self._dense_vars)
         key = (kind, json.dumps(targets))
         fn = self._fns.get(key)
         if fn is None:

@@ -141,7 +141,8 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
             logs = engine.global_logs(targets)
         epoch_logs = dict(logs)
         if validation_data is not None and _should_eval(epoch, validation_freq):
-            val = evaluate(model, *_unpack_validation(validation_data),
+            vx, vy, vsw = _unpack_validation(validation_data)
+            val = evaluate(model, vx, vy, sample_weight=vsw,
                            batch_size=validation_batch_size or batch_size,
                            steps=validation_steps, callbacks=cbs, return_dict=True,
                            verbose=0)

@@ -48,11 +48,13 @@ def test_sharded_equals_single_table(comm, uneven):
     for step in range(1, steps + 1):
         full = batch(step)
         lo, hi = my_slice(97, world, me, uneven)
-        pulled = ex.pull({n: ids[lo:hi] for n, ids in full.items()}, step)
+        pulled = ex.pull({n: ids[lo:hi] for n, ids in full.items()})
+        assert pulled.step == ex.step == step
         for n, p in pulled.items():  # rows match the reference before this step
             expect = ref[n].find_or_create(p.uniq, step=step)
             np.testing.assert_allclose(p.rows, expect, rtol=1e-5, atol=1e-6)
-        ex.push({n: grad_of(p.rows, p.uniq, p.inverse) for n, p in pulled.items()}, step)
+        ex.push(pulled, {n: grad_of(p.rows, p.uniq, p.inverse) for n, p in pulled.items()}
+                ).commit()
         # Reference: one table sees the global batch; each rank's gradient (computed
         # from its own slice) is summed per id and applied once.
         for n, ids in full.items():

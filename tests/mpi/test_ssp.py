@@ -51,15 +51,15 @@ def steps_of(rank):
 def drive(ex, rank, steps, pause=0.0, dense_init=None):
     ex.start_dense(dense_init if dense_init is not None else np.zeros(DENSE, np.float32))
     for step in range(1, steps + 1):
-        ex.wait_turn(step)
         ids = ids_of(rank, step)
-        pulled, flat = ex.pull(ids, step)
-        assert flat is None or flat.shape == (DENSE,)
+        pulled = ex.pull(ids)
+        assert pulled.step == ex.step == step
+        assert pulled.dense is None or pulled.dense.shape == (DENSE,)
         if pause:
             time.sleep(pause)
         grads = {n: grad_of(p.uniq, DIMS[n]) for n, p in pulled.items()}
-        ex.push(grads, np.full(DENSE, rank + 1.0, np.float32), step)
-    return ex.finish(steps)
+        ex.push(pulled, grads, np.full(DENSE, rank + 1.0, np.float32))
+    return ex.finish()
 
 
 @pytest.mark.parametrize("staleness", [0, 2, None], ids=["ssp0", "ssp2", "asp"])
@@ -129,13 +129,12 @@ def test_ssp_pull_reflects_every_update_up_to_t_minus_s_minus_1(comm, S):
     ex = SspExchange(comm, {"shared": t}, S)
     seen = []
     for step in range(1, steps[rank] + 1):
-        ex.wait_turn(step)
-        pulled, _ = ex.pull({"shared": np.array([0], np.int64)}, step)
+        pulled = ex.pull({"shared": np.array([0], np.int64)})
         seen.append(-float(pulled["shared"].rows[0, 0]))    # pushes applied so far
         if rank == world - 1:
             time.sleep(0.02)                                 # a slower rank
-        ex.push({"shared": np.ones((1, 1), np.float32)}, None, step)
-    ex.finish(steps[rank])
+        ex.push(pulled, {"shared": np.ones((1, 1), np.float32)})
+    ex.finish()
     for step, applied in enumerate(seen, 1):
         due = sum(min(n, step - S - 1) for n in steps if step - S - 1 > 0)
         assert applied >= due, (step, applied, due)
@@ -155,8 +154,7 @@ def test_push_per_group_equals_push_per_table_and_needs_a_pull(comm):
         tables = make_tables()
         ex = SspExchange(comm, tables, 0)
         for step in (1, 2):
-            ex.wait_turn(step)
-            pulled, _ = ex.pull(ids_of(rank, step), step)
+            pulled = ex.pull(ids_of(rank, step))
             assert sorted(pulled.rows) == ["dim2", "dim3"]
             grads = {n: grad_of(p.uniq, DIMS[n]) for n, p in pulled.items()}
             if per_group:
@@ -164,13 +162,13 @@ def test_push_per_group_equals_push_per_table_and_needs_a_pull(comm):
                 for n, g in grads.items():
                     mats[pulled.group[n]][pulled.table_slice(n)] = g
                 grads = mats
-            ex.push(grads, None, step)
-        ex.finish(2)
+            ex.push(pulled, grads)
+        ex.finish()
         results.append({n: t.find(np.arange(-10, 50)) for n, t in tables.items()})
         if per_group:
             before = {n: t.find(np.arange(-10, 50)) for n, t in tables.items()}
-            with pytest.raises(ValueError, match="without a pull"):
-                ex.push({"dim3": np.ones((1, 3), np.float32)}, None, 3)
+            with pytest.raises(kv.InvalidArgumentError, match="without this step's pull"):
+                ex.push(None, {"dim3": np.ones((1, 3), np.float32)})
             for n, t in tables.items():
                 assert np.array_equal(t.find(np.arange(-10, 50)), before[n])
         ex.close()
@@ -284,3 +282,72 @@ def test_trainer_dense_optimizer_state_round_trips(comm):
     tr.finish()
     assert int(opt.iterations.numpy()) == 4 * world
     tr.close()
+
+
+def _shared_dir(comm, tmp_path_factory) -> str:
+    """One directory every rank sees (rank 0 makes it)."""
+    path = str(tmp_path_factory.mktemp("ckpt")) if comm.rank == 0 else None
+    return comm.bcast_bytes(path.encode() if path else None).decode()
+
+
+@pytest.mark.parametrize("mode,staleness", [("ssp", 1), ("asp", None)])
+def test_save_past_the_staleness_restore_and_continue(comm, mode, staleness,
+                                                      tmp_path_factory):
+    """kv.save mid-run is a sync point (every update applied, the dense model gathered
+    back), and a restored run continues from the saved step: no wait at the clock gate."""
+    world, rank = comm.size, comm.rank
+    d = _shared_dir(comm, tmp_path_factory)
+    tr = _trainer(mode, staleness)
+    for s in range(5):                                   # step 5 > staleness
+        tr.train_step(*_batch(rank, s))
+    info = kv.save(d, tr)
+    assert info.step == tr.step == 5
+    weights = tr.model.get_weights()
+    every = comm.allgather(np.concatenate([w.reshape(-1) for w in weights]))
+    np.testing.assert_array_equal(every, every[:1].repeat(world, 0))  # one model everywhere
+    rows = {n: t.export() for n, t in tr.tables.items()}
+    tr.train_step(*_batch(rank, 5))                      # training goes on after a save
+    tr.finish()
+    tr.close()
+
+    tr2 = _trainer(mode, staleness)
+    got = kv.restore(d, tr2)
+    assert got.step == tr2.step == 5
+    for a, b in zip(tr2.model.get_weights(), weights):
+        np.testing.assert_array_equal(a, b)
+    for n, t in tr2.tables.items():
+        e = t.export()
+        order, ref = np.argsort(e["keys"]), np.argsort(rows[n]["keys"])
+        np.testing.assert_array_equal(e["values"][order], rows[n]["values"][ref])
+    t0 = time.monotonic()
+    for s in range(5, 9):
+        assert np.isfinite(tr2.train_step(*_batch(rank, s)))
+    tr2.finish()
+    assert tr2.step == 9 and time.monotonic() - t0 < 30
+    tr2.close()
+
+
+def test_fit_in_ssp_with_a_checkpoint_callback_resumes(comm, tmp_path_factory):
+    """model.fit in SSP with kv.callbacks.Checkpoint: saves at the epochs' sync points,
+    and a new model resumes from them inside fit."""
+    import keras
+
+    world, rank = comm.size, comm.rank
+    d = _shared_dir(comm, tmp_path_factory)
+    tr = _trainer("ssp", 1)                               # the model is compiled
+    model = tr.model
+    data = [_batch(rank, s) for s in range(4 + rank)]     # uneven: rank r has 4 + r batches
+    ck = kv.callbacks.Checkpoint(d, every_n_steps=3)
+    model.fit(iter(data * 2), steps_per_epoch=4 + rank, epochs=2, verbose=0, callbacks=[ck])
+    assert [s.step for s in ck.saves] == [4 + world - 1, 2 * (4 + world - 1)]
+    tr.close()
+    tr2 = _trainer("ssp", 1)
+    model2 = tr2.model
+    model2.compile(optimizer=tr2.opt, loss=keras.losses.BinaryCrossentropy(from_logits=True),
+                   metrics=[keras.metrics.AUC(name="auc")])    # compiled again: new metrics
+    ck2 = kv.callbacks.Checkpoint(d, restore=True, save_at_end=False)
+    hist = model2.fit(iter(data), epochs=1, verbose=0, callbacks=[ck2])
+    assert ck2.restored.step == 2 * (4 + world - 1)
+    assert tr2.step == ck2.restored.step + 4 + world - 1
+    assert np.isfinite(hist.history["loss"]).all() and "auc" in hist.history
+    tr2.close()

@@ -1,0 +1,186 @@
+"""model.fit on one process: the Keras contract (optimizer, losses, weights, learning
+rates, callbacks) with kv.Embedding layers. Multi-rank behaviour: tests/mpi/test_fit.py."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import kvcoll as kv  # noqa: E402
+from kvcoll.comm import Comm  # noqa: E402
+from kvcoll.keras import engine_of  # noqa: E402
+
+VOCAB, DIM, N = 30, 4, 96
+BCE = keras.losses.BinaryCrossentropy(from_logits=True)
+
+
+def data(n=N, seed=1):
+    g = np.random.default_rng(seed)
+    return ({"user": g.integers(0, VOCAB, n).astype(np.int64),
+             "x": g.normal(size=(n, 2)).astype(np.float32)},
+            (g.random(n) < 0.5).astype(np.float32))
+
+
+def build(embed=None, extra=None):
+    keras.utils.set_random_seed(2)
+    u = keras.Input(shape=(), dtype="int64", name="user")
+    x = keras.Input(shape=(2,), dtype="float32", name="x")
+    e = (embed or (lambda: kv.Embedding("user", DIM, initializer=("normal", 0, 0.1))))()(u)
+    h = keras.layers.Concatenate()([e, x])
+    if extra is not None:
+        h = extra(h)
+    return keras.Model({"user": u, "x": x}, keras.layers.Dense(1, name="out")(h))
+
+
+def kv_model(opt=None, sparse=None, metrics=None, **build_kw):
+    model = build(**build_kw)
+    engine_of(model, comm=Comm.local())
+    model.compile(optimizer=kv.DistributedOptimizer(opt or keras.optimizers.SGD(0.1),
+                                                    sparse=sparse or kv.optimizers.SGD(0.1)),
+                  loss=BCE, metrics=metrics)
+    return model
+
+
+def test_distributed_optimizer_is_a_keras_optimizer():
+    base = keras.optimizers.Adam(3e-3, beta_1=0.8)
+    opt = kv.DistributedOptimizer(base, sparse=kv.optimizers.Adagrad(0.05))
+    assert isinstance(opt, keras.optimizers.Adam) and type(opt) is not keras.optimizers.Adam
+    assert opt.get_config() == base.get_config()
+    again = keras.optimizers.deserialize(keras.optimizers.serialize(opt))
+    assert type(again) is keras.optimizers.Adam      # a saved model records the plain class
+    assert isinstance(kv.DistributedOptimizer("sgd"), keras.optimizers.SGD)
+    with pytest.raises(kv.InvalidArgumentError, match="row optimizer"):
+        kv.DistributedOptimizer(base, sparse=keras.optimizers.SGD(0.1))
+    with pytest.raises(kv.InvalidArgumentError, match="wraps a keras.optimizers.Optimizer"):
+        kv.DistributedOptimizer(42)
+
+
+def test_add_loss_and_regularizers_are_part_of_the_loss():
+    class AddsThree(keras.layers.Layer):
+        def call(self, h):
+            self.add_loss(3.0 + 0.0 * keras.ops.sum(h))
+            return h
+
+    x, y = data()
+    plain = kv_model()
+    extra = kv_model(extra=AddsThree())
+    a = plain.test_on_batch(x, y, return_dict=True)["loss"]
+    b = extra.test_on_batch(x, y, return_dict=True)["loss"]
+    assert b == pytest.approx(a + 3.0, rel=1e-6)
+    reg = kv_model(extra=keras.layers.Dense(3, kernel_regularizer=keras.regularizers.L2(10.0)))
+    noreg = kv_model(extra=keras.layers.Dense(3))
+    w = reg.layers[-2].kernel.numpy()
+    gap = reg.test_on_batch(x, y, return_dict=True)["loss"] - \
+        noreg.test_on_batch(x, y, return_dict=True)["loss"]
+    assert gap == pytest.approx(10.0 * float((w ** 2).sum()), rel=1e-4)
+
+
+def test_class_weight_equals_the_sample_weights_it_stands_for():
+    x, y = data()
+    a = kv_model()
+    ha = a.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0,
+               class_weight={0: 1.0, 1: 3.0})
+    b = kv_model()
+    hb = b.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0,
+               sample_weight=np.where(y > 0.5, 3.0, 1.0).astype(np.float32))
+    np.testing.assert_allclose(ha.history["loss"], hb.history["loss"], rtol=1e-6)
+
+
+def test_a_learning_rate_schedule_drives_the_rows():
+    """Rows with a LearningRateSchedule (evaluated per step, passed to C) train exactly as
+    a Keras embedding does under the same schedule."""
+    x, y = data()
+    sched = keras.optimizers.schedules.ExponentialDecay(0.5, decay_steps=1, decay_rate=0.7)
+    kvm = kv_model(opt=keras.optimizers.SGD(sched), sparse=kv.optimizers.SGD(sched))
+    start = kvm.get_layer("out").get_weights()
+    h = kvm.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    table = engine_of(kvm).tables["user"]
+    assert table.learning_rate == pytest.approx(float(sched(N // 16 - 1)), rel=1e-6)
+    ref = build(embed=lambda: keras.layers.Embedding(VOCAB, DIM, name="ref_user"))
+    ref.get_layer("out").set_weights(start)
+    ref.get_layer("ref_user").set_weights([table.initial_values(np.arange(VOCAB))])
+    ref.compile(optimizer=keras.optimizers.SGD(sched), loss=BCE)
+    hr = ref.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    np.testing.assert_allclose(h.history["loss"], hr.history["loss"], rtol=1e-5)
+    e = table.export()
+    np.testing.assert_allclose(e["values"], ref.get_layer("ref_user").get_weights()[0][e["keys"]],
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("callback", ["scheduler", "plateau"])
+def test_callbacks_that_change_the_learning_rate_move_the_rows_too(callback):
+    x, y = data()
+    model = kv_model(opt=keras.optimizers.SGD(0.2), sparse=kv.optimizers.Adagrad(0.05))
+    if callback == "scheduler":
+        cb = keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.2 * 0.5 ** epoch)
+    else:
+        cb = keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0,
+                                               min_delta=100.0)
+    model.fit(x, y, batch_size=32, epochs=3, verbose=0, callbacks=[cb])
+    dense_lr = float(model.optimizer.learning_rate.numpy())
+    assert dense_lr < 0.2
+    # the rows' rate moved by the same factor, applied from the next step
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert engine_of(model).tables["user"].learning_rate == pytest.approx(
+        0.05 * dense_lr / 0.2, rel=1e-6)
+
+
+def test_kvcoll_callbacks(tmp_path):
+    x, y = data()
+    model = kv_model(metrics=[keras.metrics.AUC(name="auc", from_logits=True)])
+    ck = kv.callbacks.Checkpoint(tmp_path / "ck", every_n_steps=4, incremental_every=2)
+    stats = kv.callbacks.TableStats(per_table=True)
+    ev = kv.callbacks.Evict(every_n_steps=3)
+    ex = kv.callbacks.Export(tmp_path / "serve")
+    log = tmp_path / "log.csv"
+    hist = model.fit(x, y, batch_size=16, epochs=2, verbose=0,
+                     callbacks=[ck, stats, ev, ex, keras.callbacks.CSVLogger(str(log))])
+    steps = 2 * N // 16
+    # a delta needs a parent: the first save is full
+    assert [(s.step, s.kind) for s in ck.saves] == \
+        [(s, "full" if s % 4 == 0 or s == 2 else "delta") for s in range(2, steps + 1, 2)]
+    assert hist.history["user/rows"][-1] == hist.history["kv_rows"][-1] == \
+        len(engine_of(model).tables["user"]) > 0 == stats.history[-1]["user"]["evicted"]
+    assert "user/rows" in log.read_text().splitlines()[0]
+    assert len(ev.pauses) > 1 and ex.exports[0]["tables"]["user"] > 0
+    served = tf.saved_model.load(str(tmp_path / "serve" / "saved_model"))
+    out = served.signatures["serving_default"](user=tf.constant(x["user"][:5]),
+                                               x=tf.constant(x["x"][:5]))["prediction"]
+    np.testing.assert_allclose(out.numpy(), model.predict(
+        {k: v[:5] for k, v in x.items()}, verbose=0), rtol=1e-5, atol=1e-6)
+    # a new model resumes from the latest checkpoint inside fit
+    again = kv_model(metrics=[keras.metrics.AUC(name="auc", from_logits=True)])
+    resume = kv.callbacks.Checkpoint(tmp_path / "ck", restore=True, save_at_end=False)
+    again.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[resume])
+    assert resume.restored.step == steps and engine_of(again).step == steps + N // 16
+
+
+def test_models_without_kv_embedding_keep_keras_own_fit():
+    keras.utils.set_random_seed(0)
+    m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    m.compile(optimizer="sgd", loss="mse")
+    h = m.fit(np.ones((8, 2), np.float32), np.ones(8, np.float32), verbose=0)
+    assert len(h.history["loss"]) == 1
+    from kvcoll.keras.fit import uses_kvcoll
+    assert not uses_kvcoll(m) and uses_kvcoll(build())
+
+
+def test_a_custom_train_step_is_refused_with_the_fix():
+    class Custom(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.e = kv.Embedding("u", 2)
+            self.d = keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.d(self.e(x["user"]))
+
+        def train_step(self, data):
+            return super().train_step(data)
+
+    with pytest.raises(kv.InvalidArgumentError, match="override compute_loss"):
+        engine_of(Custom(), comm=Comm.local())
