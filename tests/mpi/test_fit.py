@@ -345,3 +345,42 @@ def test_bad_input_raises_the_same_error_everywhere(comm, case, call):
         np.testing.assert_array_equal(a, w)
     # the ranks are still in step: a collective works
     assert comm.allreduce(np.array([1], np.int64))[0] == world
+
+
+def test_validation_data_and_rank_zero_only_callbacks(comm, tmp_path):
+    """val_ logs equal evaluate() on the same data; CSVLogger and TensorBoard write on
+    rank 0 only (each rank here names its own file: only rank 0's appears)."""
+    world, rank = comm.size, comm.rank
+    x, y, _ = data()
+    mine = rank_rows(world, rank)
+    vx, vy, _ = data(n=90, seed=4)
+    vmine = np.arange(90)[rank::world]
+    model = make_adagrad_model()
+    log = tmp_path / f"log{rank}.csv"
+    hist = model.fit(take(x, mine), y[mine], batch_size=B // world, epochs=2, verbose=0,
+                     validation_data=(take(vx, vmine), vy[vmine]),
+                     callbacks=[keras.callbacks.CSVLogger(str(log))])
+    logs = model.evaluate(take(vx, vmine), vy[vmine], batch_size=B // world, verbose=0,
+                          return_dict=True)
+    for key in ("loss", "auc", "acc"):
+        np.testing.assert_allclose(hist.history[f"val_{key}"][-1], logs[key], rtol=1e-6)
+    assert log.exists() == (rank == 0)
+
+
+def test_public_collective_helpers(comm):
+    world, rank = comm.size, comm.rank
+    assert kv.rank() == rank and kv.size() == world
+    assert 0 <= kv.local_rank() < kv.local_size() <= world
+    assert kv.allreduce(np.array([rank, 1.0]), op="sum").tolist() == \
+        [world * (world - 1) / 2, world]
+    assert kv.allreduce(float(rank)) == pytest.approx((world - 1) / 2)      # mean
+    assert kv.allreduce(np.int64(rank), op="max") == world - 1
+    t = kv.allreduce(tf.constant([[1.0, 2.0]]) * (rank + 1), op="mean")
+    assert isinstance(t, tf.Tensor) and t.shape == (1, 2)
+    np.testing.assert_allclose(t.numpy(), [[1.0, 2.0]] * np.mean(np.arange(1, world + 1)))
+    got = kv.allgather(np.full(rank + 1, rank, np.int32))
+    assert got.tolist() == [r for r in range(world) for _ in range(r + 1)]
+    b = kv.broadcast(tf.constant([rank, rank], tf.int64), root_rank=world - 1)
+    assert isinstance(b, tf.Tensor) and b.numpy().tolist() == [world - 1] * 2
+    with pytest.raises(kv.InvalidArgumentError, match="op must be"):
+        kv.allreduce(1.0, op="avg")
