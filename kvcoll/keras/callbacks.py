@@ -39,7 +39,8 @@ class Checkpoint(keras.callbacks.Callback):
     an incremental one (the rows changed since the previous save) every
     `incremental_every` steps in between, one at every epoch end with `every_epoch`, and
     one at the end of training. restore=True continues from the directory's latest
-    checkpoint when training begins (if there is one), on any number of ranks."""
+    checkpoint when training begins (if there is one), on any number of ranks. The save
+    at the end is incremental when `incremental_every` is set."""
 
     def __init__(self, directory, every_n_steps: int | None = None,
                  incremental_every: int | None = None, every_epoch: bool = False,
@@ -77,8 +78,13 @@ class Checkpoint(keras.callbacks.Callback):
         eng = self._engine()
         if self._last == eng.step:
             return
-        self.saves.append(save(self.directory, self.model, incremental=kind == "delta"))
+        info = save(self.directory, self.model, incremental=kind == "delta")
+        self.saves.append(info)
         self._last = eng.step
+        self.on_save(info)
+
+    def on_save(self, info) -> None:
+        """Called after every save with its SaveInfo (override to log it)."""
 
     def on_train_batch_end(self, batch, logs=None):
         eng = self._engine()
@@ -101,8 +107,8 @@ class Checkpoint(keras.callbacks.Callback):
         self._due = None
 
     def on_train_end(self, logs=None):
-        if self.save_at_end:
-            self._save("full")
+        if self.save_at_end:  # a delta when saving incrementally (it names its parent)
+            self._save("delta" if self.incremental_every else "full")
 
 
 class Export(keras.callbacks.Callback):

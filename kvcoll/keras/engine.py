@@ -136,6 +136,8 @@ class Engine:
         self.tables: dict[str, KvTable] | None = None
         self.ex = None
         self.local_steps = 0       # training steps with this rank's own data
+        self.last_loss = 0.0       # the last training step's loss (BSP: global; else this rank's)
+        self.last_samples = 0      # ... and this rank's samples in it
         self.timings = {"exchange": 0.0, "tables": 0.0, "compute": 0.0, "allreduce": 0.0,
                         "apply": 0.0, "wait": 0.0}
         self._fns: dict = {}
@@ -351,8 +353,6 @@ class Engine:
         if pulled is None:
             return None
         h = pulled.headers
-        if h[:, 3].any() and not h[:, 0].any():
-            return None
         n_total = int(h[:, 2].sum())
         t1 = time.perf_counter()
         fail = None
@@ -390,6 +390,7 @@ class Engine:
         if batch is not None and batch.n:
             self._state = state
             self.local_steps += 1
+        self.last_loss, self.last_samples = float(total[nd]), batch.n if batch else 0
         tm = self.timings
         tm["exchange"] += (t1 - t0) + (t3 - t2) + (t5 - t4)
         tm["tables"] = self.ex.table_seconds
@@ -430,6 +431,7 @@ class Engine:
         t3 = time.perf_counter()
         self._state = state
         self.local_steps += 1 if batch.n else 0
+        self.last_loss, self.last_samples = loss_w * self.comm.size, batch.n
         logs = self._results(state)
         tm = self.timings
         tm["wait"] += waited

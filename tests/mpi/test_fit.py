@@ -377,7 +377,7 @@ def test_public_collective_helpers(comm):
     assert kv.allreduce(np.int64(rank), op="max") == world - 1
     t = kv.allreduce(tf.constant([[1.0, 2.0]]) * (rank + 1), op="mean")
     assert isinstance(t, tf.Tensor) and t.shape == (1, 2)
-    np.testing.assert_allclose(t.numpy(), [[1.0, 2.0]] * np.mean(np.arange(1, world + 1)))
+    np.testing.assert_allclose(t.numpy(), np.array([[1.0, 2.0]]) * np.mean(np.arange(1, world + 1)))
     got = kv.allgather(np.full(rank + 1, rank, np.int32))
     assert got.tolist() == [r for r in range(world) for _ in range(r + 1)]
     b = kv.broadcast(tf.constant([rank, rank], tf.int64), root_rank=world - 1)
