@@ -42,8 +42,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kvcoll as kv  # kvcoll:
+from harness import (DemoRun, LoggedCheckpoint, Progress, evaluate, lifecycle_stats,  # demo
+                     report, say)
 from kvcoll import runtime  # kvcoll:
-from kvcoll.data import SyntheticCTR, auc, even_split, read_criteo  # kvcoll: per-rank slices
+from kvcoll.data import SyntheticCTR, even_split, read_criteo  # kvcoll: per-rank slices
+from kvcoll.keras import engine_of
 
 NUM_FIELDS, NUM_NUMERIC = 26, 13
 
@@ -146,11 +149,6 @@ def parse_args(argv=None):
     return args
 
 
-def say(*a):
-    if kv.rank() == 0:  # kvcoll: one voice
-        print(*a, flush=True)
-
-
 # ---- data ------------------------------------------------------------------------------
 
 def features(batch: dict) -> dict:
@@ -173,15 +171,8 @@ class Synthetic:
             yield self.gen.batch(step, self.args.batch_size, self.rank, self.world)
 
     def eval_chunks(self, n):
-        """This rank's part of the first n eval samples, in chunks: every rank gets the
-        same number of chunks (predict is a collective), some possibly empty."""
-        ev = self.gen.eval_set(n, self.rank, self.world)  # kvcoll: this rank's part
-        per_rank = -(-n // self.world)
-        chunks = max(1, -(-per_rank // self.args.eval_chunk))
-        size = len(ev["label"])
-        for c in range(chunks):
-            lo, hi = min(size, c * self.args.eval_chunk), min(size, (c + 1) * self.args.eval_chunk)
-            yield {k: v[lo:hi] for k, v in ev.items()}
+        """This rank's part of the first n eval samples (model.predict batches it)."""
+        yield self.gen.eval_set(n, self.rank, self.world)  # kvcoll: this rank's part
 
     def planted(self, batch):
         return self.gen.planted_logit(batch)
@@ -216,150 +207,23 @@ class Criteo:
     planted = None
 
 
-# ---- evaluation ------------------------------------------------------------------------
-
-def gather_rows(local: np.ndarray) -> np.ndarray:
-    """Every rank's [n_r, k] float64 rows, concatenated in rank order (on every rank)."""
-    rows, _ = runtime.comm().allgatherv(local, op="eval:gather")  # kvcoll:
-    return rows
-
-
-def evaluate(trainer, data, n: int) -> dict:
-    """AUC and log loss of the model (and of the planted model, on synthetic data) on
-    the first n eval samples, over all ranks."""
-    cols = []
-    for chunk in data.eval_chunks(n):
-        logit = trainer.predict(features(chunk))[:, 0].astype(np.float64)  # kvcoll: collective
-        c = [logit, chunk["label"].astype(np.float64)]
-        if data.planted is not None:
-            c.append(data.planted(chunk) if len(logit) else np.zeros(0))
-        cols.append(np.stack(c, axis=1))
-    allr = gather_rows(np.concatenate(cols) if cols else np.zeros((0, 2)))
-    logit, label = allr[:, 0], allr[:, 1]
-    out = {"eval_samples": int(len(label)), "eval_auc": auc(label, logit),
-           "eval_logloss": logloss(label, logit), "eval_ctr": float(label.mean())}
-    if data.planted is not None:
-        out["planted_auc"] = auc(label, allr[:, 2])
-        out["planted_logloss"] = logloss(label, allr[:, 2])
-    return out
-
-
-def logloss(label, logit) -> float:
-    # -[y log s(x) + (1-y) log(1-s(x))] = softplus(x) - y x
-    return float(np.mean(np.logaddexp(0.0, logit) - label * logit))
-
-
-def lifecycle_stats(trainer, comm, evict_pauses) -> dict:
-    """Per table over all ranks: rows, bytes, load factor, admitted, rejected, evicted,
-    dropped gradients and bytes per row beyond its floats; the longest eviction pause
-    on any rank. A collective."""
-    fields = ("rows", "bytes", "index_slots", "admitted", "rejected", "evicted",
-              "dropped_grads", "pending")
-    local = [t.stats() for t in trainer.tables.values()]  # kvcoll: this rank's shards
-    total = comm.allreduce(np.array([[getattr(s, f) for f in fields] for s in local],
-                                    np.float64).reshape(-1), op="train:lifecycle")
-    total = total.reshape(len(local), len(fields))
-    within = all(t.max_rows is None or s.rows <= t.max_rows
-                 for t, s in zip(trainer.tables.values(), local))
-    pauses = comm.allgather(np.array([max(evict_pauses, default=0.0), len(evict_pauses),
-                                      sum(evict_pauses), within], np.float64),
-                            op="train:evict_pause")
-    tables = {}
-    for (name, t), s, row in zip(trainer.tables.items(), local, total):
-        d = {f: int(v) for f, v in zip(fields, row)}
-        d["load_factor"] = d["rows"] / max(1, d["index_slots"])
-        d["bytes_per_row_overhead"] = \
-            (d["bytes"] - d["rows"] * 4 * (s.dim + s.slot_floats)) / d["rows"] if d["rows"] else 0.0
-        d["max_rows_per_rank"] = t.max_rows
-        tables[name] = d
-    calls = int(pauses[0, 1])
-    return {"tables": tables,
-            "admitted": sum(d["admitted"] for d in tables.values()),
-            "rejected": sum(d["rejected"] for d in tables.values()),
-            "evicted": sum(d["evicted"] for d in tables.values()),
-            "dropped_grads": sum(d["dropped_grads"] for d in tables.values()),
-            "evict_calls": calls,
-            "max_evict_pause_ms": float(pauses[:, 0].max()) * 1e3,
-            "mean_evict_pause_ms": float(pauses[:, 2].sum() / max(1, pauses[:, 1].sum())) * 1e3,
-            "within_budget": bool(pauses[:, 3].all())}
-
-
-def summary_scalar(tag: str, value: float) -> None:
-    """tf.summary.scalar without the tensorboard package (which tf.summary.scalar needs
-    and requirements.txt does not pin): the same event, with the scalars plugin's
-    metadata, written by TensorFlow's own summary op into the default writer."""
-    import tensorflow as tf
-    from tensorflow.core.framework import summary_pb2
-
-    meta = summary_pb2.SummaryMetadata(data_class=summary_pb2.DATA_CLASS_SCALAR)
-    meta.plugin_data.plugin_name = "scalars"
-    tf.summary.write(tag, tf.constant(float(value), tf.float32), metadata=meta)
-
-
-# ---- progress --------------------------------------------------------------------------
-
-class Progress:
-    """Rank 0's progress: a rich bar on a terminal, plus a plain line every --log-every
-    steps (readable in CI logs)."""
-
-    def __init__(self, total, rank, bar):
-        self.rank0 = rank == 0  # kvcoll: one voice
-        self.bar = None
-        # Under mpirun a rank's stdout is a pty even when mpirun's output goes to a file:
-        # CI (CI=...) and ./dev (when not on a terminal) turn the bar off; so does
-        # --no-progress.
-        if bar and self.rank0 and total and sys.stdout.isatty() and not os.environ.get("CI") \
-                and os.environ.get("TERM", "dumb") != "dumb":
-            try:
-                from rich.progress import (BarColumn, MofNCompleteColumn, Progress as P,
-                                           TextColumn, TimeRemainingColumn)
-                self.bar = P(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
-                             TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
-                             transient=True)
-                self.task = self.bar.add_task("train", total=total, info="")
-                self.bar.start()
-            except ImportError:
-                self.bar = None
-
-    def update(self, step, loss):
-        if self.bar is not None:
-            self.bar.update(self.task, completed=step, info=f"loss {loss:.4f}")
-
-    def line(self, text):
-        if not self.rank0:
-            return
-        if self.bar is not None:
-            self.bar.console.print(text, markup=False, highlight=False)
-        else:
-            print(text, flush=True)
-
-    def close(self):
-        if self.bar is not None:
-            self.bar.stop()
-
-
 # ---- main ------------------------------------------------------------------------------
 
 def main(argv=None):
     args = parse_args(argv)
     kv.init()  # kvcoll: MPI up; --step-mode / --staleness parsed from sys.argv
-    cfg = runtime.config()  # kvcoll:
     rank, world = kv.rank(), kv.size()  # kvcoll:
-    bsp = cfg.step_mode == "bsp"
+    mode = runtime.config().mode
     if args.slow_rank is not None and not 0 <= args.slow_rank < world:
-        if rank == 0:
-            print(f"error: --slow-rank {args.slow_rank} is not a rank of {world}",
-                  file=sys.stderr, flush=True)
+        say(f"error: --slow-rank {args.slow_rank} is not a rank of {world}")
         kv.shutdown()
         return 2
-    slow_s = args.slow_ms / 1e3 if args.slow_rank == rank else 0.0
 
     import tensorflow as tf
 
     # kvcoll: the ranks on this host share its cores; set before any TensorFlow op runs
-    here = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or os.environ.get("MPI_LOCALNRANKS")
-               or world)
-    tf.config.threading.set_intra_op_parallelism_threads(max(1, (os.cpu_count() or 1) // here))
+    tf.config.threading.set_intra_op_parallelism_threads(
+        max(1, (os.cpu_count() or 1) // kv.local_size()))
     tf.config.threading.set_inter_op_parallelism_threads(1)
     import keras
 
@@ -375,174 +239,82 @@ def main(argv=None):
                             max_rows=args.max_rows_per_table)
 
     model = build(NUM_FIELDS, NUM_NUMERIC, args.dim, embed, hidden=args.hidden)
-    opt = kv.DistributedOptimizer(  # kvcoll: dense: allreduce + Adam; rows: Adagrad in C
-        keras.optimizers.Adam(args.lr),
-        sparse=kv.optimizers.Adagrad(args.sparse_lr,
-                                     initial_accumulator_value=args.sparse_init_accum))
-    trainer = kv.Trainer(model, keras.losses.BinaryCrossentropy(from_logits=True), opt)  # kvcoll:
-    kv.broadcast_variables(model.variables, root_rank=0)  # kvcoll: same start everywhere
+    model.compile(
+        optimizer=kv.DistributedOptimizer(  # kvcoll: dense: allreduce + Adam; rows: Adagrad in C
+            keras.optimizers.Adam(args.lr),
+            sparse=kv.optimizers.Adagrad(args.sparse_lr,
+                                         initial_accumulator_value=args.sparse_init_accum)),
+        loss=keras.losses.BinaryCrossentropy(from_logits=True))
 
     data = (Criteo if args.data else Synthetic)(args, rank, world)
+    start = 0
     if args.restore:  # kvcoll: tables, dense model, optimizer and step, on any world size
-        info = kv.restore(args.checkpoint_dir, trainer)
+        info = kv.restore(args.checkpoint_dir, model)
+        start = info.step
         say(f"restored {info.name} (step {info.step}; a full checkpoint and "
             f"{len(info.chain) - 1} incremental one(s)) from {args.checkpoint_dir} "
             f"in {info.seconds:.1f}s")
-    start = trainer.step
-    quick_n = min(args.eval_samples, 16384)
-    if not bsp and (args.checkpoint_every or args.incremental_every):
-        say(f"note: --step-mode {cfg.step_mode}: ranks step independently, so checkpoints "
-            "(collectives) are saved only at the end")
-    say(f"{args.model} on {world} rank(s), {cfg.step_mode}"
-        f"{f' (staleness {cfg.staleness})' if cfg.step_mode == 'ssp' else ''}: "
+    say(f"{args.model} on {world} rank(s), {mode.name}"
+        f"{f' (staleness {mode.staleness})' if mode.name == 'ssp' else ''}: "
         f"{NUM_FIELDS} tables of width {args.dim + 1}, "
         f"global batch {args.batch_size} ({even_split(args.batch_size, 0, world)[1]} on "
         f"rank 0), {data.steps or 'all'} steps, "
         f"{'data ' + ' '.join(args.data) if args.data else f'synthetic data (seed {args.seed})'}")
 
+    # What the demo watches and reports lives in harness.py, apart from the training.
     writer = tf.summary.create_file_writer(args.logdir) if args.logdir and rank == 0 else None
-    progress = Progress(data.steps, rank, bar=not args.no_progress)
-    saved_at = start if args.restore else None
-    losses = []
-    train_time = first_step = eval_time = data_time = 0.0
-    timings0 = None
-    last_log = (1, 0.0)            # (step, train_time) at the previous log line
-    # Uneven data: a rank whose data ends calls trainer.finish() and serves the others'
-    # steps. Until the first rank runs out, all ranks agree each step that all have a
-    # batch; only then may they run collectives of their own (the periodic evaluation).
-    # kvcoll: SSP/ASP ranks step independently: no per-step collective at all, so no
-    # periodic evaluation or checkpoint either (they are collectives)
-    all_have_data = bsp
-    own_time = 0.0                 # this rank's own steps (without finish()'s wait)
-    own_samples = 0
-    comm = runtime.comm()  # kvcoll:
+    progress = Progress(data.steps, bar=not args.no_progress)
     evicting = args.evict_after_steps is not None or args.max_rows_per_table is not None
-    evict_pauses = []              # seconds of each trainer.evict() on this rank
-    t_step = time.perf_counter()
-    batches = data.train(start)
-    while True:
-        t0 = time.perf_counter()
-        batch = next(batches, None)
-        t1 = time.perf_counter()
-        if all_have_data:  # kvcoll: one tiny allreduce per step
-            have = comm.allreduce(np.array([batch is not None], np.int32), op="train:have_data")
-            all_have_data = int(have[0]) == world
-        if batch is None:
-            break
-        if slow_s:
-            time.sleep(slow_s)  # --slow-rank: a straggler
-        loss = trainer.train_step(features(batch), batch["label"])  # kvcoll: one step
-        now = time.perf_counter()
-        step = trainer.step
-        losses.append((step, loss))
-        if step == start + 1:
-            first_step = now - t_step
-            timings0 = dict(trainer.timings)
-        else:
-            train_time += now - t_step
-            data_time += t1 - t0
-            own_time = train_time
-            own_samples += len(batch["label"])
-        t_step = now
-        if writer is not None:
-            with writer.as_default(step=step):
-                summary_scalar("loss", loss)
-        progress.update(step, loss)
-
-        if evicting:  # kvcoll: each table once every --evict-every steps, staggered (local)
-            due = [n for i, n in enumerate(trainer.tables) if (step + i) % args.evict_every == 0]
-            if due:                                     # (its time counts as training time)
-                evict_pauses.append(trainer.evict(tables=due))
-
-        every = args.checkpoint_every
-        inc = args.incremental_every
-        if args.checkpoint_dir and all_have_data and ((every and step % every == 0)
-                                                      or (inc and step % inc == 0)):
-            te = time.perf_counter()
-            full = bool(every and step % every == 0)
-            if evicting:  # kvcoll: evict every table before saving
-                trainer.evict()
-            info = kv.save(args.checkpoint_dir, trainer, incremental=not full)  # kvcoll: collective
-            saved_at = step
-            progress.line(f"step {step:5d}  saved {info.kind} checkpoint {info.name}: "
-                          f"{info.rows:,} rows, {info.bytes / 2**20:,.1f} MiB, {info.seconds:.2f}s")
-            eval_time += time.perf_counter() - te
-            t_step = time.perf_counter()       # saving is not training time
-
-        if step % args.log_every == 0 and step != data.steps and all_have_data:
-            te = time.perf_counter()
-            quick = evaluate(trainer, data, quick_n)  # kvcoll: collective
-            stats = trainer.table_stats()  # kvcoll: collective
-            rows = sum(s["rows"] for s in stats.values())
-            sps = (step - last_log[0]) * args.batch_size / max(1e-9, train_time - last_log[1])
-            last_log = (step, train_time)
-            recent = np.mean([l for _, l in losses[-args.log_every:]])
-            progress.line(f"step {step:5d}  loss {recent:.4f}  auc {quick['eval_auc']:.4f}  "
-                          f"{sps:,.0f} samples/s  {rows:,} rows")
-            if writer is not None:
-                with writer.as_default(step=step):
-                    summary_scalar("eval_auc", quick["eval_auc"])
-                    summary_scalar("samples_per_sec", sps)
-                    summary_scalar("table_rows", rows)
-            eval_time += time.perf_counter() - te
-            t_step = time.perf_counter()       # evaluation is not training time
-        elif not bsp and step % args.log_every == 0 and step != data.steps:
-            sps = (step - last_log[0]) * len(batch["label"]) \
-                / max(1e-9, train_time - last_log[1])
-            last_log = (step, train_time)
-            recent = np.mean([l for _, l in losses[-args.log_every:]])
-            progress.line(f"step {step:5d}  loss {recent:.4f}  {sps:,.0f} samples/s on rank 0  "
-                          f"staleness <= {trainer.staleness_observed}")
-    own_steps = n_own = len(losses)
-    served = trainer.finish()  # kvcoll: uneven data: serve the other ranks until all are done
-    if bsp and trainer.step > start + 1:
-        train_time += time.perf_counter() - t_step    # the steps served count as training
+    evict = kv.callbacks.Evict(args.evict_every) if evicting else None  # kvcoll: staggered
+    demo = DemoRun(args, data, features, progress, writer, evict=evict,
+                   slow_s=args.slow_ms / 1e3 if args.slow_rank == rank else 0.0,
+                   total=data.steps)
+    callbacks = [demo] + ([evict] if evict else [])
+    ck = None
+    if args.checkpoint_dir:  # kvcoll: full / incremental saves, and one at the end
+        ck = LoggedCheckpoint(progress, args.checkpoint_dir,
+                              every_n_steps=args.checkpoint_every or None,
+                              incremental_every=args.incremental_every or None)
+        ck._last = start if args.restore else None
+        callbacks.append(ck)
+    model.fit(demo.timed((features(b), b["label"]) for b in data.train(start)),  # kvcoll: mine
+              epochs=1, verbose=0, callbacks=callbacks)
     progress.close()
-    steps = trainer.step
-    final_evict = 0.0
-    if evicting:  # kvcoll: every table within its budget at the end (and before the save)
-        final_evict = trainer.evict()
-    if args.checkpoint_dir and saved_at != steps and steps > 0:
-        info = kv.save(args.checkpoint_dir, trainer,  # kvcoll: a collective
-                       incremental=bool(args.incremental_every))
-        say(f"saved {info.kind} checkpoint {info.name} at step {steps}: {info.rows:,} rows, "
-            f"{info.bytes / 2**20:,.1f} MiB in {info.seconds:.2f}s")
+    eng = engine_of(model)
+    steps = eng.step
     if steps == 0:
         say("error: no training data")
         kv.shutdown()
         return 1
+    if ck is not None and ck.saves and ck.saves[-1].step == steps:
+        info = ck.saves[-1]
+        say(f"saved {info.kind} checkpoint {info.name} at step {steps}: {info.rows:,} rows, "
+            f"{info.bytes / 2**20:,.1f} MiB in {info.seconds:.2f}s")
 
     te = time.perf_counter()
-    result = evaluate(trainer, data, args.eval_samples)  # kvcoll: collective
-    eval_time += time.perf_counter() - te
-    stats = trainer.table_stats()  # kvcoll: rows and bytes summed over all ranks
-    lifecycle = lifecycle_stats(trainer, comm, evict_pauses)  # kvcoll: collective
-    for name, s in lifecycle["tables"].items():
-        stats[name].update(s)
-    own_steps = max(0, own_steps - 1)  # the first (tracing) step is not timed
+    result = evaluate(model, data, args.eval_samples, features)  # kvcoll: collective
+    eval_time = demo.eval_time + time.perf_counter() - te
+    lifecycle = lifecycle_stats(eng, evict.pauses[:-1] if evict else [])  # kvcoll: collective
+    stats = {name: dict(s) for name, s in lifecycle["tables"].items()}
+    own_steps = max(0, len(demo.losses) - 1)  # the first (tracing) step is not timed
     # kvcoll: every rank's own rate and staleness, gathered once at the end
-    rates = comm.allgather(np.array([own_steps / own_time if own_time > 0 else 0.0,
-                                     own_samples / own_time if own_time > 0 else 0.0,
-                                     n_own, trainer.staleness_observed,
-                                     trainer.max_lead], np.float64), op="train:rates")
-    timed = max(1, steps - start - 1 if bsp else n_own - 1)
-    per_step = {k: (v - (timings0 or {}).get(k, 0.0)) / timed * 1e3
-                for k, v in trainer.timings.items()}
-    per_step["data"] = data_time / timed * 1e3
-    per_step["total"] = train_time / timed * 1e3
-    # "tables" is the part of "exchange" spent in the tables' C calls: not added twice
-    per_step["other"] = per_step["total"] - sum(v for k, v in per_step.items()
-                                                if k not in ("total", "tables"))
-    if bsp:
-        sps = (timed * args.batch_size / train_time) if steps > start + 1 and train_time > 0 \
-            else 0.0
+    ex = eng.ex
+    rates = kv.allgather(np.array([[own_steps / demo.own_time if demo.own_time > 0 else 0.0,
+                                    demo.own_samples / demo.own_time if demo.own_time > 0
+                                    else 0.0, len(demo.losses),
+                                    getattr(ex, "staleness_observed", 0),
+                                    getattr(ex, "max_lead", 0)]], np.float64))
+    per_step = demo.per_step()
+    timed = max(1, steps - start - 1 if eng.synchronous else len(demo.losses) - 1)
+    if eng.synchronous:
+        sps = timed * args.batch_size / demo.train_time if demo.train_time > 0 else 0.0
     else:  # the sum of every rank's own rate: the ranks do not wait for each other
         sps = float(rates[:, 1].sum())
-
+    losses = demo.losses
     metrics = {
-        "model": args.model, "world_size": world, "step_mode": cfg.step_mode,
-        "staleness": None if cfg.step_mode == "asp" else cfg.mode.staleness,
-        "steps": steps, "served_steps": served,
+        "model": args.model, "world_size": world, "step_mode": mode.name,
+        "staleness": None if mode.name == "asp" else mode.staleness,
+        "steps": steps, "served_steps": demo.served,
         "local_steps": [int(x) for x in rates[:, 2]],
         "steps_per_sec": [float(x) for x in rates[:, 0]],
         "max_staleness_observed": int(rates[:, 3].max()),
@@ -552,7 +324,7 @@ def main(argv=None):
         "lr": args.lr, "sparse_lr": args.sparse_lr, "seed": args.seed,
         "data": args.data or "synthetic",
         "samples_per_sec": sps,
-        "train_seconds": train_time, "first_step_seconds": first_step,
+        "train_seconds": demo.train_time, "first_step_seconds": demo.first_step,
         "eval_seconds": eval_time,
         "timings_ms_per_step": per_step,
         "final_loss": float(np.mean([l for _, l in losses[-10:]])) if losses else None,
@@ -563,52 +335,18 @@ def main(argv=None):
         "evict_after_steps": args.evict_after_steps,
         "max_rows_per_table": args.max_rows_per_table,
         **{k: v for k, v in lifecycle.items() if k != "tables"},
-        "final_evict_ms": final_evict * 1e3,
+        "final_evict_ms": (evict.pauses[-1] if evict else 0.0) * 1e3,
         "table_rows": sum(s["rows"] for s in stats.values()),
         "table_bytes": sum(s["bytes"] for s in stats.values()),
     }
     if args.restore:
         metrics["restored_from_step"] = start
     if args.export_dir:  # kvcoll: a collective; rank 0 writes
-        ex = kv.export(args.export_dir, trainer)
+        ex = kv.export(args.export_dir, model)
         metrics["export_seconds"] = ex["seconds"]
         say(f"exported a SavedModel and the embedding dictionary to {args.export_dir} "
             f"in {ex['seconds']:.1f}s")
-    target = None
-    if "planted_auc" in result:
-        target = 0.5 + 0.8 * (result["planted_auc"] - 0.5)
-        metrics["target_auc"] = target
-    if rank == 0:
-        if args.metrics_out:
-            Path(args.metrics_out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.metrics_out).write_text(json.dumps(metrics, indent=1) + "\n")
-        if writer is not None:
-            with writer.as_default(step=steps):
-                summary_scalar("eval_auc", result["eval_auc"])
-                summary_scalar("samples_per_sec", sps)
-                summary_scalar("table_rows", metrics["table_rows"])
-            writer.close()
-        print(f"\n{steps} steps of {args.batch_size} on {world} rank(s): "
-              f"{sps:,.0f} samples/s ({train_time:.1f}s, first step {first_step:.1f}s)")
-        print("per step: " + "  ".join(f"{k} {v:.1f} ms" for k, v in per_step.items()))
-        print(f"final loss {metrics['final_loss']:.4f}   eval logloss {result['eval_logloss']:.4f}"
-              f" on {result['eval_samples']:,} held-out samples")
-        line = f"eval AUC {result['eval_auc']:.4f}"
-        if target is not None:
-            reached = "reached" if result["eval_auc"] >= target else "NOT reached"
-            line += (f"   planted AUC {result['planted_auc']:.4f} (the best possible)   "
-                     f"target >= {target:.4f}: {reached}")
-        print(line)
-        print(f"tables: {metrics['table_rows']:,} rows, {metrics['table_bytes'] / 2**20:,.0f} MiB "
-              f"over all ranks")
-        if metrics["evict_calls"] or args.admit_min_count > 1:
-            print(f"lifecycle: {metrics['admitted']:,} admitted, {metrics['rejected']:,} "
-                  f"lookups rejected, {metrics['evicted']:,} evicted, longest eviction pause "
-                  f"{metrics['max_evict_pause_ms']:.1f} ms, every table within its budget: "
-                  f"{metrics['within_budget']}")
-        if args.metrics_out:
-            print(f"metrics: {args.metrics_out}")
-    trainer.close()
+    report(metrics, args, writer)
     kv.shutdown()  # kvcoll:
     return 0
 

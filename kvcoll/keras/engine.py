@@ -138,8 +138,12 @@ class Engine:
         self.local_steps = 0       # training steps with this rank's own data
         self.last_loss = 0.0       # the last training step's loss (BSP: global; else this rank's)
         self.last_samples = 0      # ... and this rank's samples in it
+        # seconds per phase, summed over steps; "tables" is the part of "exchange" spent
+        # in the tables' C calls; "wait" (SSP/ASP) the time at the staleness gate
         self.timings = {"exchange": 0.0, "tables": 0.0, "compute": 0.0, "allreduce": 0.0,
-                        "apply": 0.0, "wait": 0.0}
+                        "apply": 0.0}
+        if self.mode.name != "bsp":
+            self.timings["wait"] = 0.0
         self._fns: dict = {}
         self._dense_vars = None
         self._n_dense = 0
