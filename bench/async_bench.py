@@ -90,13 +90,7 @@ def run(args) -> None:
                 if slow_ms is None:  # about one normal step, from the first (BSP) run
                     slow_ms = round(m["timings_ms_per_step"]["total"])
     _annotate(records, batch)
-    machine = common.machine_info()
-    for r in records:
-        r["machine"] = machine
-    md = markdown(records, steps, batch, machine)
-    jpath, mpath = common.write_results(out_dir, "async", records, md)
-    print(md)
-    print(f"[async] wrote {jpath}, {mpath}")
+    common.publish(out_dir, "async", records, lambda m: markdown(records, steps, batch, m))
 
 
 def _get(records, mode, straggler):

@@ -121,15 +121,10 @@ def run(args) -> None:
     print(f"[checkpoint] {rows:,} rows at dim {args.ckpt_dim}, "
           f"{args.ckpt_changed:.0%} changed", flush=True)
     records, error = common.run_child("bench.checkpoint_bench:child", spec, timeout=3600)
-    machine = common.machine_info()
-    for r in records:
-        r["machine"] = machine
     if error:
-        records.append({"what": "error", "error": error, "machine": machine})
-    md = markdown(records, rows, args.ckpt_dim, args.ckpt_changed, machine)
-    jpath, mpath = common.write_results(out_dir, "checkpoint", records, md)
-    print(md)
-    print(f"[checkpoint] wrote {jpath}, {mpath}")
+        records.append({"what": "error", "error": error})
+    common.publish(out_dir, "checkpoint", records,
+                   lambda m: markdown(records, rows, args.ckpt_dim, args.ckpt_changed, m))
 
 
 def markdown(records, rows, dim, changed, machine) -> str:

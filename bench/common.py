@@ -252,6 +252,19 @@ def measure_gather(*, buffer_bytes: int, gathers: int, reps: int, cpu: int,
 
 # -- results -------------------------------------------------------------------------------
 
+def publish(out_dir: str, name: str, records: list[dict], markdown) -> str:
+    """Stamp every record with the machine, write <name>.json and <name>.md (the text
+    markdown(machine) returns) into out_dir, print the text; returns it."""
+    machine = machine_info()
+    for r in records:
+        r["machine"] = machine
+    md = markdown(machine)
+    jpath, mpath = write_results(out_dir, name, records, md)
+    print(md)
+    print(f"[{name}] wrote {jpath}, {mpath}")
+    return md
+
+
 def write_results(out_dir: str, name: str, records: list[dict], markdown: str) -> tuple[str, str]:
     """Write <name>.json (a list of records) and <name>.md into out_dir."""
     os.makedirs(out_dir, exist_ok=True)

@@ -50,13 +50,7 @@ def run(args) -> None:
                                     str(batch), "--eval-samples", "20000", "--out", path],
                             timeout=3600)
                     records.append(dict(json.load(open(path)), pair=rep))
-    machine = common.machine_info()
-    for r in records:
-        r["machine"] = machine
-    md = markdown(records, steps, batch, machine)
-    jpath, mpath = common.write_results(out_dir, "fit", records, md)
-    print(md)
-    print(f"[fit] wrote {jpath}, {mpath}")
+    common.publish(out_dir, "fit", records, lambda m: markdown(records, steps, batch, m))
 
 
 def summary(records) -> dict:

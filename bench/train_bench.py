@@ -105,15 +105,10 @@ def run(args) -> None:
                 _mpirun(2, ["--impl", impl, "--steps", str(steps), "--batch-size", str(batch),
                             *extra, "--hidden", args.train_wide, "--out", path], timeout=3600)
                 records.append(dict(json.load(open(path)), variant=variant))
-    machine = common.machine_info()
-    for r in records:
-        r["machine"] = machine
-    md = markdown(records, steps, batch, machine)
-    jpath, mpath = common.write_results(out_dir, "train", records, md)
+    common.publish(out_dir, "train", records, lambda m: markdown(records, steps, batch, m))
     png = os.path.join(out_dir, "train.png")
     chart(records, png)
-    print(md)
-    print(f"[train] wrote {jpath}, {mpath}, {png}")
+    print(f"[train] wrote {png}")
 
 
 def _get(records, impl, world, variant=None):

@@ -388,7 +388,7 @@ class Checkpointer:
                     files[fname] = {"sha256": sha, "bytes": nbytes, "table": None}
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             err = f"rank {comm.rank}: saving {tmp} failed: {type(exc).__name__}: {exc}"
-        gathered = _gather_json(comm, {"files": files, "error": err}, "checkpoint:files")
+        gathered = comm.allgather_json({"files": files, "error": err}, "checkpoint:files")
         errors = [g["error"] for g in gathered if g["error"]]
         result = None
         if comm.rank == 0:
@@ -485,7 +485,7 @@ class Checkpointer:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             err = f"rank {comm.rank}: {directory}: unreadable checkpoint " \
                   f"({type(exc).__name__}: {exc})"
-        errors = [e for e in _gather_json(comm, err, "checkpoint:verify") if e]
+        errors = [e for e in comm.allgather_json(err, "checkpoint:verify") if e]
         if errors:
             raise CheckpointError(errors[0] + "; nothing was restored")
         chain, per_ckpt, nbytes = loaded
@@ -602,17 +602,6 @@ def _read_manifest(directory: str, name: str) -> dict:
                               "are not valid")
     m["_name"] = name
     return m
-
-
-def _gather_json(comm, obj, op: str) -> list:
-    """Every rank's JSON-able object, in rank order, on every rank."""
-    data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
-    buf, counts = comm.allgatherv(data, op=op)
-    out, at = [], 0
-    for c in counts:
-        out.append(json.loads(buf[at:at + int(c)].tobytes()))
-        at += int(c)
-    return out
 
 
 # -- kv.save / kv.restore ----------------------------------------------------------------

@@ -12,6 +12,7 @@ lets every rank learn that some rank's input was bad and raise the same error.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -190,6 +191,19 @@ class Comm:
         req = self._comm.Iallgatherv([sbuf, send.size, dt], [rbuf, (rc, rd), dt])
         self.wait(req, op)
         return recv, counts
+
+    def allgather_json(self, obj, op: str = "allgather_json") -> list:
+        """Every rank's JSON-able object, in rank order, on every rank.
+
+        rank 0: {"a": 1}   rank 1: None   ->   both: [{"a": 1}, None]
+        """
+        data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+        buf, counts = self.allgatherv(data, op=op)
+        out, at = [], 0
+        for c in counts:
+            out.append(json.loads(buf[at:at + int(c)].tobytes()))
+            at += int(c)
+        return out
 
     def bcast(self, arr: np.ndarray, root: int = 0, op: str = "bcast") -> np.ndarray:
         """Rank root's array on every rank (same shape and dtype everywhere)."""

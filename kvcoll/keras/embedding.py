@@ -29,25 +29,24 @@ _context = threading.local()
 
 
 @contextlib.contextmanager
+def _scoped(name: str, value):
+    prev = getattr(_context, name, None)
+    setattr(_context, name, value)
+    try:
+        yield
+    finally:
+        setattr(_context, name, prev)
+
+
 def rows_scope(rows: dict):
     """Run the model with `rows` (table name -> rows matrix) as the tables' rows."""
-    prev = getattr(_context, "rows", None)
-    _context.rows = rows
-    try:
-        yield
-    finally:
-        _context.rows = prev
+    return _scoped("rows", rows)
 
 
-@contextlib.contextmanager
 def recording(calls: list):
-    """Trace the model with every kv.Embedding appending (layer, its input) to calls."""
-    prev = getattr(_context, "calls", None)
-    _context.calls = calls
-    try:
-        yield
-    finally:
-        _context.calls = prev
+    """Trace the model with every kv.Embedding appending (layer, its input, the name of
+    the one op it made of it) to calls."""
+    return _scoped("calls", calls)
 
 
 class Embedding(keras.layers.Layer):

@@ -195,7 +195,7 @@ class Engine:
                 mine = signature(x, None, None) if x_only else signature(x, y, sw)
             except Exception as exc:  # noqa: BLE001 - every rank must learn of it
                 err = exc
-        sigs = _gather_json(self.comm, {"sig": mine, "error": None if err is None else
+        sigs = self.comm.allgather_json({"sig": mine, "error": None if err is None else
                                         f"{type(err).__name__}: {err}"}, "engine:layout")
         failed = [r for r, s in enumerate(sigs) if s["error"]]
         if failed:
@@ -668,7 +668,7 @@ class Engine:
         msg = None if own is None else f"{type(own).__name__}: {own}"
         bad = [r for r in range(self.comm.size) if flags[r]]
         if own is not None or any(flags[r] == _FAILED for r in bad):
-            texts = _gather_json(self.comm, msg, "engine:errors")
+            texts = self.comm.allgather_json(msg, "engine:errors")
         else:
             texts = [None] * self.comm.size
         if own is not None:
@@ -996,17 +996,6 @@ def _as_input(t, dtype):
 def _brief(sig: str) -> str:
     d = json.loads(sig)
     return f"inputs {sorted(d['x'][1])}, labels {d['y']}, sample weights {d['sw']}"
-
-
-def _gather_json(comm, obj, op: str) -> list:
-    """Every rank's JSON-able object, in rank order, on every rank."""
-    data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
-    buf, counts = comm.allgatherv(data, op=op)
-    out, at = [], 0
-    for c in counts:
-        out.append(json.loads(buf[at:at + int(c)].tobytes()))
-        at += int(c)
-    return out
 
 
 def _finite(loss, dense, rows) -> bool:
