@@ -643,6 +643,16 @@ static inline uint32_t seen_before(const kv_table_t *t, int64_t key) {
     return e ? e->cnt : 0;
 }
 
+/* 1 if this lookup of an absent key at `step` counts as a new sighting: the exact map
+ * counts a key once per step (several workers of SSP/ASP pulling it in their step
+ * `step` see it once, as BSP's one owner lookup does); step 0 (no step) always counts,
+ * and so does every lookup with the Bloom filter, which keeps no per-key step. */
+static inline uint32_t sighting(const kv_table_t *t, int64_t key, uint32_t step) {
+    if (t->bloom || step == 0) return 1;
+    const pend_t *e = pend_find(t, key);
+    return !e || e->step != step;
+}
+
 /* ---- removed-keys log -------------------------------------------------------------- */
 
 static int log_reserve(kv_table_t *t, uint64_t extra) {
@@ -694,7 +704,7 @@ static int create_absent(kv_table_t *t, const int64_t *keys, int64_t n, uint32_t
         n_take = 0;
         for (int64_t u = 0; u < nu; u++) {
             uint32_t before = seen_before(t, uniq[u]);
-            take[u] = before + 1 >= t->admit_k;
+            take[u] = before + sighting(t, uniq[u], step) >= t->admit_k;
             n_take += take[u];
             n_new_pend += !take[u] && !t->bloom && before == 0;
         }
@@ -734,7 +744,7 @@ static int create_absent(kv_table_t *t, const int64_t *keys, int64_t n, uint32_t
             } else {
                 pend_t *e = pend_find(t, uniq[u]);
                 if (e) {
-                    e->cnt++;
+                    e->cnt += sighting(t, uniq[u], step);
                     e->step = step;
                 } else {
                     pend_put(t->pend, t->pend_cap, uniq[u], 1, step);
@@ -972,6 +982,27 @@ int kv_table_delete(kv_table_t *t, const int64_t *keys, int64_t n, int64_t *n_de
     }
     pthread_rwlock_unlock(&t->lock);
     if (n_deleted) *n_deleted = nd;
+    return rc;
+}
+
+int kv_table_forget_new(kv_table_t *t, const int64_t *keys, int64_t n, uint32_t step,
+                        int64_t *n_forgotten) {
+    if (check_batch(t, keys, n) != KV_OK) return KV_EINVAL;
+    int64_t nf = 0;
+    pthread_rwlock_wrlock(&t->lock);
+    int rc = log_reserve(t, (uint64_t)(n < (int64_t)t->live ? n : (int64_t)t->live));
+    for (int64_t i = 0; rc == KV_OK && i < n; i++) {
+        uint64_t slot;
+        uint32_t c = lookup_one(t, keys[i], &slot);
+        if (!c) continue;
+        unsigned char *r = row_at(t, c - 1);
+        if ((*row_meta(r) & META_COUNT) || *row_step(r) != step) continue; /* not new */
+        index_erase_at(t, slot);
+        free_row(t, c - 1);
+        nf++;
+    }
+    pthread_rwlock_unlock(&t->lock);
+    if (n_forgotten) *n_forgotten = nf;
     return rc;
 }
 

@@ -16,7 +16,9 @@
  * Feature lifecycle.
  *   Admission (cfg.admit_min_count = K >= 2): find_or_create gives a key a row only
  *   once it has been seen in K calls (a key repeated inside one call counts once, so
- *   the count does not depend on how a global batch is split over ranks). Until then
+ *   the count does not depend on how a global batch is split over ranks; with
+ *   KV_ADMIT_EXACT, calls of the same nonzero step count once too, so SSP/ASP workers
+ *   pulling a key in their step t count it once, as BSP's single lookup does). Until then
  *   the key reads zeros, has_row[i] = 0, and no row exists. KV_ADMIT_EXACT counts in
  *   a "pending" map (16 bytes per unadmitted key, purged by kv_table_evict's TTL);
  *   KV_ADMIT_BLOOM counts in a counting Bloom filter of bloom_counters 4-bit counters
@@ -214,6 +216,16 @@ int kv_table_update(kv_table_t *t, const int64_t *keys, int64_t n, const float *
 /* Remove keys (absent ones are ignored). n_deleted may be NULL. Removed keys go to
  * the removed-keys log while it is on. Write lock. KV_OK, KV_EINVAL, KV_ENOMEM (log). */
 int kv_table_delete(kv_table_t *t, const int64_t *keys, int64_t n, int64_t *n_deleted);
+
+/*
+ * Forget the rows a rejected step created: remove every key of keys[n] whose row was
+ * created at `step` and never updated (update count 0, last step == step), as if the
+ * step's lookup had not happened (its admission sightings stay counted). Other keys
+ * are left alone. Removed keys go to the removed-keys log while it is on. n_forgotten
+ * may be NULL. Write lock. KV_OK, KV_EINVAL, KV_ENOMEM (log).
+ */
+int kv_table_forget_new(kv_table_t *t, const int64_t *keys, int64_t n, uint32_t step,
+                        int64_t *n_forgotten);
 
 /* Remove every key; keeps the allocated memory. Also forgets admission counts and
  * empties the removed-keys log (a clear is not logged key by key). Write lock. */

@@ -47,7 +47,12 @@ def ptr(ctype: str, arr: np.ndarray):
 
 
 def step32(step) -> int:
-    """A training step (an integer >= 0) as C's uint32 step counter (it wraps)."""
-    if not isinstance(step, (int, np.integer)) or step < 0:
+    """A training step (an integer >= 0) as C's uint32 step counter: the row headers
+    keep steps in 32 bits, so a larger step is an error, never truncated."""
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
         raise errors.InvalidArgumentError(f"step must be an integer >= 0, got {step!r}")
-    return int(step) & 0xFFFFFFFF
+    if step > 0xFFFFFFFF:
+        raise errors.InvalidArgumentError(
+            f"step {step} does not fit the tables' 32-bit row headers (at most 2**32 - 1 "
+            "= 4294967295); a checkpoint or restore with such a step is not supported")
+    return int(step)

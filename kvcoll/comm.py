@@ -2,9 +2,12 @@
 
 kvcoll talks on its own duplicate of COMM_WORLD, so its messages never match a
 user's. Every collective is non-blocking underneath and waited for with a deadline:
-a collective that outlives `timeout` raises CommTimeoutError naming the rank and the
-operation, and the uncaught-exception hook installed by `init` aborts the whole job
-(mpi4py's `-m mpi4py` runner does the same), so no rank is left waiting.
+a collective that outlives it raises CommTimeoutError naming the rank and the
+operation, and the uncaught-exception hooks installed by `init` (the main thread's and
+every other thread's) abort the whole job (mpi4py's `-m mpi4py` runner does the same),
+so no rank is left waiting. Deadlines come by kind (`timeouts`): "step" for a training
+step's exchanges, "io" for checkpoints and exports, "startup" for bringing kvcoll up;
+`with comm.deadline("io"):` switches a block to another kind.
 
 Validate before a collective, never raise inside one on a single rank: `agree()`
 lets every rank learn that some rank's input was bad and raise the same error.
@@ -12,9 +15,11 @@ lets every rank learn that some rank's input was bad and raise the same error.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import threading
 import time
 
 import numpy as np
@@ -73,6 +78,10 @@ def _poll_until(ready, limit: float, message, spin: float = 0.0) -> None:
         pause = min(pause * 2, 1e-3)
 
 
+# The setting that raises each kind of deadline.
+_TIMEOUT_VARS = {"step": "KVCOLL_COMM_TIMEOUT", "io": "KVCOLL_IO_TIMEOUT",
+                 "startup": "KVCOLL_STARTUP_TIMEOUT"}
+
 # How long a wait that should end soon polls back to back before it starts sleeping:
 # a BSP step's collectives (the ranks run in lock step), or an SSP/ASP pull's reply
 # (due as soon as the owner has served it).
@@ -80,21 +89,61 @@ SPIN = 5e-3
 
 
 class Comm:
-    """kvcoll's communicator: a Dup of a parent (COMM_WORLD by default)."""
+    """kvcoll's communicator: a Dup of a parent (COMM_WORLD by default).
 
-    def __init__(self, parent=None, timeout: float = 300.0):
+    timeout: the "step" deadline in seconds; timeouts: the other kinds' ("io",
+    "startup"; default: the step's). The duplication itself waits at most the
+    "startup" deadline."""
+
+    def __init__(self, parent=None, timeout: float = 300.0, timeouts: dict | None = None):
         MPI = _mpi()
-        self._comm = (parent if parent is not None else MPI.COMM_WORLD).Dup()
-        self.rank = self._comm.Get_rank()
-        self.size = self._comm.Get_size()
-        self.timeout = float(timeout)
-        self.thread_level = MPI.Query_thread()
+        self.timeouts = {"step": float(timeout), "io": float(timeout),
+                         "startup": float(timeout), **(timeouts or {})}
+        self.timeout, self.kind = self.timeouts["startup"], "startup"
+        self.rank = -1
+        self.size = 0
         self.calls: dict[str, int] = {}  # per operation name: how many times issued
+        parent = parent if parent is not None else MPI.COMM_WORLD
+        self.rank, self.size = parent.Get_rank(), parent.Get_size()
+        comm, req = parent.Idup()
+        self.wait(req, "dup (a new communicator: every rank must create it)")
+        self._comm = comm
+        self.timeout, self.kind = self.timeouts["step"], "step"
+        self.thread_level = MPI.Query_thread()
 
     @classmethod
     def local(cls, timeout: float = 300.0) -> "Comm":
         """A one-rank communicator of this process alone (reference runs, tests)."""
         return cls(_mpi().COMM_SELF, timeout)
+
+    @contextlib.contextmanager
+    def deadline(self, kind: str):
+        """Wait up to the `kind` deadline ("step", "io", "startup") inside the block."""
+        prev = self.timeout, self.kind
+        self.timeout, self.kind = self.timeouts[kind], kind
+        try:
+            yield self
+        finally:
+            self.timeout, self.kind = prev
+
+    @property
+    def hint(self) -> str:
+        """How to raise the current deadline."""
+        return f"raise the limit with {_TIMEOUT_VARS[self.kind]}"
+
+    def require_threads(self, what: str) -> None:
+        """Raise CommError (naming the fix) unless MPI runs with MPI_THREAD_MULTIPLE,
+        which `what` (a second thread calling MPI) needs."""
+        MPI = _mpi()
+        if self.thread_level < MPI.THREAD_MULTIPLE:
+            names = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED:
+                     "MPI_THREAD_FUNNELED", MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED"}
+            raise CommError(
+                f"rank {self.rank}: {what} needs MPI initialised with MPI_THREAD_MULTIPLE, "
+                f"but it runs with {names.get(self.thread_level, self.thread_level)}; "
+                "initialise MPI through kvcoll (kv.init() before anything else imports "
+                "mpi4py.MPI), or set mpi4py.rc.thread_level = 'multiple' before importing "
+                "mpi4py.MPI (Horovod: HOROVOD_MPI_THREADS_DISABLE must not be set)")
 
     # -- plumbing --------------------------------------------------------------------
 
@@ -106,26 +155,17 @@ class Comm:
         _poll_until(req.Test, self.timeout, lambda: (
             f"rank {self.rank}/{self.size}: {op} did not complete within "
             f"{self.timeout:g}s; a peer died or did not issue the same call "
-            "(raise the limit with KVCOLL_COMM_TIMEOUT)"), spin=SPIN)
+            f"({self.hint})"), spin=SPIN)
 
     def dup(self) -> "Comm":
-        """Another private communicator over the same ranks (e.g. for a service thread)."""
-        return Comm(self._comm, self.timeout)
+        """Another private communicator over the same ranks (e.g. for a service thread):
+        a collective, with the startup deadline."""
+        return Comm(self._comm, self.timeouts["step"], self.timeouts)
 
     def free(self) -> None:
         if self._comm is not None:
             self._comm.Free()
             self._comm = None
-
-    def node(self) -> tuple[int, int]:
-        """(this rank's index among the ranks on its host, how many share the host): a
-        collective (MPI_Comm_split_type with MPI_COMM_TYPE_SHARED)."""
-        MPI = _mpi()
-        local = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-        try:
-            return local.Get_rank(), local.Get_size()
-        finally:
-            local.Free()
 
     def abort(self, code: int = 1) -> None:
         """End the whole job (every rank)."""
@@ -285,7 +325,7 @@ class Comm:
         _poll_until(ready, limit, lambda: (
             f"rank {self.rank}/{self.size}: {op}: no answer from {who} within "
             f"{limit:g}s; a peer died or stopped serving (raise the limit with "
-            "KVCOLL_COMM_TIMEOUT)"), spin=spin)
+            f"{_TIMEOUT_VARS[self.kind]})"), spin=spin)
         return box[0]
 
     def alltoallv(self, send: np.ndarray, counts, op: str = "alltoallv",
@@ -463,16 +503,27 @@ class SendHandle:
 
 
 def install_abort_hook(comm: Comm) -> None:
-    """Make an uncaught exception on any rank end the whole job instead of leaving
-    the other ranks waiting in a collective."""
+    """Make an uncaught exception on any rank, in any thread, end the whole job instead
+    of leaving the other ranks waiting in a collective."""
     if comm.size <= 1:
         return
-    previous = sys.excepthook
+    previous, previous_thread = sys.excepthook, threading.excepthook
 
-    def hook(kind, value, tb):
-        previous(kind, value, tb)
-        sys.stderr.write(f"kvcoll: rank {comm.rank} raised {kind.__name__}; aborting the job\n")
+    def abort(kind, where):
+        sys.stderr.write(f"kvcoll: rank {comm.rank} raised {kind.__name__}{where}; "
+                         "aborting the job\n")
         sys.stderr.flush()
         comm.abort(1)
 
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        abort(kind, "")
+
+    def thread_hook(args):
+        previous_thread(args)
+        if args.exc_type is not SystemExit:
+            name = args.thread.name if args.thread is not None else "?"
+            abort(args.exc_type, f" in thread {name!r}")
+
     sys.excepthook = hook
+    threading.excepthook = thread_hook

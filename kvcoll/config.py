@@ -2,14 +2,15 @@
 
 Every field can come from the code (`kvcoll.init(step_mode="ssp", staleness=4)`), from
 an environment variable `KVCOLL_<FIELD>` (`KVCOLL_STEP_MODE=ssp`), or from a
-command-line flag `--<field>` with dashes (`--step-mode ssp`), in that order of
-precedence: code > flag > environment > default. An unknown `KVCOLL_*` variable or a
-bad value is an error that names the field and what it accepts.
+command-line flag `--<field>` with dashes (`--step-mode ssp` or `--step-mode=ssp`), in
+that order of precedence: code > flag > environment > default. Flags are matched by
+their whole name only (a user's own `--comm` or `--st` is left alone), and the user's
+other flags are ignored. An unknown `KVCOLL_*` variable or a bad value is an error that
+names the field and what it accepts; `KVCOLL_TEST_*` is reserved for kvcoll's test suite.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 
@@ -58,13 +59,20 @@ class Config:
 
     step_mode: "bsp", "ssp" or "asp".
     staleness: SSP's bound in steps (ignored by bsp and asp).
-    comm_timeout: seconds any collective or peer answer may take before the run ends
-        with an error naming the rank and the operation.
+    Timeouts by kind: how long a collective or a peer's answer may take before the run
+    ends with an error naming the rank, the operation and the step.
+    comm_timeout: seconds, for a training step's exchanges (and evaluation's).
+    io_timeout: seconds, for the collectives of a checkpoint save or restore and of an
+        export (their ranks wait while others write or read files).
+    startup_timeout: seconds, for bringing kvcoll up (communicators, the first batch's
+        agreement, tracing the model).
     """
 
     step_mode: str = "bsp"
     staleness: int = 4
-    comm_timeout: float = 300.0
+    comm_timeout: float = 120.0
+    io_timeout: float = 1800.0
+    startup_timeout: float = 600.0
 
     def __post_init__(self):
         if self.step_mode not in STEP_MODES:
@@ -72,8 +80,16 @@ class Config:
                 f"step_mode {self.step_mode!r} is unknown; use one of {', '.join(STEP_MODES)}")
         if not isinstance(self.staleness, int) or self.staleness < 0:
             raise InvalidArgumentError(f"staleness must be an integer >= 0, got {self.staleness!r}")
-        if not self.comm_timeout > 0:
-            raise InvalidArgumentError(f"comm_timeout must be > 0 seconds, got {self.comm_timeout!r}")
+        for name in ("comm_timeout", "io_timeout", "startup_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise InvalidArgumentError(f"{name} must be > 0 seconds, got {value!r}")
+
+    @property
+    def timeouts(self) -> dict:
+        """Seconds by kind: "step", "io", "startup"."""
+        return {"step": float(self.comm_timeout), "io": float(self.io_timeout),
+                "startup": float(self.startup_timeout)}
 
     @property
     def mode(self) -> StepMode:
@@ -86,7 +102,7 @@ class Config:
         fields = {f.name: f for f in dataclasses.fields(cls)}
         values: dict = {}
         for key, raw in environ.items():
-            if not key.startswith("KVCOLL_"):
+            if not key.startswith("KVCOLL_") or key.startswith("KVCOLL_TEST_"):
                 continue
             name = key[len("KVCOLL_"):].lower()
             if name not in fields:
@@ -94,19 +110,34 @@ class Config:
                     f"environment variable {key} is not a kvcoll setting; known: "
                     + ", ".join("KVCOLL_" + n.upper() for n in fields))
             values[name] = _parse(fields[name], raw, key)
-        if argv:
-            parser = argparse.ArgumentParser(add_help=False)
-            for name in fields:
-                parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None)
-            known, _ = parser.parse_known_args(argv)
-            for name, raw in vars(known).items():
-                if raw is not None:
-                    values[name] = _parse(fields[name], raw, "--" + name.replace("_", "-"))
+        for name, (flag, raw) in _flags(argv or [], fields).items():
+            values[name] = _parse(fields[name], raw, flag)
         values.update({k: v for k, v in overrides.items() if v is not None})
         unknown = set(values) - set(fields)
         if unknown:
             raise InvalidArgumentError(f"unknown kvcoll setting(s): {sorted(unknown)}")
         return cls(**values)
+
+
+def _flags(argv: list, fields) -> dict:
+    """{field: (flag, raw value)} of kvcoll's flags in argv: `--step-mode ssp` or
+    `--step-mode=ssp`, whole names only; the last one wins; everything else is the
+    user's and is left alone."""
+    names = {"--" + n.replace("_", "-"): n for n in fields}
+    out = {}
+    i = 0
+    while i < len(argv):
+        arg = str(argv[i])
+        flag, eq, value = arg.partition("=")
+        if flag in names:
+            if not eq:
+                if i + 1 >= len(argv) or str(argv[i + 1]).startswith("--"):
+                    raise InvalidArgumentError(f"{flag} needs a value, e.g. {flag} 4")
+                value = str(argv[i + 1])
+                i += 1
+            out[names[flag]] = (flag, value)
+        i += 1
+    return out
 
 
 def _parse(field: dataclasses.Field, raw: str, source: str):

@@ -7,6 +7,8 @@ any rank end the whole job.
 
 from __future__ import annotations
 
+import atexit
+import socket
 import sys
 
 import numpy as np
@@ -31,11 +33,22 @@ def init(argv: list[str] | None = None, **settings) -> Config:
     if _state:
         return _state["config"]
     cfg = Config.resolve(sys.argv[1:] if argv is None else argv, **settings)
-    comm = Comm(timeout=cfg.comm_timeout)
+    comm = Comm(timeout=cfg.comm_timeout, timeouts=cfg.timeouts)
     install_abort_hook(comm)
-    local = comm.node()
-    _state.update(config=cfg, comm=comm, local=local)
+    with comm.deadline("startup"):
+        hosts = comm.allgather_json(socket.gethostname(), "init:hosts")
+    mine = [r for r, h in enumerate(hosts) if h == hosts[comm.rank]]
+    _state.update(config=cfg, comm=comm, local=(mine.index(comm.rank), len(mine)))
+    atexit.register(_at_exit)
     return cfg
+
+
+def _at_exit() -> None:
+    """Stop SSP/ASP service threads before MPI_Finalize (which mpi4py runs at exit,
+    after this: atexit runs in reverse order of registration)."""
+    from .exchange.ssp import close_all
+
+    close_all()
 
 
 def is_initialized() -> bool:

@@ -386,6 +386,15 @@ class KvTable:
               f"table {self.name!r}: delete")
         return int(n[0])
 
+    def forget_new(self, keys, step: int) -> int:
+        """Remove the rows of `keys` that step `step` created and nothing updated (a
+        rejected step's new rows); other keys stay. Returns how many were removed."""
+        k = as_keys(keys, table=self.name)
+        n = ffi.new("int64_t *")
+        check(lib.kv_table_forget_new(self._handle(), ptr("int64_t *", k), k.size,
+                                      step32(step), n), f"table {self.name!r}: forget_new")
+        return int(n[0])
+
     @property
     def learning_rate(self) -> float:
         """The row optimizer's learning rate now (the C side holds it as float32)."""

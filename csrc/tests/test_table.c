@@ -1030,6 +1030,54 @@ static void test_admission(void) {
     CHECK(x == NULL);
 }
 
+/* Exact admission counts a key once per step: two lookups in one step (two SSP workers
+ * pulling it at their clock t) are one sighting; step 0 (no step) always counts. */
+static void test_admission_once_per_step(void) {
+    kv_table_config_t c = config(2, KV_INIT_CONSTANT, 0.5f, 0);
+    c.admit_min_count = 2;
+    kv_table_t *t = NULL;
+    CHECK_EQ_INT(kv_table_create(&c, &t), KV_OK);
+    int64_t key = 77, created = -1;
+    float out[2];
+    uint8_t has[1];
+    for (int worker = 0; worker < 3; worker++) { /* three pulls of step 5 */
+        CHECK_EQ_INT(kv_table_find_or_create(t, &key, 1, out, 5, &created, has), KV_OK);
+        CHECK(!has[0] && created == 0);
+    }
+    CHECK_EQ_INT(kv_table_find_or_create(t, &key, 1, out, 6, &created, has), KV_OK);
+    CHECK(has[0] && created == 1); /* the second step: admitted */
+    int64_t other = 78;
+    CHECK_EQ_INT(kv_table_find_or_create(t, &other, 1, out, 0, &created, has), KV_OK);
+    CHECK_EQ_INT(kv_table_find_or_create(t, &other, 1, out, 0, &created, has), KV_OK);
+    CHECK(has[0] && created == 1);
+    kv_table_destroy(t);
+}
+
+/* kv_table_forget_new removes the rows a step created and nothing else. */
+static void test_forget_new(void) {
+    kv_table_config_t c = config(2, KV_INIT_CONSTANT, 0.5f, 0);
+    kv_table_t *t = NULL;
+    CHECK_EQ_INT(kv_table_create(&c, &t), KV_OK);
+    int64_t keys[3] = {1, 2, 3}, created = -1, gone = -1;
+    float out[6], g[6] = {1, 1, 1, 1, 1, 1};
+    CHECK_EQ_INT(kv_table_find_or_create(t, keys, 2, out, 1, &created, NULL), KV_OK);
+    CHECK_EQ_INT(kv_table_apply_gradients(t, keys, 2, g, 1, 0, NULL), KV_OK); /* 1, 2 trained */
+    CHECK_EQ_INT(kv_table_find_or_create(t, keys, 3, out, 2, &created, NULL), KV_OK);
+    CHECK_EQ_INT(created, 1); /* 3 is new at step 2, then the step is rejected */
+    CHECK_EQ_INT(kv_table_track_removed(t, 1), KV_OK);
+    CHECK_EQ_INT(kv_table_forget_new(t, keys, 3, 2, &gone), KV_OK);
+    CHECK_EQ_INT(gone, 1);
+    CHECK_EQ_INT(kv_table_size(t), 2);
+    uint8_t found[3];
+    CHECK_EQ_INT(kv_table_find(t, keys, 3, out, found, NULL), KV_OK);
+    CHECK(found[0] && found[1] && !found[2]);
+    CHECK_EQ_INT(kv_table_forget_new(t, keys, 2, 1, &gone), KV_OK); /* trained: kept */
+    CHECK_EQ_INT(gone, 0);
+    CHECK_EQ_INT(kv_table_forget_new(NULL, keys, 1, 1, NULL), KV_EINVAL);
+    CHECK(table_consistent(t));
+    kv_table_destroy(t);
+}
+
 /* Brute force: sort (primary, secondary, key) and keep the last max_rows non-TTL rows. */
 typedef struct {
     uint32_t a, b;
@@ -1431,6 +1479,7 @@ int main(int argc, char **argv) {
     (void)test_errors, (void)test_oom, (void)test_stats, (void)test_chunks;
     (void)test_admission, (void)test_evict_exact, (void)test_removed_log, (void)test_lifecycle_oom;
     (void)test_apply_ref, (void)test_init_normal_accuracy, (void)test_set_optim;
+    (void)test_admission_once_per_step, (void)test_forget_new;
 #else
     test_random_ops();
     test_key_patterns();
@@ -1446,6 +1495,8 @@ int main(int argc, char **argv) {
     test_oom();
     test_stats();
     test_admission();
+    test_admission_once_per_step();
+    test_forget_new();
     test_evict_exact();
     test_removed_log();
     test_lifecycle_oom();

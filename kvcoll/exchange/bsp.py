@@ -279,9 +279,12 @@ class Pushed:
         return self._total
 
     def commit(self, apply: bool = True) -> None:
-        """Wait for the gradients this rank owns and apply them (apply=False: only
-        complete the exchange, change nothing: e.g. when a rank's gradient was NaN)."""
+        """Wait for the gradients this rank owns and apply them (apply=False: the step is
+        rejected, e.g. a rank's gradient was NaN: complete the exchange, apply nothing,
+        and remove the rows this step's lookups created, so the tables are as before)."""
         got, _ = self._rows.wait()
+        if not apply:
+            self._ex._set.forget_new(self._state, self._step)
         if apply:
             ex = self._ex
             t0 = time.perf_counter()

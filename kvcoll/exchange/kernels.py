@@ -109,6 +109,13 @@ class TableSet:
                             ptr("int64_t *", missing)), "exchange: apply gradients")
         return missing
 
+    def forget_new(self, state, step: int) -> int:
+        """Undo a rejected step's lookups: the rows its serve (`state`) created, never
+        updated, are removed from every table. Returns how many."""
+        _, _, ukeys, _, ustart, _ = state
+        return sum(t.forget_new(ukeys[ustart[i]:ustart[i + 1]], step)
+                   for i, t in enumerate(self.tables))
+
     def regroup(self, counts: np.ndarray, payload: np.ndarray, out: list) -> None:
         """Payload rows (layout of counts) into out[g], one float32 matrix per group."""
         bufs = [ffi.from_buffer(o) for o in out]

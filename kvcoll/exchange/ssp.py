@@ -53,6 +53,7 @@ import collections
 import dataclasses
 import threading
 import time
+import weakref
 
 import numpy as np
 
@@ -64,7 +65,16 @@ from .bsp import BspExchange, Pull
 from .dense import apply_rows, init_slots
 from .kernels import TableSet
 
-__all__ = ["SspExchange"]
+__all__ = ["SspExchange", "close_all"]
+
+_LIVE: "weakref.WeakSet" = weakref.WeakSet()   # exchanges whose service thread may run
+
+
+def close_all() -> None:
+    """Stop every live service thread (at exit, before MPI_Finalize)."""
+    for ex in list(_LIVE):
+        ex.close()
+
 
 _PULL, _PUSH, _DONE = 1, 2, 3
 _TAG_REQ, _TAG_REPLY = 11, 12
@@ -128,6 +138,7 @@ class SspExchange:
         if staleness is not None and (not isinstance(staleness, int) or staleness < 0):
             raise InvalidArgumentError(
                 f"staleness must be an int >= 0 or None (ASP), got {staleness!r}")
+        comm.require_threads("SSP/ASP (a service thread per rank)")
         self.comm = comm
         self.tables = dict(tables)
         self._names = list(self.tables)
@@ -170,6 +181,7 @@ class SspExchange:
         self._thread = threading.Thread(target=self._serve, name=f"kvcoll-service-{rank}",
                                          daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     # -- worker side ---------------------------------------------------------------------
 
@@ -448,10 +460,15 @@ class SspExchange:
 
     def close(self) -> None:
         """Stop the service thread and free the communicators (no messages may be in
-        flight: call after finish(), or when abandoning the run)."""
+        flight: call after finish(), or when abandoning the run). A service thread that
+        does not stop within 10 s keeps its communicators (freeing them under it would
+        crash the process); MPI_Finalize reclaims them."""
+        _LIVE.discard(self)
         if self._thread.is_alive():
             self._stop = True
             self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            return
         for s in self._sends:
             s.done()
         self._sends.clear()
@@ -481,8 +498,14 @@ class SspExchange:
                 else:
                     time.sleep(pause)
                     pause = min(pause * 2, 1e-3)
-                while replies and replies[0].done():
+                while replies and replies[0][0].done():
                     replies.popleft()
+                if replies and time.monotonic() - replies[0][1] > self._rep.timeout:
+                    handle, _, dest = replies[0]
+                    raise CommTimeoutError(
+                        f"rank {self._rank}/{self._world}: ssp:reply to rank {dest} was not "
+                        f"taken within {self._rep.timeout:g}s; the peer died or stopped "
+                        "(raise the limit with KVCOLL_COMM_TIMEOUT)")
         except BaseException as exc:  # noqa: BLE001 - reported to the training thread
             with self._cv:
                 self._error = exc
@@ -550,7 +573,8 @@ class SspExchange:
         if n_dense:
             with self._cv:
                 body[n_rows:] = self._master.reshape(-1)
-        replies.append(self._rep.isend(msg, src, _TAG_REPLY, "ssp:reply"))
+        replies.append((self._rep.isend(msg, src, _TAG_REPLY, "ssp:reply"), time.monotonic(),
+                        src))
 
     def _apply_push(self, src, clock, has_dense, rd) -> None:
         counts = rd.ints(len(self._names))

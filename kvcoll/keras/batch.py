@@ -32,11 +32,13 @@ __all__ = ["Feature", "Layout", "Batch", "DataError", "unpack", "signature", "le
 
 @dataclasses.dataclass(frozen=True)
 class Feature:
-    """A model input of ids: the table it reads and whether it is multi-hot."""
+    """A model input of ids: the table it reads, whether it is multi-hot, and the id
+    that pads its rows (None: none)."""
 
     name: str
     table: str
     multi_hot: bool
+    padding_id: int | None = None
 
 
 @dataclasses.dataclass
@@ -270,6 +272,15 @@ class Layout:
         if arr.ndim != 1:
             raise InvalidArgumentError(f"feature {name!r}: ids must be 1-D, got shape {arr.shape}")
         flat = as_keys(arr, f"feature {name!r}: ids")
+        pad = self.features[name].padding_id
+        if pad is not None and splits is not None:  # padding: not an id, dropped
+            keep = flat != pad
+            if not keep.all():
+                rows = np.repeat(np.arange(splits.size - 1), np.diff(splits))
+                lengths = np.bincount(rows[keep], minlength=splits.size - 1)
+                flat = np.ascontiguousarray(flat[keep])
+                splits = np.zeros(splits.size, np.int64)
+                np.cumsum(lengths, out=splits[1:])
         if splits is not None:
             if not multi_hot:
                 raise InvalidArgumentError(

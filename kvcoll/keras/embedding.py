@@ -57,7 +57,10 @@ class Embedding(keras.layers.Layer):
         (output [batch, dim]); "sum", "mean" or "sqrtn" for multi-hot features
         (output [batch, dim]). initializer, seed: how new rows start (see
         kvcoll.Initializer). optimizer: the table's row optimizer (default: the
-        DistributedOptimizer's `sparse`).
+        DistributedOptimizer's `sparse`). padding_id: with a combiner, an id that pads
+        the rows of a 2-D (or ragged) input and is not an id (e.g. -1 or 0): dropped
+        before the lookup, so it neither reads nor trains a row (default None: every
+        value is an id).
         Feature lifecycle (see kvcoll.KvTable): admit_min_count (K >= 2: an id gets a
         row once seen in K steps; before, it reads zeros and its gradients are
         dropped), admit ("exact" or "bloom"), evict_after_steps (TTL in steps),
@@ -73,7 +76,7 @@ class Embedding(keras.layers.Layer):
                  initializer=("uniform", -0.05, 0.05), seed: int = 0, optimizer=None,
                  admit_min_count: int = 0, admit: str = "exact",
                  evict_after_steps: int | None = None, max_rows: int | None = None,
-                 evict_policy: str = "lru", **kwargs):
+                 evict_policy: str = "lru", padding_id: int | None = None, **kwargs):
         kwargs.setdefault("name", f"kv_embedding_{table}")
         super().__init__(**kwargs)
         if not isinstance(table, str) or not table:
@@ -83,6 +86,13 @@ class Embedding(keras.layers.Layer):
                 f"Embedding {table!r}: combiner must be one of {COMBINERS}, got {combiner!r}")
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
             raise InvalidArgumentError(f"Embedding {table!r}: dim must be a positive int, got {dim!r}")
+        if padding_id is not None and (combiner is None or isinstance(padding_id, bool)
+                                       or not isinstance(padding_id, int)):
+            raise InvalidArgumentError(
+                f"Embedding {table!r}: padding_id pads multi-hot rows: it needs a combiner "
+                f"('sum', 'mean' or 'sqrtn') and an int, got combiner={combiner!r}, "
+                f"padding_id={padding_id!r}")
+        self.padding_id = padding_id
         self.table = table
         self.dim = dim
         self.combiner = combiner
@@ -134,5 +144,5 @@ class Embedding(keras.layers.Layer):
     def get_config(self):
         cfg = super().get_config()
         cfg.update(table=self.table, dim=self.dim, combiner=self.combiner, seed=self.seed,
-                   initializer=self.initializer, **self.lifecycle)
+                   initializer=self.initializer, padding_id=self.padding_id, **self.lifecycle)
         return cfg

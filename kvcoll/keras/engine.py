@@ -183,8 +183,13 @@ class Engine:
     def begin(self, first, x_only: bool = False) -> tuple | None:
         """Agree with every rank on the layout of this loop's batches, given this rank's
         first data element (None if it has none; a DataError if reading it failed), and
-        set the engine up on first use (a collective). Returns the agreed (labels
+        set the engine up on first use (a collective, with the startup deadline: ranks
+        may wait for others still building their model). Returns the agreed (labels
         structure, sample weights structure); None when no rank has any data."""
+        with self.comm.deadline("startup"):
+            return self._begin(first, x_only)
+
+    def _begin(self, first, x_only):
         err, mine = None, None
         if isinstance(first, DataError):
             err = first.exc
@@ -257,7 +262,9 @@ class Engine:
                 else np.dtype(object)
             forms[name] = ["array", _kind(dt), len(t.shape),
                            [None if d is None else int(d) for d in t.shape[1:]]]
-        self._setup(json.dumps({"x": [kind, forms], "y": None, "sw": None}, sort_keys=True))
+        with self.comm.deadline("startup"):
+            self._setup(json.dumps({"x": [kind, forms], "y": None, "sw": None},
+                                   sort_keys=True))
 
     def _setup(self, sig: str) -> None:
         features = self._discover(sig)
@@ -316,13 +323,13 @@ class Engine:
                     "directly on a model input of ids, not on the result of another "
                     "operation (a cast, a slice, a lookup): the ids are looked up before the "
                     "model runs")
-            spec = Feature(name or "x", layer.table, layer.combiner is not None)
+            spec = Feature(name, layer.table, layer.combiner is not None, layer.padding_id)
             prev = features.get(name)
-            if prev is not None and (prev.table != spec.table or prev.multi_hot != spec.multi_hot):
+            if prev is not None and prev != spec:
                 raise InvalidArgumentError(
-                    f"input {name!r} feeds two kv.Embedding layers of different tables or "
-                    f"combiners ({prev.table!r}, {spec.table!r})")
-            features[name] = Feature(name, layer.table, spec.multi_hot)
+                    f"input {name!r} feeds two kv.Embedding layers of different tables, "
+                    f"combiners or padding ids ({prev.table!r}, {spec.table!r})")
+            features[name] = spec
         if not features:
             raise InvalidArgumentError("the model has no kv.Embedding layer called on its inputs")
         own = {op for _, _, op in calls}

@@ -48,3 +48,44 @@ def test_engine_imports_neither_tensorflow_nor_mpi():
             "assert callable(kvcoll.Trainer) and 'tensorflow' in sys.modules")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_flags_match_whole_names_only_and_never_exit():
+    """A user's own flags are left alone: no abbreviation (`--comm`, `--st`), no exit."""
+    cfg = Config.resolve(["--comm", "5", "--st", "--staleness-of-data", "9", "--step-mode=ssp",
+                          "--staleness", "2"], {})
+    assert cfg == Config(step_mode="ssp", staleness=2)
+    assert Config.resolve(["--comm-timeout=7.5"], {}).comm_timeout == 7.5
+    with pytest.raises(InvalidArgumentError, match="--staleness needs a value"):
+        Config.resolve(["--staleness"], {})
+    with pytest.raises(InvalidArgumentError, match="--step-mode needs a value"):
+        Config.resolve(["--step-mode", "--other"], {})
+
+
+def test_test_suite_variables_are_not_settings():
+    env = {"KVCOLL_TEST_MPI_TIMEOUT": "30", "KVCOLL_TEST_TRAIN_TIMEOUT": "9"}
+    assert Config.resolve([], env) == Config()
+
+
+def test_timeouts_by_kind():
+    cfg = Config.resolve([], {"KVCOLL_IO_TIMEOUT": "900"}, startup_timeout=60.0)
+    assert cfg.timeouts == {"step": 120.0, "io": 900.0, "startup": 60.0}
+    with pytest.raises(InvalidArgumentError, match="io_timeout must be > 0"):
+        Config(io_timeout=0)
+
+
+def test_comm_deadlines_by_kind_and_the_thread_level_check():
+    from kvcoll import CommError
+    from kvcoll.comm import Comm, _mpi
+
+    c = Comm.local()
+    c.timeouts.update(io=50.0)
+    assert c.timeout == c.timeouts["step"]
+    with c.deadline("io"):
+        assert c.timeout == 50.0
+    assert c.timeout == c.timeouts["step"]
+    c.require_threads("a test")                        # kvcoll brought MPI up with MULTIPLE
+    c.thread_level = _mpi().THREAD_SERIALIZED
+    with pytest.raises(CommError, match="MPI_THREAD_MULTIPLE.*MPI_THREAD_SERIALIZED"):
+        c.require_threads("SSP/ASP")
+    c.free()

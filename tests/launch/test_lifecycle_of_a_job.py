@@ -1,0 +1,72 @@
+"""How a kvcoll job starts and ends on one host, under mpirun with a timeout: an error in
+any thread of any rank ends the whole job; a job that leaves SSP service threads running
+exits cleanly; a communicator some rank never creates ends with a deadline error."""
+
+import time
+
+from mpirun import run
+
+THREAD_RAISES = """
+import threading, time, numpy as np, kvcoll as kv
+kv.init(argv=[])
+if kv.rank() == 1:
+    def boom():
+        raise RuntimeError("a helper thread of rank 1 broke")
+    threading.Thread(target=boom, name="helper").start()
+kv.allreduce(np.ones(1))           # rank 0 waits here for rank 1 ...
+time.sleep(60)                     # ... and nobody reaches the end
+print("should not get here", flush=True)
+"""
+
+
+def test_an_exception_in_any_thread_ends_the_job():
+    t0 = time.monotonic()
+    code, out = run(2, ["-c", THREAD_RAISES], 120, "a rank's thread raising")
+    assert code != 0, out[-3000:]
+    assert "raised RuntimeError in thread 'helper'; aborting the job" in out, out[-3000:]
+    assert "should not get here" not in out
+    assert time.monotonic() - t0 < 60
+
+
+SSP_LEFT_RUNNING = """
+import os
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+import keras, numpy as np, kvcoll as kv
+kv.init(argv=[], step_mode="ssp", staleness=1)
+u = keras.Input(shape=(), dtype="int64", name="u")
+m = keras.Model(u, keras.layers.Dense(1)(kv.Embedding("u", 2)(u)))
+m.compile(optimizer=kv.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+m.fit(np.arange(8) + 8 * kv.rank(), np.zeros(8), batch_size=4, verbose=0)
+print("rank", kv.rank(), "done", flush=True)
+# no close(), no shutdown(): the service thread is still up when Python exits
+"""
+
+
+def test_a_job_that_leaves_its_service_threads_running_exits_cleanly():
+    code, out = run(2, ["-c", SSP_LEFT_RUNNING], 180, "an SSP job exiting")
+    assert code == 0, out[-3000:]
+    assert "rank 0 done" in out and "rank 1 done" in out
+
+
+DUP_SKIPPED = """
+import time, numpy as np, kvcoll as kv
+from kvcoll.comm import Comm
+kv.init(argv=[], startup_timeout=3.0)
+c = kv.runtime.comm()
+if kv.rank() == 0:
+    Comm(c._comm, c.timeouts["step"], c.timeouts)          # rank 1 does not take part
+time.sleep(60)
+print("should not get here", flush=True)
+"""
+
+
+def test_a_communicator_one_rank_never_creates_ends_with_a_deadline():
+    """Rank 0 waits for a new communicator rank 1 never creates: after the startup
+    deadline it raises naming the operation and the setting, and the job ends."""
+    t0 = time.monotonic()
+    code, out = run(2, ["-c", DUP_SKIPPED], 120, "a dup one rank skips")
+    assert code != 0, out[-3000:]
+    assert "rank 0/2: dup (a new communicator: every rank must create it) did not " \
+        "complete within 3s" in out, out[-3000:]
+    assert "KVCOLL_STARTUP_TIMEOUT" in out and "should not get here" not in out
+    assert time.monotonic() - t0 < 45
