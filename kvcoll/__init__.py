@@ -11,7 +11,7 @@ from .errors import (CapacityError, CheckpointError, ClosedError, CommError, Com
                      DimensionError, InvalidArgumentError, KvcollError, NonFiniteError,
                      TableFullError)
 from .runtime import (allgather, allreduce, broadcast, init, is_initialized, local_rank,
-                      local_size, rank, shutdown, size)
+                      local_size, preempted, rank, shutdown, size)
 from .table import Initializer, KvTable, TableStats
 
 __version__ = "0.1.0"
@@ -27,7 +27,7 @@ _LAZY_MODULES = {"callbacks": "kvcoll.keras.callbacks"}
 
 __all__ = [
     "init", "shutdown", "rank", "size", "local_rank", "local_size", "is_initialized",
-    "allreduce", "allgather", "broadcast",
+    "allreduce", "allgather", "broadcast", "preempted",
     "Config", "StepMode", "BSP", "ASP", "ssp",
     "KvTable", "Initializer", "TableStats",
     *_LAZY, "callbacks",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import socket
 import sys
+import threading
 
 import numpy as np
 
@@ -18,7 +19,7 @@ from .config import Config
 from .errors import InvalidArgumentError, KvcollError
 
 __all__ = ["init", "shutdown", "rank", "size", "local_rank", "local_size", "config", "comm",
-           "is_initialized", "allreduce", "allgather", "broadcast"]
+           "is_initialized", "allreduce", "allgather", "broadcast", "preempted"]
 
 _state: dict = {}
 
@@ -77,6 +78,19 @@ def rank() -> int:
 def size() -> int:
     """Number of ranks."""
     return _need("size")["comm"].size
+
+
+_preempted = threading.Event()
+
+
+def preempted() -> bool:
+    """Whether this process got SIGTERM while model.fit ran (fit then stops every rank
+    after the same step and exits 0; a loop of your own may check this)."""
+    return _preempted.is_set()
+
+
+def note_preempted() -> None:
+    _preempted.set()
 
 
 def local_rank() -> int:

@@ -20,17 +20,24 @@ What changes with several ranks, as a Horovod user expects:
   step;
 - the progress bar prints on rank 0 only; TensorBoard, CSVLogger, ModelCheckpoint,
   BackupAndRestore and RemoteMonitor run on rank 0 only (they write files or talk to
-  the outside; with kv.Embedding layers use kv.callbacks.Checkpoint for tables).
+  the outside; with kv.Embedding layers use kv.callbacks.Checkpoint for tables);
+- preemption: SIGTERM during fit (what Kubernetes and SLURM send before killing) makes
+  every rank finish its current step and stop after the same step (BSP; SSP/ASP: at the
+  epoch's sync point), end training as usual (so kv.callbacks.Checkpoint writes its
+  final checkpoint), print a message and exit 0; a restart restores from there.
 """
 
 from __future__ import annotations
 
 import functools
+import signal
+import threading
 import warnings
 
 import keras
 import numpy as np
 
+from .. import runtime
 from ..errors import InvalidArgumentError
 from . import _compat
 from .embedding import Embedding
@@ -99,9 +106,11 @@ def _num_steps(engine, feed) -> int | None:
     return None if (got < 0).any() else int(got.max())
 
 
-def _agree_stop(engine, stop: bool) -> bool:
-    """Whether any rank asked to stop (a collective)."""
-    return bool(engine.comm.allreduce(np.array([int(bool(stop))], np.int64), op="fit:stop")[0])
+def _agree_any(engine, *flags) -> list:
+    """For each flag, whether it is set on any rank (one collective)."""
+    got = engine.comm.allreduce(np.array([int(bool(f)) for f in flags], np.int64),
+                                op="fit:stop", mpi_op="max")
+    return [bool(g) for g in got]
 
 
 def _check_compiled(model, what: str) -> None:
@@ -130,40 +139,53 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
     cbs = _compat.callback_list(_rank_callbacks(engine, callbacks), model=model,
                                 verbose=verbose, epochs=epochs, steps=steps)
     model.stop_training = False
-    cbs.on_train_begin()
-    logs, training_logs = {}, None
-    for epoch in range(initial_epoch, epochs):
-        engine.reset_metrics()
-        cbs.on_epoch_begin(epoch)
-        logs = _train_epoch(engine, model, feed, epoch, targets, cbs) if targets else {}
-        if not engine.synchronous:
-            engine.finish()                      # the epoch's sync point
-            logs = engine.global_logs(targets)
-        epoch_logs = dict(logs)
-        if validation_data is not None and _should_eval(epoch, validation_freq):
-            vx, vy, vsw = _unpack_validation(validation_data)
-            val = evaluate(model, vx, vy, sample_weight=vsw,
-                           batch_size=validation_batch_size or batch_size,
-                           steps=validation_steps, callbacks=cbs, return_dict=True,
-                           verbose=0)
-            epoch_logs.update({f"val_{k}": v for k, v in val.items()})
-        cbs.on_epoch_end(epoch, epoch_logs)
-        training_logs = epoch_logs
-        model.stop_training = _agree_stop(engine, model.stop_training)
-        if model.stop_training:
-            break
-    cbs.on_train_end(logs=training_logs)
+    with _Preemption() as preempt:
+        cbs.on_train_begin()
+        logs, training_logs, preempted = {}, None, False
+        for epoch in range(initial_epoch, epochs):
+            engine.reset_metrics()
+            cbs.on_epoch_begin(epoch)
+            logs = _train_epoch(engine, model, feed, epoch, targets, cbs, preempt) \
+                if targets else {}
+            if not engine.synchronous:
+                engine.finish()                      # the epoch's sync point
+                logs = engine.global_logs(targets)
+            epoch_logs = dict(logs)
+            if validation_data is not None and _should_eval(epoch, validation_freq) \
+                    and not preempt.stop:
+                vx, vy, vsw = _unpack_validation(validation_data)
+                val = evaluate(model, vx, vy, sample_weight=vsw,
+                               batch_size=validation_batch_size or batch_size,
+                               steps=validation_steps, callbacks=cbs, return_dict=True,
+                               verbose=0)
+                epoch_logs.update({f"val_{k}": v for k, v in val.items()})
+            cbs.on_epoch_end(epoch, epoch_logs)
+            training_logs = epoch_logs
+            preempted, stop = _agree_any(engine, preempt.stop, model.stop_training)
+            model.stop_training = stop or preempted
+            if model.stop_training:
+                break
+        cbs.on_train_end(logs=training_logs)
+    if preempted:
+        if engine.comm.rank == 0:
+            print(f"kvcoll: SIGTERM: stopped every rank after step {engine.step} (training "
+                  "ended as usual, so a kv.callbacks.Checkpoint wrote its checkpoint); "
+                  "exiting 0", flush=True)
+        raise SystemExit(0)
     return model.history
 
 
-def _train_epoch(engine, model, feed, epoch, targets, cbs) -> dict:
+def _train_epoch(engine, model, feed, epoch, targets, cbs, preempt) -> dict:
     logs = {}
     it = feed.epoch(epoch)
     step = 0
     while True:
+        stop = model.stop_training or preempt.stop
+        if stop and not engine.synchronous:
+            break                 # SSP/ASP: this rank stops; the epoch's end agrees
         batch = _next(it)
         cbs.on_train_batch_begin(step)
-        out = engine.train_step(batch, targets=targets, stop=model.stop_training)
+        out = engine.train_step(batch, targets=targets, stop=stop)
         if out is None:
             if not engine.synchronous:
                 break
@@ -172,6 +194,29 @@ def _train_epoch(engine, model, feed, epoch, targets, cbs) -> dict:
         cbs.on_train_batch_end(step, logs)
         step += 1
     return logs
+
+
+class _Preemption:
+    """SIGTERM while fit runs (in the main thread): noted, not fatal; fit stops every
+    rank after the same step. The previous handler comes back when fit returns."""
+
+    def __init__(self):
+        self.stop = False
+        self._prev = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._prev = signal.signal(signal.SIGTERM, self._on_sigterm)
+        return self
+
+    def _on_sigterm(self, signum, frame):
+        self.stop = True
+        runtime.note_preempted()
+
+    def __exit__(self, *exc):
+        if self._prev is not None:
+            signal.signal(signal.SIGTERM, self._prev)
+        return False
 
 
 def _next(it):

@@ -70,3 +70,39 @@ def test_a_communicator_one_rank_never_creates_ends_with_a_deadline():
         "complete within 3s" in out, out[-3000:]
     assert "KVCOLL_STARTUP_TIMEOUT" in out and "should not get here" not in out
     assert time.monotonic() - t0 < 45
+
+
+PREEMPTED = """
+import os, signal, sys
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+import keras, numpy as np, kvcoll as kv
+kv.init(argv=[])
+ck_dir = sys.argv[1]
+keras.utils.set_random_seed(0)
+u = keras.Input(shape=(), dtype="int64", name="u")
+m = keras.Model(u, keras.layers.Dense(1)(kv.Embedding("u", 2)(u)))
+m.compile(optimizer=kv.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+ck = kv.callbacks.Checkpoint(ck_dir, every_n_steps=100, restore=True)
+
+class Sigterm(keras.callbacks.Callback):   # the last rank alone is told to stop
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 4 and kv.rank() == kv.size() - 1 and not ck.restored:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+x = np.arange(400) + 400 * kv.rank()
+m.fit(x, np.zeros(400), batch_size=8, verbose=0, callbacks=[ck, Sigterm()])
+print("rank", kv.rank(), "ran to the end from step", ck.restored.step if ck.restored else 0,
+      "to", kv.keras.engine_of(m).step, flush=True)
+"""
+
+
+def test_sigterm_stops_every_rank_after_the_same_step_saves_and_exits_0(tmp_path):
+    ck = tmp_path / "ck"
+    code, out = run(2, ["-c", PREEMPTED, ck], 180, "a preempted fit")
+    assert code == 0, out[-3000:]
+    assert "kvcoll: SIGTERM: stopped every rank after step 5" in out, out[-3000:]
+    assert "ran to the end" not in out
+    assert (ck / "latest").read_text() == "ckpt-0000000005\n"
+    code, out = run(2, ["-c", PREEMPTED, ck], 180, "the restart")
+    assert code == 0, out[-3000:]
+    assert "rank 0 ran to the end from step 5 to 55" in out, out[-3000:]
