@@ -1297,6 +1297,90 @@ int kv_table_stats(kv_table_t *t, kv_table_stats_t *out) {
     return KV_OK;
 }
 
+/* ---- admission state (checkpoints) -------------------------------------------------- */
+
+int kv_table_export_pending(kv_table_t *t, int64_t *cursor, int64_t max_n, int64_t *keys,
+                            uint32_t *counts, uint32_t *steps, int64_t *n_out) {
+    if (!t || !cursor || !n_out || *cursor < 0 || max_n < 0 || (max_n && (!keys || !counts || !steps)))
+        return KV_EINVAL;
+    int64_t n = 0;
+    pthread_rwlock_rdlock(&t->lock);
+    uint64_t i = (uint64_t)*cursor;
+    for (; i < t->pend_cap && n < max_n; i++) {
+        const pend_t *e = &t->pend[i];
+        if (!e->cnt) continue;
+        keys[n] = e->key;
+        counts[n] = e->cnt;
+        steps[n] = e->step;
+        n++;
+    }
+    /* the rest of the map holds no entry: the end */
+    while (i < t->pend_cap && !t->pend[i].cnt) i++;
+    *cursor = (int64_t)i;
+    pthread_rwlock_unlock(&t->lock);
+    *n_out = n;
+    return KV_OK;
+}
+
+int kv_table_import_pending(kv_table_t *t, const int64_t *keys, const uint32_t *counts,
+                            const uint32_t *steps, int64_t n) {
+    if (!t || n < 0 || (n && (!keys || !counts || !steps))) return KV_EINVAL;
+    for (int64_t i = 0; i < n; i++)
+        if (!counts[i]) return KV_EINVAL;
+    if (t->bloom || t->admit_k < 2) return n ? KV_EINVAL : KV_OK; /* no exact counting here */
+    pthread_rwlock_wrlock(&t->lock);
+    int rc = pend_reserve(t, (uint64_t)n);
+    for (int64_t i = 0; rc == KV_OK && i < n; i++) {
+        if (lookup_one(t, keys[i], NULL)) continue; /* a row exists: nothing pending */
+        pend_t *e = pend_find(t, keys[i]);
+        if (e) {
+            e->cnt = counts[i];
+            e->step = steps[i];
+        } else {
+            pend_put(t->pend, t->pend_cap, keys[i], counts[i], steps[i]);
+            t->pend_n++;
+        }
+    }
+    pthread_rwlock_unlock(&t->lock);
+    return rc;
+}
+
+int64_t kv_table_bloom_bytes(kv_table_t *t) {
+    if (!t || !t->bloom) return 0;
+    return (int64_t)bloom_bytes(t->bloom_n);
+}
+
+int kv_table_export_bloom(kv_table_t *t, uint8_t *out, int64_t n, uint64_t *adds) {
+    if (!t || !t->bloom || n != (int64_t)bloom_bytes(t->bloom_n) || !out || !adds)
+        return KV_EINVAL;
+    pthread_rwlock_rdlock(&t->lock);
+    memcpy(out, t->bloom, (size_t)n);
+    *adds = t->bloom_adds;
+    pthread_rwlock_unlock(&t->lock);
+    return KV_OK;
+}
+
+int kv_table_import_bloom(kv_table_t *t, const uint8_t *in, int64_t n, uint64_t adds,
+                          int32_t merge) {
+    if (!t || !t->bloom || n != (int64_t)bloom_bytes(t->bloom_n) || !in || adds > t->bloom_n)
+        return KV_EINVAL;
+    pthread_rwlock_wrlock(&t->lock);
+    if (!merge) {
+        memcpy(t->bloom, in, (size_t)n);
+        t->bloom_adds = adds;
+    } else { /* the larger of each 4-bit counter: never admits later than either */
+        for (int64_t i = 0; i < n; i++) {
+            uint8_t a = t->bloom[i], b = in[i];
+            uint8_t lo = (a & 15) > (b & 15) ? (a & 15) : (b & 15);
+            uint8_t hi = (a >> 4) > (b >> 4) ? (a >> 4) : (b >> 4);
+            t->bloom[i] = (uint8_t)(lo | (hi << 4));
+        }
+        if (adds > t->bloom_adds) t->bloom_adds = adds;
+    }
+    pthread_rwlock_unlock(&t->lock);
+    return KV_OK;
+}
+
 /* ---- eviction -------------------------------------------------------------------- */
 
 typedef struct {

@@ -293,6 +293,30 @@ int kv_table_take_removed(kv_table_t *t, int64_t *out, int64_t max_n, int64_t *n
 /* Fill *out. Read lock. */
 int kv_table_stats(kv_table_t *t, kv_table_stats_t *out);
 
+/*
+ * Admission state, for checkpoints (a resumed run admits exactly as an uninterrupted one).
+ * kv_table_export_pending: the KV_ADMIT_EXACT pending map, up to max_n entries (key,
+ *   sightings, last sighting's step) from *cursor (start at 0; *cursor advances; fewer
+ *   than max_n entries means the end). Read lock. KV_OK, KV_EINVAL.
+ * kv_table_import_pending: set those entries (a key that has a row is skipped; counts
+ *   must be >= 1); the table must count exactly (else only n = 0 is valid). Write lock.
+ *   KV_OK, KV_EINVAL (nothing changed), KV_ENOMEM (nothing changed).
+ * kv_table_bloom_bytes: the KV_ADMIT_BLOOM filter's size in bytes (0: no filter).
+ * kv_table_export_bloom / kv_table_import_bloom: the filter's bytes and its count of
+ *   additions since the last halving; import replaces them, or with merge != 0 keeps
+ *   the larger of each counter (filters of several shards merged: may admit a key
+ *   earlier, never later). n must be the filter's size. Read / write lock. KV_OK,
+ *   KV_EINVAL (nothing changed).
+ */
+int kv_table_export_pending(kv_table_t *t, int64_t *cursor, int64_t max_n, int64_t *keys,
+                            uint32_t *counts, uint32_t *steps, int64_t *n_out);
+int kv_table_import_pending(kv_table_t *t, const int64_t *keys, const uint32_t *counts,
+                            const uint32_t *steps, int64_t n);
+int64_t kv_table_bloom_bytes(kv_table_t *t);
+int kv_table_export_bloom(kv_table_t *t, uint8_t *out, int64_t n, uint64_t *adds);
+int kv_table_import_bloom(kv_table_t *t, const uint8_t *in, int64_t n, uint64_t adds,
+                          int32_t merge);
+
 /* The initial embedding of keys[i] under cfg's seed, table_id and initializer
  * (what find_or_create would create), without a table. Thread-safe. */
 int kv_initial_values(const kv_table_config_t *cfg, const int64_t *keys, int64_t n,

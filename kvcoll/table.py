@@ -386,6 +386,61 @@ class KvTable:
               f"table {self.name!r}: delete")
         return int(n[0])
 
+    def export_admission(self, batch: int = 1 << 20) -> dict:
+        """The admission state, for checkpoints: {"keys" int64, "counts" uint32, "steps"
+        uint32} of the exact pending counts (empty arrays otherwise) and "bloom" (uint8
+        bytes of the Bloom filter, or None) with "bloom_adds"."""
+        t = self._handle()
+        parts = {"keys": [], "counts": [], "steps": []}
+        cursor = ffi.new("int64_t *", 0)
+        n = ffi.new("int64_t *")
+        while True:
+            k = np.empty(batch, np.int64)
+            c = np.empty(batch, np.uint32)
+            s = np.empty(batch, np.uint32)
+            check(lib.kv_table_export_pending(t, cursor, batch, ptr("int64_t *", k),
+                                              ptr("uint32_t *", c), ptr("uint32_t *", s), n),
+                  f"table {self.name!r}: export admission state")
+            for name, arr in zip(parts, (k, c, s)):
+                parts[name].append(arr[:int(n[0])])
+            if int(n[0]) < batch:
+                break
+        out = {name: np.concatenate(p) for name, p in parts.items()}
+        nb = int(lib.kv_table_bloom_bytes(t))
+        out["bloom"], out["bloom_adds"] = None, 0
+        if nb:
+            bloom = np.empty(nb, np.uint8)
+            adds = ffi.new("uint64_t *")
+            check(lib.kv_table_export_bloom(t, ptr("uint8_t *", bloom), nb, adds),
+                  f"table {self.name!r}: export the Bloom filter")
+            out["bloom"], out["bloom_adds"] = bloom, int(adds[0])
+        return out
+
+    def import_admission(self, state: dict, *, merge: bool = False) -> None:
+        """Restore admission state from export_admission (pending keys this rank does
+        not own may be left out by the caller); merge=True keeps the larger of each
+        Bloom counter (several shards' filters: may admit earlier, never later)."""
+        t = self._handle()
+        keys = as_keys(state["keys"], "pending keys", table=self.name)
+        counts = np.ascontiguousarray(state["counts"], np.uint32)
+        steps = np.ascontiguousarray(state["steps"], np.uint32)
+        if counts.shape != keys.shape or steps.shape != keys.shape:
+            raise errors.InvalidArgumentError(
+                f"table {self.name!r}: admission state: {keys.size} keys, {counts.size} counts "
+                f"and {steps.size} steps; they must be as many")
+        check(lib.kv_table_import_pending(t, ptr("int64_t *", keys), ptr("uint32_t *", counts),
+                                          ptr("uint32_t *", steps), keys.size),
+              f"table {self.name!r}: import admission state (this table counts "
+              f"{'exactly' if self.admit == 'exact' else 'with a Bloom filter'} from "
+              f"{self.admit_min_count} sightings)")
+        bloom = state.get("bloom")
+        if bloom is not None:
+            b = np.ascontiguousarray(bloom, np.uint8)
+            check(lib.kv_table_import_bloom(t, ptr("uint8_t *", b), b.size,
+                                            int(state.get("bloom_adds", 0)), int(bool(merge))),
+                  f"table {self.name!r}: import the Bloom filter ({b.size} bytes; this table's "
+                  f"has {int(lib.kv_table_bloom_bytes(t))})")
+
     def forget_new(self, keys, step: int) -> int:
         """Remove the rows of `keys` that step `step` created and nothing updated (a
         rejected step's new rows); other keys stay. Returns how many were removed."""

@@ -1053,6 +1053,50 @@ static void test_admission_once_per_step(void) {
     kv_table_destroy(t);
 }
 
+/* Admission state out of one table and into another: the second admits exactly when
+ * the first would (exact), or never later (Bloom, merged). */
+static void test_admission_state(void) {
+    for (int mode = KV_ADMIT_EXACT; mode <= KV_ADMIT_BLOOM; mode++) {
+        kv_table_config_t c = config(2, KV_INIT_CONSTANT, 0.5f, 0);
+        c.admit_min_count = 3;
+        c.admit_mode = mode;
+        c.bloom_counters = 1 << 12;
+        kv_table_t *a = NULL, *b = NULL;
+        CHECK_EQ_INT(kv_table_create(&c, &a), KV_OK);
+        CHECK_EQ_INT(kv_table_create(&c, &b), KV_OK);
+        int64_t keys[3] = {5, 6, 7}, created = -1;
+        float out[6];
+        uint8_t has[3];
+        for (uint32_t s = 1; s <= 2; s++) /* 5, 6, 7 seen in steps 1 and 2: one more */
+            CHECK_EQ_INT(kv_table_find_or_create(a, keys, 3, out, s, &created, has), KV_OK);
+        if (mode == KV_ADMIT_EXACT) {
+            int64_t k[8], cursor = 0, n = -1;
+            uint32_t cnt[8], st[8];
+            CHECK_EQ_INT(kv_table_export_pending(a, &cursor, 8, k, cnt, st, &n), KV_OK);
+            CHECK_EQ_INT(n, 3);
+            CHECK(cnt[0] == 2 && st[0] == 2);
+            CHECK_EQ_INT(kv_table_import_pending(b, k, cnt, st, n), KV_OK);
+            cnt[0] = 0;
+            CHECK_EQ_INT(kv_table_import_pending(b, k, cnt, st, 1), KV_EINVAL);
+            CHECK_EQ_INT(kv_table_bloom_bytes(a), 0);
+        } else {
+            int64_t nb = kv_table_bloom_bytes(a);
+            CHECK(nb == (1 << 11));
+            uint8_t *bytes = malloc((size_t)nb);
+            uint64_t adds = 0;
+            CHECK_EQ_INT(kv_table_export_bloom(a, bytes, nb, &adds), KV_OK);
+            CHECK_EQ_INT(adds, 6);
+            CHECK_EQ_INT(kv_table_import_bloom(b, bytes, nb, adds, 1), KV_OK);
+            CHECK_EQ_INT(kv_table_import_bloom(b, bytes, nb - 1, adds, 0), KV_EINVAL);
+            free(bytes);
+        }
+        CHECK_EQ_INT(kv_table_find_or_create(b, keys, 3, out, 3, &created, has), KV_OK);
+        CHECK_EQ_INT(created, 3); /* the third sighting, as on a */
+        kv_table_destroy(a);
+        kv_table_destroy(b);
+    }
+}
+
 /* kv_table_forget_new removes the rows a step created and nothing else. */
 static void test_forget_new(void) {
     kv_table_config_t c = config(2, KV_INIT_CONSTANT, 0.5f, 0);
@@ -1479,7 +1523,7 @@ int main(int argc, char **argv) {
     (void)test_errors, (void)test_oom, (void)test_stats, (void)test_chunks;
     (void)test_admission, (void)test_evict_exact, (void)test_removed_log, (void)test_lifecycle_oom;
     (void)test_apply_ref, (void)test_init_normal_accuracy, (void)test_set_optim;
-    (void)test_admission_once_per_step, (void)test_forget_new;
+    (void)test_admission_once_per_step, (void)test_forget_new, (void)test_admission_state;
 #else
     test_random_ops();
     test_key_patterns();
@@ -1496,6 +1540,7 @@ int main(int argc, char **argv) {
     test_stats();
     test_admission();
     test_admission_once_per_step();
+    test_admission_state();
     test_forget_new();
     test_evict_exact();
     test_removed_log();

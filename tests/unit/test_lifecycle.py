@@ -201,3 +201,32 @@ def test_equal_strings_equal_rows_across_processes_and_ranks():
     owners = owner_of(hash_strings(words), 4)
     np.testing.assert_array_equal(owners, owner_of(hash_strings(list(words)), 4))
     assert len(np.unique(hash_strings(words))) == len(words)
+
+
+@pytest.mark.parametrize("admit", ["exact", "bloom"])
+def test_admission_state_moves_to_another_table(admit):
+    """export_admission / import_admission carry the admission counts, so a restored
+    table admits a key exactly when the original would (the Bloom filter, merged over
+    shards, never later)."""
+    a = KvTable(2, name="a", admit_min_count=3, admit=admit)
+    b = KvTable(2, name="a", admit_min_count=3, admit=admit)
+    for step in (1, 2):
+        a.find_or_create(np.array([5, 6, 7]), step=step)
+    state = a.export_admission()
+    if admit == "exact":
+        assert sorted(state["keys"].tolist()) == [5, 6, 7] and (state["counts"] == 2).all()
+        assert state["bloom"] is None
+    else:
+        assert state["keys"].size == 0 and state["bloom"].size == 2 ** 21
+    b.import_admission(state, merge=admit == "bloom")
+    _, has = b.find_or_create(np.array([5, 6, 7, 8]), step=3, return_has_row=True)
+    assert has.tolist() == [True, True, True, False]
+    fresh = KvTable(2, name="a", admit_min_count=3, admit=admit)
+    _, has = fresh.find_or_create(np.array([5]), step=3, return_has_row=True)
+    assert not has[0]                                  # without the state: not yet
+    other = KvTable(2, name="a")                       # no admission counting
+    if admit == "exact":
+        with pytest.raises(kv.InvalidArgumentError, match="admission state"):
+            other.import_admission(state)
+    for t in (a, b, fresh, other):
+        t.close()
