@@ -4,15 +4,10 @@ Horovod, in the lane whose venv runs it (KVCOLL_TEST_LANE: main, tfkeras, tf215)
 Multi-rank tests start mpirun (or horovodrun) from this venv with a timeout, through
 tests/launch/mpirun.py."""
 
-import os
-import sys
-from pathlib import Path
+from compat_env import HERE, LANE
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "launch"))
-
-LANE = os.environ.get("KVCOLL_TEST_LANE", "main")
+# mpi/ holds modules that run under mpirun (tests/compat/test_lanes.py starts them)
+collect_ignore = ["mpi"]
 
 
 def _versions() -> dict:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import HERE, LANE, ROOT
+from compat_env import HERE, LANE, ROOT
 
 MAIN = os.environ.get("KVCOLL_TEST_MAIN_PYTHON")
 pytestmark = pytest.mark.skipif(LANE == "main" or not MAIN,

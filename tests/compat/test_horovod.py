@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import HERE, ROOT
+from compat_env import HERE, ROOT
 from mpirun import run
 
 pytest.importorskip("horovod.tensorflow", reason="the Horovod lane only (./dev compat tf215)")

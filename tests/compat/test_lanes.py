@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from conftest import HERE, ROOT
+from compat_env import HERE, ROOT
 from mpirun import run
 
 TIMEOUT = float(os.environ.get("KVCOLL_TEST_MPI_TIMEOUT", "400"))
