@@ -47,12 +47,11 @@ from ..exchange import make_exchange
 from ..exchange.bsp import group_key
 from ..exchange.kernels import gather_grad
 from ..table import KvTable
-from . import _compat
+from . import _compat, _horovod
 from ._compat import keras
 from .batch import (Batch, DataError, Feature, Layout, _kind, leaves_of, pad_positions,
                     signature, unpack)
 from .embedding import Embedding, recording, rows_scope
-from . import _horovod
 from .optimizer import dense_backend_of, dense_kernel, sparse_of
 
 __all__ = ["Engine", "engine_of", "StepResult"]
