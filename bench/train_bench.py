@@ -118,13 +118,11 @@ def run(args) -> None:
     print(f"[train] wrote {png}")
 
 
-def run_horovod(args, pairs: int = 2) -> None:
+def run_horovod(args, pairs: int = 3) -> None:
     """kvcoll on 2 ranks, dense gradients through kvcoll's fused MPI allreduce and through
     Horovod's (the same batches and model), in alternating pairs in one run."""
-    steps = 20 if args.quick else args.train_steps
-    batch = 1024 if args.quick else args.train_batch
-    evals = 8192 if args.quick else 50_000
-    out_dir = args.out or (tempfile.mkdtemp() if args.quick else common.RESULTS)
+    steps, batch, evals = (20, 1024, 8192) if args.quick else \
+        (args.train_steps, args.train_batch, 50_000)
     records = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(pairs):
@@ -136,8 +134,8 @@ def run_horovod(args, pairs: int = 2) -> None:
                             "--batch-size", str(batch), "--eval-samples", str(evals),
                             "--out", path], timeout=3600)
                 records.append(dict(json.load(open(path)), pair=i))
-    common.publish(out_dir, "train-horovod", records,
-                   lambda m: markdown_horovod(records, steps, batch, m))
+    common.publish(args.out or (tempfile.mkdtemp() if args.quick else common.RESULTS),
+                   "train-horovod", records, lambda m: markdown_horovod(records, steps, batch, m))
 
 
 def markdown_horovod(records, steps, batch, machine) -> str:

@@ -15,6 +15,7 @@ step's loss (rank 0).
 """
 
 import argparse
+import itertools
 import json
 
 import numpy as np
@@ -40,32 +41,28 @@ tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(1)
 keras = tf.keras
 
-FIELDS, NUMERIC, DIM = 8, 4, 8
-gen = SyntheticCTR(num_categorical=FIELDS, num_numeric=NUMERIC, vocab=100_000, seed=1)
+# Click logs: 8 categorical fields (ids over 10^5 each) and 4 numeric ones.
+ctr = SyntheticCTR(num_categorical=8, num_numeric=4, vocab=100_000, seed=1)
+FIELDS = [f"c{i}" for i in range(ctr.num_categorical)]
 
 
-def features(rows):
-    x = {f"c{i}": rows["categorical"][:, i] for i in range(FIELDS)}
-    x["numeric"] = rows["numeric"]
-    return x, rows["label"]
+def inputs_and_labels(part):
+    return dict(zip(FIELDS, part["categorical"].T), numeric=part["numeric"]), part["label"]
 
 
-# Each rank reads its own slice of every global batch (Horovod's examples shard by rank too).
+# Horovod: each worker reads its own slice of every global batch.
 def dataset():
-    step = 0
-    while True:
-        yield features(gen.batch(step, args.batch_size * hvd.size(), hvd.rank(), hvd.size()))
-        step += 1
+    for step in itertools.count():
+        yield inputs_and_labels(ctr.batch(step, args.batch_size * hvd.size(), hvd.rank(),
+                                          hvd.size()))
 
 
 keras.utils.set_random_seed(4)
-inputs = {f"c{i}": keras.Input(shape=(), dtype="int64", name=f"c{i}") for i in range(FIELDS)}
-inputs["numeric"] = keras.Input(shape=(NUMERIC,), name="numeric")
-vectors = [kv.Embedding(f"c{i}", DIM)(inputs[f"c{i}"])  # kvcoll: a growable table per field
-           for i in range(FIELDS)]
-h = keras.layers.Concatenate()(vectors + [inputs["numeric"]])
-h = keras.layers.Dense(64, activation="relu")(h)
-model = keras.Model(inputs, keras.layers.Dense(1)(h))
+ids = [keras.Input(shape=(), dtype="int64", name=f) for f in FIELDS]
+numeric = keras.Input(shape=(ctr.num_numeric,), name="numeric")
+vectors = [kv.Embedding(t.name, 8)(t) for t in ids]  # kvcoll: a growable table per field
+hidden = keras.layers.Dense(64, activation="relu")(keras.layers.Concatenate()([*vectors, numeric]))
+model = keras.Model({t.name: t for t in [*ids, numeric]}, keras.layers.Dense(1)(hidden))
 
 # Horovod: adjust learning rate based on number of workers.
 scaled_lr = 0.002 * hvd.size()
@@ -110,10 +107,10 @@ verbose = 2 if hvd.rank() == 0 else 0
 history = model.fit(dataset(), steps_per_epoch=args.steps, callbacks=callbacks,
                     epochs=args.epochs, verbose=verbose)
 
-x_val, y_val = features(gen.eval_set(20_000, hvd.rank(), hvd.size()))
+x_val, y_val = inputs_and_labels(ctr.eval_set(20_000, hvd.rank(), hvd.size()))
 logs = model.evaluate(x_val, y_val, batch_size=4096, verbose=0, return_dict=True)
 if hvd.rank() == 0:
-    print(f"validation AUC {logs['auc']:.4f} (planted {gen.planted_auc(20_000):.4f})")
+    print(f"validation AUC {logs['auc']:.4f} (planted {ctr.planted_auc(20_000):.4f})")
     if args.losses_out:
         with open(args.losses_out, "w") as f:
             json.dump({"step_losses": steps.losses, "history": history.history,

@@ -25,7 +25,6 @@ versions (functional models built by the same code get the same automatic names)
 from __future__ import annotations
 
 import os
-import tempfile
 
 import tensorflow as tf
 
@@ -85,43 +84,38 @@ class DenseState:
         self._checkpoint().write(os.path.join(directory, PREFIX))
         return sorted(f for f in os.listdir(directory) if f.startswith(PREFIX + "."))
 
-    @staticmethod
-    def _listing(prefix: str) -> dict:
-        return {n: tuple(s) for n, s in tf.train.list_variables(prefix)
-                if not n.startswith("_CHECKPOINTABLE_OBJECT_GRAPH")}
-
     def check(self, directory: str) -> None:
         """Raise CheckpointError unless the saved names and shapes are this model's and
         optimizer's, saying which part differs and why."""
         try:
-            saved = self._listing(os.path.join(directory, PREFIX))
+            listed = tf.train.list_variables(os.path.join(directory, PREFIX))
         except Exception as exc:  # noqa: BLE001 - TF raises several kinds
             raise CheckpointError(f"{directory}: the dense checkpoint cannot be read "
                                   f"({type(exc).__name__}: {exc})") from None
-        with tempfile.TemporaryDirectory() as tmp:
-            mine = self._listing(self._checkpoint().write(os.path.join(tmp, "probe")))
+        saved = {_readable(n): tuple(shape) for n, shape in listed
+                 if n.startswith(PREFIX + "/")}
+        mine = {n: tuple(v.shape) for n, v in
+                dense_variables(self.model, self.optimizer).items()}
         if saved == mine:
             return
-        extra = sorted(set(saved) - set(mine))
-        missing = sorted(set(mine) - set(saved))
-        shapes = sorted(n for n in set(saved) & set(mine) if saved[n] != mine[n])
-        names = [_readable(n) for n in extra + missing]
-        versions = {p.split("/")[1] for p in names if p.split("/")[1].startswith("keras")}
-        if versions and any(p.startswith("optimizer/") for p in names):
+        only_saved, only_mine = sorted(set(saved) - set(mine)), sorted(set(mine) - set(saved))
+        reshaped = sorted(n for n in set(saved) & set(mine) if saved[n] != mine[n])
+        differ = only_saved + only_mine
+        versions = {n.split("/")[1] for n in differ if n.split("/")[1].startswith("keras")}
+        if versions and any(n.startswith("optimizer/") for n in differ):
             why = (f"the optimizer's state ({type(self.optimizer).__name__}) is kept in Keras' "
                    f"own order ({' vs '.join(sorted(versions))}), which crosses Keras versions "
                    "only for Adam, Adagrad and SGD; restore on the Keras major that wrote it, "
                    "or train with one of those")
-        elif any(p.startswith("model/") for p in names):
+        elif any(n.startswith("model/") for n in differ + reshaped):
             why = ("the model's weights are matched by layer and weight name: build the same "
                    "model, with the same layer names, as the one that wrote it")
         else:
             why = "build the same model and optimizer as the ones that wrote it"
         raise CheckpointError(
             f"{directory}: the dense model or optimizer differs from the checkpoint's (only "
-            f"in the checkpoint: {[_readable(n) for n in extra][:4]}, only in the model: "
-            f"{[_readable(n) for n in missing][:4]}, other shapes: "
-            f"{[_readable(n) for n in shapes][:4]}): {why}")
+            f"in the checkpoint: {only_saved[:4]}, only in the model: {only_mine[:4]}, other "
+            f"shapes: {reshaped[:4]}): {why}")
 
     def read(self, directory: str) -> None:
         self._checkpoint().read(os.path.join(directory, PREFIX)).assert_existing_objects_matched()
@@ -129,6 +123,7 @@ class DenseState:
 
 def _readable(key: str) -> str:
     """A checkpoint key ("dense/model.Shidden.Skernel/.ATTRIBUTES/VARIABLE_VALUE") as the
-    name DenseState gave it ("model/hidden/kernel")."""
-    local = key.split("/")[1] if key.startswith(PREFIX + "/") else key
-    return local.replace(".S", "/").replace("..", ".")
+    name DenseState gave it ("model/hidden/kernel"): tf.train.Checkpoint writes "/" in a
+    name as ".S" and "." as ".."."""
+    local = key.split("/")[1]
+    return local.replace("..", "\0").replace(".S", "/").replace("\0", ".")

@@ -6,8 +6,6 @@ nothing against kvcoll's own (1e-5)."""
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,20 +24,9 @@ TIMEOUT = 300
 def horovodrun(world: int, argv: list, env_extra=None):
     """`horovodrun -np world python argv...` (Open MPI 5 takes only --double-dash binding
     flags, so they are given with --binding-args); (exit code, output)."""
-    cmd = [str(BIN / "horovodrun"), "--binding-args=--bind-to none --map-by slot",
-           "-np", str(world), sys.executable, *map(str, argv)]
-    env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", PYTHONPATH=str(ROOT),
-               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               TF_CPP_MIN_LOG_LEVEL="2", **(env_extra or {}))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True, cwd=ROOT)
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"horovodrun {argv} did not finish in {TIMEOUT}s\n{out[-6000:]}")
-    return proc.returncode, out
+    launcher = [BIN / "horovodrun", "--binding-args=--bind-to none --map-by slot"]
+    env = {"PATH": f"{BIN}:{os.environ.get('PATH', '')}", **(env_extra or {})}
+    return run(world, argv, TIMEOUT, f"horovodrun {argv}", env, launcher=launcher)
 
 
 LAUNCHERS = {"horovodrun": horovodrun,
