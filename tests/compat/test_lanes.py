@@ -1,6 +1,7 @@
-"""The Keras path in this lane on 1 and 2 ranks, under mpirun: fit / evaluate / predict
-equal one process (tests/mpi/test_fit.py, the main suite's own tests), and checkpoints
-and export (tests/compat/mpi/test_lane.py)."""
+"""The Keras path in this lane on 1 and 2 ranks, under mpirun, with the main suite's own
+tests: fit / evaluate / predict equal one process (tests/mpi/test_fit.py), kv.Trainer's
+BSP steps equal one rank's (test_keras_bsp.py), SSP and ASP with Keras' optimizer state
+(test_ssp.py); and checkpoints and export (tests/compat/mpi/test_lane.py)."""
 
 import os
 
@@ -10,7 +11,8 @@ from compat_env import HERE, ROOT
 from mpirun import run
 
 TIMEOUT = float(os.environ.get("KVCOLL_TEST_MPI_TIMEOUT", "400"))
-MODULES = [ROOT / "tests" / "mpi" / "test_fit.py", HERE / "mpi" / "test_lane.py"]
+MODULES = [*(ROOT / "tests" / "mpi" / m for m in ("test_fit.py", "test_keras_bsp.py", "test_ssp.py")),
+           HERE / "mpi" / "test_lane.py"]
 
 
 @pytest.mark.parametrize("world", (1, 2))
