@@ -13,7 +13,8 @@ kv.callbacks.
     dense_state.py a checkpoint's dense part (weights, optimizer state) in names every
                    Keras version reads
     _compat.py     what differs between Keras versions: _which.py picks the Keras
-                   (tf.keras's), _keras3.py and _keras2.py adapt Keras 3 and Keras 2
+                   (tf.keras's), _keras3.py and _keras2.py adapt Keras 3 and Keras 2,
+                   _keras_both.py holds what the two share
     _horovod.py    inside a Horovod job: one MPI world, Horovod's allreduce for the
                    dense gradients (dense_backend="horovod")
 """
