@@ -82,11 +82,11 @@ def test_failed_save_keeps_previous_and_next_save_is_full(tmp_path, monkeypatch)
     real = ck._write_shard
     calls = []
 
-    def failing(path, arrays):
+    def failing(path, *args):
         calls.append(path)
         if len(calls) == 2:
             raise OSError(28, "No space left on device")
-        return real(path, arrays)
+        return real(path, *args)
     monkeypatch.setattr(ck, "_write_shard", failing)
     with pytest.raises(kv.CheckpointError, match="No space left on device.*previous checkpoint"
                                                  " is intact"):
@@ -168,7 +168,7 @@ MISMATCHES = {
                       "dense.index fails its sha256 check"),
     "newer format": ({}, lambda d: _edit_manifest(d / "ckpt-0000000003" / "manifest.json",
                                                   version=ck.VERSION + 1),
-                     "format version 2, newer than this kvcoll's 1; upgrade kvcoll"),
+                     "format version 3, newer than this kvcoll's 2; upgrade kvcoll"),
     "corrupt manifest": ({}, lambda d: (d / "ckpt-0000000005" / "manifest.json")
                          .write_text("{not json"), "manifest.json is corrupt"),
     "missing parent": ({}, lambda d: (d / "ckpt-0000000004" / "manifest.json").unlink(),
