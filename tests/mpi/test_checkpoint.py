@@ -1,9 +1,10 @@
 """Table checkpoints at any world size (kvcoll.checkpoint.Checkpointer, no TensorFlow).
 
 Every rank builds the whole table state from one seed, keeps its own keys, saves a
-full checkpoint and a delta; the checkpoint then restores on the same ranks and, on
-every rank, into one-rank tables holding every key (another world size); a file
-corrupted on one rank makes every rank raise the same error with nothing changed.
+full checkpoint and a delta; the checkpoint then restores on the same ranks (each
+reading its own files only) and, on every rank, into one-rank tables holding every key
+(another world size); a file corrupted on one rank makes every rank raise the same
+error with nothing changed.
 """
 
 import os
@@ -78,6 +79,11 @@ def test_full_and_delta_restore_on_same_and_one_rank(comm, shared_dir):
     r = Checkpointer(fresh, comm).restore(shared_dir)
     assert r.step == 3 and r.chain == ("ckpt-0000000002", "ckpt-0000000003")
     same(dump(fresh), ref)
+    # on the world that wrote it, a rank reads its own files and nothing else
+    own = sum(os.path.getsize(os.path.join(shared_dir, c, f)) for c in r.chain
+              for f in os.listdir(os.path.join(shared_dir, c))
+              if f.endswith(f".r{rank}-of-{world}.kvs"))
+    assert r.bytes == own
 
     # every rank alone: a one-rank world holding every key
     local = make_tables()
