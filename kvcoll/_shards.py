@@ -4,9 +4,17 @@ module writes them, reads them back and verifies them.
 
 Format 2 (bucketed pages). Every key has a bucket, (mix(key) >> 40) mod B, the same
 hash bits that choose its owner rank ((mix(key) >> 40) mod world, kvcoll.routing), so
-when the world size divides B every key of a bucket has one owner, on any world size:
-with B = 11520 = 2^8 * 3^2 * 5 that is every world of 1-6, 8-10, 12, 15, 16, 18, 20,
-24, 30, 32, ... 256 ranks. A file is a run of pages, then an index, then a trailer:
+when the world size divides B every key of a bucket has one owner, on any world size.
+B is per file, chosen by its writer (choose_buckets): the largest of BUCKET_LADDER
+(11520 = 2^8 * 3^2 * 5, then halves down to 90, then 30, 6, 1; each divides the ones
+before it) whose buckets would average at least BUCKET_BYTES over the whole table
+(this file's size times the number of files), counting a removed key as a row (a
+removal can keep a row alive during a restore, see checkpoint.py). So a page is large
+enough for its per-page costs (a hash, a C call) not to matter, a large table gets
+many buckets (at 11520 every world of 1-6, 8-10, 12, 15, 16, 18, 20, 24, 30, 32, ...
+256 ranks divides B), and a small delta few. (With few buckets, a restore on a world
+size B does not divide reads a bit more than its share, and keeps its own keys.)
+A file is a run of pages, then an index, then a trailer:
 
     page 0 | page 1 | ... | index (.npy record) | trailer (32 bytes)
 
@@ -54,6 +62,8 @@ TRAILER_BYTES = _TRAILER.size
 INDEX_DTYPE = np.dtype([("offset", "<u8"), ("count", "<u8"), ("bucket", "<u4"),
                         ("kind", "<u4"), ("sha256", "u1", (32,))])
 MAX_BUCKETS = 1 << 16
+BUCKET_LADDER = (11520, 5760, 2880, 1440, 720, 360, 180, 90, 30, 6, 1)
+BUCKET_BYTES = 128 << 10
 _WRITE_BUFFER = 8 << 20
 _CHUNK = 16 << 20
 V1_ARRAYS = ("keys", "values", "slots", "last_step", "counts", "removed")
@@ -62,6 +72,14 @@ V1_ARRAYS = ("keys", "values", "slots", "last_step", "counts", "removed")
 def row_bytes(dim: int, slot_floats: int) -> int:
     """Bytes of one row in a rows page (the C table's row: a 16-byte header and floats)."""
     return 16 + 4 * (dim + slot_floats)
+
+
+def choose_buckets(rows: int, removed: int, dim: int, slot_floats: int, files: int) -> int:
+    """The bucket count of a file of `rows` rows and `removed` removed keys, one of
+    `files` alike: the largest of BUCKET_LADDER whose buckets would average at least
+    BUCKET_BYTES over them all, a removed key counted as a row (1 when tiny)."""
+    total = (rows + removed) * row_bytes(dim, slot_floats) * files
+    return next((b for b in BUCKET_LADDER if total >= b * BUCKET_BYTES), 1)
 
 
 def page_length(kind, count, dim: int, slot_floats: int):
@@ -106,7 +124,8 @@ def split_page(view, kind: int, count: int, dim: int, slot_floats: int) -> dict:
 def write_shard(path: str, rows: dict, removed: np.ndarray, buckets: int) -> dict:
     """Write rows (keys, values, slots, last_step, counts) and removed keys as a format-2
     shard file with `buckets` buckets, fsync it, and return what the manifest records:
-    {"bytes", "rows", "removed", "pages", "index": {"offset", "bytes", "sha256"}}."""
+    {"bytes", "rows", "removed", "buckets", "pages", "index": {"offset", "bytes",
+    "sha256"}}."""
     keys = np.ascontiguousarray(rows["keys"], np.int64)
     values, slots = rows["values"], rows["slots"]
     last, counts = rows["last_step"], rows["counts"]
@@ -173,9 +192,21 @@ def write_shard(path: str, rows: dict, removed: np.ndarray, buckets: int) -> dic
         _write_all(fd, tail)
         os.fsync(fd)
     return {"bytes": index_offset + len(tail), "rows": int(n), "removed": int(removed.size),
-            "pages": int(index.size),
+            "buckets": int(buckets), "pages": int(index.size),
             "index": {"offset": int(index_offset), "bytes": len(tail),
                       "sha256": hashlib.sha256(tail).hexdigest()}}
+
+
+def _npy_header(fp, path: str, what: str) -> tuple:
+    """(shape, fortran order, dtype) of the .npy header at fp's position."""
+    try:
+        major, _ = np.lib.format.read_magic(fp)
+        read = np.lib.format.read_array_header_1_0 if major == 1 \
+            else np.lib.format.read_array_header_2_0
+        return read(fp)
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint file {path}: {what} is not a .npy record "
+                              f"({exc})") from None
 
 
 def _entry(offset: int, count: int, bucket: int, kind: int, data) -> tuple:
@@ -224,14 +255,7 @@ def _parse_index(path, tail: bytes, offset: int, dim, slot_floats, buckets, info
                               f"{slot_floats} (not a matching kvcoll shard file)")
     dim, slot_floats = t_dim, t_sf
     fp = io.BytesIO(tail[:-TRAILER_BYTES])
-    try:
-        major, _ = np.lib.format.read_magic(fp)
-        read = np.lib.format.read_array_header_1_0 if major == 1 \
-            else np.lib.format.read_array_header_2_0
-        shape, fortran, dtype = read(fp)
-    except ValueError as exc:
-        raise CheckpointError(f"checkpoint file {path}: the index is not a .npy record "
-                              f"({exc})") from None
+    shape, fortran, dtype = _npy_header(fp, path, "the index")
     if dtype != INDEX_DTYPE or fortran or len(shape) != 1 or \
             fp.tell() + shape[0] * INDEX_DTYPE.itemsize != len(tail) - TRAILER_BYTES:
         raise CheckpointError(f"checkpoint file {path}: the index has dtype {dtype} and "
@@ -296,23 +320,22 @@ class PageReader:
                 self._buf = None
                 self._buf = np.empty(max(total, self.limit), np.uint8)
             buf = self._buf
+        # read in file order, adjacent pages of a file in one call
         order = np.lexsort((pages["offset"], pages["file"]))
         at = np.empty(pages.size, np.int64)  # each page's position in buf
+        runs = []  # [file, offset, end, position in buf]
         pos = 0
-        run_start = None
-        for k, i in enumerate(order.tolist()):
-            at[i] = pos
+        for i in order.tolist():
             file, offset = int(pages["file"][i]), int(pages["offset"][i])
             span = _pad8(int(pages["length"][i]))
-            if run_start is not None and file == run_file and offset == run_end:
-                run_end += span
+            if runs and runs[-1][0] == file and runs[-1][2] == offset:
+                runs[-1][2] += span
             else:
-                if run_start is not None:
-                    self._pread(paths[run_file], buf, run_start, run_offset, run_end - run_offset)
-                run_file, run_offset, run_end, run_start = file, offset, offset + span, pos
+                runs.append([file, offset, offset + span, pos])
+            at[i] = pos
             pos += span
-        if run_start is not None:
-            self._pread(paths[run_file], buf, run_start, run_offset, run_end - run_offset)
+        for file, offset, end, start in runs:
+            self._pread(paths[file], buf, start, offset, end - offset)
         out = []
         for i in range(pages.size):
             view = buf[at[i]:at[i] + int(pages["length"][i])]
@@ -408,14 +431,7 @@ def parse_records_v1(buf: np.ndarray, path: str) -> list[np.ndarray]:
     raw = memoryview(buf)
     while at < buf.size:
         fp = io.BytesIO(raw[at:at + 65536 + 16].tobytes())
-        try:
-            major, _ = np.lib.format.read_magic(fp)
-            read = np.lib.format.read_array_header_1_0 if major == 1 \
-                else np.lib.format.read_array_header_2_0
-            shape, fortran, dtype = read(fp)
-        except ValueError as exc:
-            raise CheckpointError(f"checkpoint file {path}: record {len(out)} is not a "
-                                  f".npy record ({exc})") from None
+        shape, fortran, dtype = _npy_header(fp, path, f"record {len(out)}")
         start = at + fp.tell()
         count = int(np.prod(shape, dtype=np.int64))
         end = start + count * dtype.itemsize

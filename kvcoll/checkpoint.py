@@ -13,19 +13,20 @@ Layout of a checkpoint directory:
     DIR/latest                       the name of the newest complete checkpoint + "\\n"
     DIR/ckpt-0000000400/             one checkpoint (full or delta), complete
         manifest.json                format, version, kind, parent, step, world size,
-                                     bucket count, table specs, every file with its size
-                                     and sha256 (a shard file: its index's)
+                                     table specs, every file with its size and sha256 (a
+                                     shard file: its index's, its rows and bucket count)
         dense.index, dense.data-*    the Keras model and its optimizer (tf.train.Checkpoint)
         000-user.r1-of-2.kvs         table "user", written by rank 1 of 2
     DIR/ckpt-0000000500.tmp-<hex>/   a save in progress, or one a crash abandoned
 
 A shard file (`.kvs`, format version 2) holds the rows a rank owned, and (in a delta)
 the keys removed since the parent, in pages grouped by bucket: a key's bucket is
-(mix(key) >> 40) mod B, B = BUCKETS = 11520 (the manifest's "buckets"), the same hash
-bits that choose its owner, so for any world size M dividing B a bucket's keys all
-belong to rank bucket mod M. An index at the end of the file gives every page's bucket,
-offset, count and sha256; kvcoll._shards describes the bytes. `read_shard(path)` reads
-one file whole.
+(mix(key) >> 40) mod B, the same hash bits that choose its owner, so for any world size
+M dividing B a bucket's keys all belong to rank bucket mod M. B is the file's (its
+"buckets" in the manifest), chosen by its writer from its size, up to 11520 for a large
+table, few for a small delta (kvcoll._shards.choose_buckets). An index at the end of
+the file gives every page's bucket, offset, count and sha256; kvcoll._shards describes
+the bytes. `read_shard(path)` reads one file whole.
 
 Atomicity. Every rank writes its files under the temporary directory and fsyncs them;
 the ranks agree that every part is durable; only then does rank 0 write the manifest,
@@ -42,8 +43,8 @@ pass under the table lock and clears the bit) and names its parent; restore repl
 the full checkpoint, then each delta in order. If a save fails after the dirty bits
 were cleared, the next save is a full one, so no change is ever lost. A delta needs
 its parent in the same directory, written or restored by this process, in the same
-format and bucket count; otherwise `incremental=True` writes a full checkpoint
-(`SaveInfo.kind` says which).
+format; otherwise `incremental=True` writes a full checkpoint (`SaveInfo.kind` says
+which).
 
 Removals. From its first save on, a Checkpointer keeps each table's removed-keys log
 on (KvTable.track_removed): every key evicted or deleted is logged in C, and each save
@@ -63,16 +64,26 @@ MiB; at least MIN_RESTORE_BUFFER):
    tables, every file's size, every index's and every page's sha256, every key's
    bucket, the dense variables' names and shapes. Nothing changes; every rank raises
    the same CheckpointError if any rank found a problem.
-2. replay, group by group: a group is a run of this rank's buckets whose pages over
-   the whole chain fit the buffer; its pages are read (and their sha256 checked again),
-   then applied in chain order (each checkpoint's removals, then its rows), straight
-   from the buffer into the table. Keys of different buckets never meet, so replaying
-   group by group equals replaying checkpoint by checkpoint; a row that a later delta
-   removes lives at most until the end of its group.
-So the memory a restore adds beyond the tables it fills is the buffer plus at most one
-group's rows (each at most buffer_bytes / 4), whatever the number of ranks that wrote
-the checkpoint or the length of the chain. (When the rank's pages all fit the buffer,
-pass 1 keeps them and pass 2 reads nothing.) If a file changes between the two passes,
+2. replay, group by group: buckets are counted modulo G, the gcd of the bucket counts
+   of the table's files over the chain (a key's bucket mod G is the same in every
+   file); a group is a run of this rank's buckets whose pages over the whole chain fit
+   the buffer; its pages are read (and their sha256 checked again), then applied in
+   chain order (each checkpoint's removals, then its rows), straight from the buffer
+   into the table. Keys of different buckets never meet, so replaying group by group
+   equals replaying checkpoint by checkpoint; a row that a later delta removes lives
+   at most until the end of its group.
+The memory bound. Beyond the tables it fills, a restore holds one read buffer
+(buffer_bytes / 4; when all the rank's pages fit in it, pass 1 keeps them and pass 2
+reads nothing), the rows of the current group that a later delta removes (at most
+buffer_bytes / 4: a file row is a table row), a page's copies when it filters by key,
+and its plan (80 bytes per page it reads): at most buffer_bytes in all, whatever the
+number of ranks that wrote the checkpoint or the length of the chain. Two things are
+outside it: the C table's own growth (it builds its new index before it frees the
+old one: under 5 bytes a row, once), and a bucket whose pages over the chain exceed
+buffer_bytes / 4, whose rows a later delta removes may live until the end of the
+bucket: at most that delta's removals in the bucket, which choose_buckets keeps near
+BUCKET_BYTES' worth of rows (128 KiB to 768 KiB), except in a table above 11520 x
+64 MiB = 740 GB with the default buffer. If a file changes between the two passes,
 every rank clears its tables and raises CheckpointError: restore again.
 
 Version 1 checkpoints (whole-file checksums, no buckets) still restore, through the
@@ -100,12 +111,10 @@ from .routing import owner_of
 from .table import KvTable
 
 __all__ = ["save", "restore", "latest", "Checkpointer", "SaveInfo", "RestoreInfo",
-           "read_shard", "FORMAT", "VERSION", "BUCKETS", "RESTORE_BUFFER",
-           "MIN_RESTORE_BUFFER"]
+           "read_shard", "FORMAT", "VERSION", "RESTORE_BUFFER", "MIN_RESTORE_BUFFER"]
 
 FORMAT = "kvcoll-checkpoint"
 VERSION = 2
-BUCKETS = 11520                      # 2^8 * 3^2 * 5: see kvcoll._shards
 RESTORE_BUFFER = 256 << 20
 MIN_RESTORE_BUFFER = 4 * _shards.PAGE_BYTES
 LATEST = "latest"
@@ -170,24 +179,13 @@ def _write_shard(path: str, rows: dict, removed: np.ndarray, buckets: int) -> di
 
 def _rows_to_save(t: KvTable, delta: bool) -> dict:
     """The rows a save writes, clearing their dirty bits: the dirty ones for a delta,
-    every row otherwise (into arrays sized once, not batches joined by a copy)."""
+    every row otherwise (a full save reads them in one C call into arrays sized once,
+    not in batches joined by a copy)."""
     if delta:
         return t.export(dirty_only=True, clear_dirty=True)
-    n = len(t)
-    out = {"keys": np.empty(n, np.int64), "values": np.empty((n, t.dim), np.float32),
-           "slots": np.empty((n, t.slot_floats), np.float32),
-           "last_step": np.empty(n, np.uint32), "counts": np.empty(n, np.uint32)}
-    at = 0
-    for part in t.export_batches(clear_dirty=True, batch=1 << 18,
-                                 columns=("slots", "last_step", "counts")):
-        k = part["keys"].size
-        if at + k > n:
-            raise CheckpointError(f"table {t.name!r} grew during the save; a save must not "
-                                  "run while the tables change")
-        for c, a in out.items():
-            a[at:at + k] = part[c]
-        at += k
-    return {c: a[:at] for c, a in out.items()}
+    (rows,) = t.export_batches(clear_dirty=True, batch=len(t) + 1,
+                               columns=("slots", "last_step", "counts"))
+    return rows
 
 
 # -- specs -----------------------------------------------------------------------------
@@ -275,18 +273,20 @@ class Checkpointer:
     are relative to. kv.save / kv.restore keep one per Trainer; use this class
     directly for tables without a Keras model (bench, engine-only scripts).
 
-    buckets: the bucket count of the checkpoints it writes (1 .. 65536; restores on a
-    world size dividing it read exactly their own keys); restore_buffer: the bytes a
-    restore may use beyond the tables (default 256 MiB); version: the format it writes
-    (2, or 1 for a kvcoll that reads only version 1)."""
+    buckets: the bucket count of every shard file it writes (1 .. 65536; a restore on a
+    world size dividing it reads exactly its own keys); None (the default) chooses per
+    file from its size (kvcoll._shards.choose_buckets).
+    restore_buffer: the bytes a restore may use beyond the tables (default 256 MiB).
+    version: the format it writes (2, or 1 for a kvcoll that reads only version 1)."""
 
-    def __init__(self, tables: dict, comm, dense=None, *, buckets: int = BUCKETS,
+    def __init__(self, tables: dict, comm, dense=None, *, buckets: int | None = None,
                  restore_buffer: int = RESTORE_BUFFER, version: int = VERSION):
         if version not in (1, 2):
             raise InvalidArgumentError(f"checkpoint format version must be 1 or 2, got "
                                        f"{version!r}")
-        if not isinstance(buckets, int) or not 1 <= buckets <= _shards.MAX_BUCKETS:
-            raise InvalidArgumentError(f"buckets must be an integer in [1, "
+        if buckets is not None and (not isinstance(buckets, int)
+                                    or not 1 <= buckets <= _shards.MAX_BUCKETS):
+            raise InvalidArgumentError(f"buckets must be None or an integer in [1, "
                                        f"{_shards.MAX_BUCKETS}], got {buckets!r}")
         self.tables = dict(tables)
         self.comm = comm
@@ -294,10 +294,7 @@ class Checkpointer:
         self.buckets = buckets
         self.restore_buffer = _checked_buffer(restore_buffer)
         self.version = version
-        self._parent = None  # (abs dir, name, (version, buckets)) the dirty bits are relative to
-
-    def _format(self) -> tuple:
-        return (self.version, self.buckets if self.version >= 2 else None)
+        self._parent = None  # (abs dir, name, version) the dirty bits are relative to
 
     # -- save ------------------------------------------------------------------------
 
@@ -322,7 +319,9 @@ class Checkpointer:
                 t.track_removed(True)  # from now on removals are logged for the next delta
                 logged = t.take_removed()  # a full save holds every live row: drop it
                 removed = np.unique(logged) if delta else np.zeros(0, np.int64)
-                rows = _rows_to_save(t, delta)
+                # format 1: as kvcoll wrote it, a baseline for the benchmark
+                rows = t.export(dirty_only=delta, clear_dirty=True) if self.version == 1 \
+                    else _rows_to_save(t, delta)
                 fname = f"{i:03d}-{_safe(name)}.r{comm.rank}-of-{comm.size}.kvs"
                 path = os.path.join(tmp, fname)
                 if self.version == 1:
@@ -331,7 +330,9 @@ class Checkpointer:
                                rows["last_step"], rows["counts"], removed])
                     info = {"sha256": sha, "bytes": nbytes, "rows": int(rows["keys"].size)}
                 else:
-                    info = _write_shard(path, rows, removed, self.buckets)
+                    buckets = self.buckets or _shards.choose_buckets(
+                        rows["keys"].size, removed.size, t.dim, t.slot_floats, comm.size)
+                    info = _write_shard(path, rows, removed, buckets)
                 files[fname] = {**info, "table": name, "rank": comm.rank, "world": comm.size}
                 del rows
             if comm.rank == 0 and self.dense is not None:
@@ -357,7 +358,7 @@ class Checkpointer:
             raise CheckpointError(errors[0] + " (the previous checkpoint is intact)")
         if "error" in result:
             raise CheckpointError(result["error"])
-        self._parent = (directory, plan["name"], self._format())
+        self._parent = (directory, plan["name"], self.version)
         return SaveInfo(os.path.join(directory, plan["name"]), plan["name"], plan["kind"],
                         int(step), result["rows"], result["bytes"], time.perf_counter() - t0)
 
@@ -370,7 +371,7 @@ class Checkpointer:
                     shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
             parent = None
             if incremental and self._parent is not None and self._parent[0] == directory \
-                    and self._parent[2] == self._format() \
+                    and self._parent[2] == self.version \
                     and os.path.isfile(os.path.join(directory, self._parent[1], MANIFEST)):
                 parent = self._parent[1]
             name = f"ckpt-{step:010d}"
@@ -400,7 +401,8 @@ class Checkpointer:
                                 "rows": sum(v["rows"] for v in files.values()
                                             if v["table"] == name)}
             keep = ("sha256", "bytes", "rank", "world") if self.version == 1 else \
-                ("sha256", "bytes", "rank", "world", "rows", "removed", "pages", "index")
+                ("sha256", "bytes", "rank", "world", "rows", "removed", "buckets", "pages",
+                 "index")
             manifest = {
                 "format": FORMAT, "version": self.version, "kind": plan["kind"],
                 "parent": plan["parent"], "step": int(step), "world_size": self.comm.size,
@@ -411,7 +413,6 @@ class Checkpointer:
                           for f, v in sorted(files.items())},
             }
             if self.version >= 2:
-                manifest["buckets"] = self.buckets
                 manifest["page_bytes"] = _shards.PAGE_BYTES
             _write_bytes(os.path.join(tmp, MANIFEST),
                          (json.dumps(manifest, indent=1) + "\n").encode())
@@ -459,7 +460,7 @@ class Checkpointer:
         self._parent = None
         err = None
         try:
-            loaded.apply(self.tables)
+            loaded.apply()
         except CheckpointError as exc:
             err = f"rank {comm.rank}: {exc}"
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
@@ -481,8 +482,7 @@ class Checkpointer:
         if self.dense is not None:
             self.dense.read(os.path.join(directory, last["_name"]))
         comm.barrier("checkpoint:restored")
-        self._parent = (directory, last["_name"],
-                        (last["version"], last.get("buckets") if last["version"] >= 2 else None))
+        self._parent = (directory, last["_name"], last["version"])
         return RestoreInfo(os.path.join(directory, last["_name"]), last["_name"], last["step"],
                            tuple(m["_name"] for m in chain),
                            sum(len(t) for t in self.tables.values()), loaded.nbytes,
@@ -508,11 +508,10 @@ class Checkpointer:
                 break
             name = m["parent"]
         versions = sorted({m["version"] for m in chain})
-        buckets = sorted({m.get("buckets") for m in chain}, key=str)
-        if len(versions) > 1 or len(buckets) > 1:
+        if len(versions) > 1:
             raise CheckpointError(
                 f"{directory}: the chain {[m['_name'] for m in chain]} mixes format versions "
-                f"{versions} or bucket counts {buckets}; kvcoll never writes such a chain")
+                f"{versions}; kvcoll never writes such a chain")
         for m in chain:
             _check_specs(m, self.tables, os.path.join(directory, m["_name"]))
         last = chain[-1]
@@ -543,30 +542,37 @@ def _checked_buffer(n) -> int:
 # -- restore, format 2: verify every page, then replay group by group -----------------------
 
 _PAGE = np.dtype([("member", "<u4"), ("file", "<u4"), ("offset", "<u8"), ("length", "<u8"),
-                  ("count", "<u8"), ("bucket", "<u4"), ("kind", "<u4"),
-                  ("sha256", "u1", (32,))])
+                  ("count", "<u8"), ("bucket", "<u4"), ("kind", "<u4"), ("buckets", "<u4"),
+                  ("filter", "u1"), ("sha256", "u1", (32,))], align=True)
 
 
 class _TablePlan:
     """The pages of one table this rank reads: from every checkpoint of the chain
-    (member), every file that can hold its keys, only its buckets."""
+    (member), every file that can hold its keys, only its buckets. A page keeps its
+    file's bucket count, and whether this rank must filter its keys (when the world
+    size does not divide that count)."""
 
-    def __init__(self, name: str, table: KvTable):
-        self.name, self.table = name, table
+    def __init__(self, name: str, table: KvTable, rank: int, world: int):
+        self.name, self.table, self.rank, self.world = name, table, rank, world
         self.paths: list[str] = []
         self.parts: list[np.ndarray] = []
         self.pages = np.zeros(0, _PAGE)
+        self.coarse = 0   # G: the gcd of the files' bucket counts (0: no file yet)
         self.cached = None  # the pages' verified bytes, if pass 1 kept them
 
-    def add(self, member: int, path: str, index: np.ndarray) -> None:
+    def add(self, member: int, path: str, index: np.ndarray, buckets: int) -> None:
+        share = math.gcd(buckets, self.world)  # a rank's buckets are rank mod share
+        index = index[index["bucket"] % share == self.rank % share]
         rec = np.zeros(index.size, _PAGE)
         rec["member"], rec["file"] = member, len(self.paths)
+        rec["buckets"], rec["filter"] = buckets, share < self.world
         for f in ("offset", "count", "bucket", "kind", "sha256"):
             rec[f] = index[f]
         rec["length"] = _shards.page_length(index["kind"], index["count"], self.table.dim,
                                             self.table.slot_floats)
         self.paths.append(path)
         self.parts.append(rec)
+        self.coarse = math.gcd(self.coarse, buckets)
 
     def done(self) -> None:
         if self.parts:
@@ -596,30 +602,30 @@ class _Replay:
                  nbytes: int):
         self.chain, self.comm = chain, comm
         self.rank, self.world = comm.rank, comm.size
-        self.buckets = int(chain[0]["buckets"])
-        if not 1 <= self.buckets <= _shards.MAX_BUCKETS:
-            raise CheckpointError(f"{directory}: {self.buckets} buckets is not valid")
         self.limit = buffer_bytes // 4
         self.reader = _shards.PageReader(self.limit)
-        gb = math.gcd(self.buckets, self.world)
-        self.filter = gb < self.world  # buckets shared by several ranks: filter by key
         self.plans = []
         nbytes_index = 0
         try:
             for name, t in tables.items():
-                plan = _TablePlan(name, t)
+                plan = _TablePlan(name, t, self.rank, self.world)
                 for member, m in enumerate(chain):
                     for fname in m["tables"][name]["files"]:
                         info = m["files"].get(fname)
                         if info is None:
-                            raise CheckpointError(f"{m['_name']}: {fname} is not in the manifest")
+                            raise CheckpointError(f"{m['_name']}: {fname} is not in the "
+                                                  "manifest")
                         if (info["rank"] - self.rank) % math.gcd(info["world"], self.world):
                             continue  # its writer's keys and ours are disjoint
                         path = os.path.join(directory, m["_name"], fname)
-                        index = _shards.read_index(path, info, t.dim, t.slot_floats,
-                                                   self.buckets)
+                        b = info["buckets"]
+                        if not isinstance(b, int) or not 1 <= b <= _shards.MAX_BUCKETS:
+                            raise CheckpointError(
+                                f"{path}: its bucket count {b!r} in the manifest is not an "
+                                f"integer in [1, {_shards.MAX_BUCKETS}] (corrupt manifest)")
+                        index = _shards.read_index(path, info, t.dim, t.slot_floats, b)
                         nbytes_index += int(info["index"]["bytes"])
-                        plan.add(member, path, index[index["bucket"] % gb == self.rank % gb])
+                        plan.add(member, path, index, b)
                 plan.done()
                 self.plans.append(plan)
             self._verify()
@@ -644,7 +650,8 @@ class _Replay:
                 for i, view in zip(batch.tolist(), got):
                     n = int(pages["count"][i])
                     keys = view[:8 * n].view(np.int64)
-                    if (_shards.buckets_of(keys, self.buckets) != pages["bucket"][i]).any():
+                    if (_shards.buckets_of(keys, int(pages["buckets"][i]))
+                            != pages["bucket"][i]).any():
                         raise CheckpointError(
                             f"checkpoint file {plan.paths[int(pages['file'][i])]}: the page "
                             f"at byte {int(pages['offset'][i])} holds keys outside its "
@@ -653,7 +660,7 @@ class _Replay:
                         views[i] = view
             plan.cached = views
 
-    def apply(self, tables: dict) -> None:
+    def apply(self) -> None:
         """Pass 2: clear each table and replay its pages group by group (see the module
         docstring), in chain order inside a group: removals, then rows."""
         for plan in self.plans:
@@ -663,16 +670,17 @@ class _Replay:
             pages, spans = plan.pages, self._spans(plan)
             if not pages.size:
                 continue
-            per_bucket = np.bincount(pages["bucket"], weights=spans, minlength=self.buckets)
-            group_of = np.zeros(self.buckets, np.int64)
+            coarse = pages["bucket"] % plan.coarse  # the same for a key in every file
+            per_bucket = np.bincount(coarse, weights=spans, minlength=plan.coarse)
+            group_of = np.zeros(plan.coarse, np.int64)
             g, acc = 0, 0
             for b in np.flatnonzero(per_bucket).tolist():
                 if acc and acc + per_bucket[b] > self.limit:
                     g, acc = g + 1, 0
                 group_of[b] = g
                 acc += per_bucket[b]
-            gid = group_of[pages["bucket"]]
-            order = np.lexsort((pages["offset"], pages["bucket"], pages["kind"],
+            gid = group_of[coarse]
+            order = np.lexsort((pages["offset"], pages["file"], pages["kind"],
                                 pages["member"], gid))
             for batch in _batches(order, spans, self.limit, gid):
                 if plan.cached is not None:
@@ -680,12 +688,13 @@ class _Replay:
                 else:
                     views = self.reader.read(plan.paths, pages[batch])
                 for i, view in zip(batch.tolist(), views):
-                    self._apply_page(t, int(pages["kind"][i]), int(pages["count"][i]), view)
+                    self._apply_page(plan, pages[i], view)
             plan.cached = None
 
-    def _apply_page(self, t: KvTable, kind: int, count: int, view: np.ndarray) -> None:
-        cols = _shards.split_page(view, kind, count, t.dim, t.slot_floats)
-        if self.filter:
+    def _apply_page(self, plan: _TablePlan, page, view: np.ndarray) -> None:
+        t, kind = plan.table, int(page["kind"])
+        cols = _shards.split_page(view, kind, int(page["count"]), t.dim, t.slot_floats)
+        if page["filter"]:
             keys = cols["removed" if kind == _shards.REMOVED else "keys"]
             mine = owner_of(keys, self.world) == self.rank
             if not mine.all():
@@ -711,7 +720,7 @@ class _V1Load:
 
     def __init__(self, directory: str, chain: list, tables: dict, comm, nbytes: int):
         rank, world = comm.rank, comm.size
-        self.chain, self.per_ckpt = chain, []
+        self.chain, self.tables, self.per_ckpt = chain, tables, []
         for m in chain:
             rows = {}
             for name, t in tables.items():
@@ -740,8 +749,8 @@ class _V1Load:
             self.per_ckpt.append(rows)
         self.nbytes = nbytes
 
-    def apply(self, tables: dict) -> None:
-        for name, t in tables.items():
+    def apply(self) -> None:
+        for name, t in self.tables.items():
             t.clear()
             t.track_removed(False)  # replay's deletions are not news for the next delta
             for rows in self.per_ckpt:

@@ -53,6 +53,9 @@ _OPT_KINDS = {
 
 _OPT_FLAGS = {"eps_inside_sqrt": lib.KV_OPTF_EPS_INSIDE_SQRT}
 
+# What KvTable.export reads of a row, in kv_table_export's argument order.
+_EXPORT_COLUMNS = ("keys", "values", "slots", "last_step", "counts", "dirty")
+
 
 @dataclasses.dataclass(frozen=True)
 class Initializer:
@@ -435,8 +438,6 @@ class KvTable:
             out["dirty"] = out["dirty"].astype(bool)
         return out
 
-    _EXPORT_COLUMNS = ("keys", "values", "slots", "last_step", "counts", "dirty")
-
     def export_batches(self, *, dirty_only: bool = False, clear_dirty: bool = False,
                        batch: int = 1 << 16, columns=_EXPORT_COLUMNS):
         """export() one batch at a time: yields dicts of up to `batch` rows (fresh
@@ -446,22 +447,22 @@ class KvTable:
         t = self._handle()
         flags = (lib.KV_EXPORT_DIRTY_ONLY if dirty_only else 0) | \
                 (lib.KV_EXPORT_CLEAR_DIRTY if clear_dirty else 0)
-        unknown = set(columns) - set(self._EXPORT_COLUMNS)
+        unknown = set(columns) - set(_EXPORT_COLUMNS)
         if unknown:
             raise errors.InvalidArgumentError(
                 f"table {self.name!r}: export columns {sorted(unknown)} are unknown; "
-                f"choose from {list(self._EXPORT_COLUMNS)}")
+                f"choose from {list(_EXPORT_COLUMNS)}")
         width = {"values": (self.dim,), "slots": (self.slot_floats,)}
         dtype = {"keys": np.int64, "values": np.float32, "slots": np.float32,
                  "last_step": np.uint32, "counts": np.uint32, "dirty": np.uint8}
         ctype = {"keys": "int64_t *", "values": "float *", "slots": "float *",
                  "last_step": "uint32_t *", "counts": "uint32_t *", "dirty": "uint8_t *"}
-        names = [c for c in self._EXPORT_COLUMNS if c in ("keys", "values") or c in columns]
+        names = [c for c in _EXPORT_COLUMNS if c in ("keys", "values") or c in columns]
         cursor = ffi.new("int64_t *", 0)
         n_out = ffi.new("int64_t *")
         while True:
             p = {c: np.empty((batch,) + width.get(c, ()), dtype[c]) for c in names}
-            args = [ptr(ctype[c], p[c]) if c in p else ffi.NULL for c in self._EXPORT_COLUMNS]
+            args = [ptr(ctype[c], p[c]) if c in p else ffi.NULL for c in _EXPORT_COLUMNS]
             check(lib.kv_table_export(t, cursor, batch, flags, *args, n_out),
                   f"table {self.name!r}: export")
             n = int(n_out[0])

@@ -8,59 +8,13 @@ error with nothing changed.
 """
 
 import os
-import shutil
-import tempfile
 
-import numpy as np
 import pytest
+from ckpt_tables import dump, make_tables, play, same
 
 import kvcoll as kv
 from kvcoll.checkpoint import Checkpointer
 from kvcoll.comm import Comm
-from kvcoll.routing import owner_of
-
-DIMS = {"a": 4, "b": 3}
-
-
-def make_tables():
-    return {"a": kv.KvTable(4, name="a", seed=1, initializer=("normal", 0, 0.1),
-                            optimizer=kv.optimizers.Adagrad(0.1)),
-            "b": kv.KvTable(3, name="b", optimizer=kv.optimizers.Adam(0.01))}
-
-
-def play(tables, world, rank, step):
-    """Global updates of `step`, restricted to this rank's keys."""
-    g = np.random.default_rng([5, step])
-    for name, t in tables.items():
-        keys = np.unique(g.integers(0, 500, 200))
-        grads = g.normal(size=(keys.size, t.dim)).astype(np.float32)
-        mine = owner_of(keys, world) == rank
-        t.apply_gradients(keys[mine], grads[mine], step=step, create_missing=True)
-
-
-def dump(tables):
-    out = {}
-    for name, t in tables.items():
-        e = t.export()
-        order = np.argsort(e["keys"])
-        out[name] = {k: e[k][order] for k in ("keys", "values", "slots", "last_step", "counts")}
-    return out
-
-
-def same(a, b):
-    for name in a:
-        for k in a[name]:
-            np.testing.assert_array_equal(a[name][k], b[name][k], err_msg=f"{name}/{k}")
-
-
-@pytest.fixture()
-def shared_dir(comm):
-    path = tempfile.mkdtemp(prefix="kvckpt-") if comm.rank == 0 else None
-    path = comm.bcast_bytes(path.encode() if path else None).decode()
-    yield path
-    comm.barrier()
-    if comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def test_full_and_delta_restore_on_same_and_one_rank(comm, shared_dir):

@@ -8,26 +8,12 @@ predicts (to 1e-6) on a batch with ids never seen.
 
 import json
 import os
-import shutil
-import tempfile
 
+import ckpt_driver as drv
 import numpy as np
-import pytest
 
 import kvcoll as kv
 from kvcoll.routing import owner_of
-
-import ckpt_driver as drv
-
-
-@pytest.fixture()
-def shared_dir(comm):
-    path = tempfile.mkdtemp(prefix="kvexport-") if comm.rank == 0 else None
-    path = comm.bcast_bytes(path.encode() if path else None).decode()
-    yield path
-    comm.barrier()
-    if comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def test_parts_and_saved_model(comm, shared_dir):

@@ -36,56 +36,11 @@ from kvcoll.comm import Comm
 from kvcoll.routing import owner_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "mpi"))
+from ckpt_tables import KEYS, close, dump, make_tables, merge, play, same  # noqa: E402
 from threadcomm import run_ranks  # noqa: E402
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "ckpt_v1"
-KEYS = 3000
-
-
-def make_tables(dims=(4, 3, 2)):
-    return {"a": kv.KvTable(dims[0], name="a", seed=1, initializer=("normal", 0, 0.1),
-                            optimizer=kv.optimizers.Adagrad(0.1)),
-            "b": kv.KvTable(dims[1], name="b", optimizer=kv.optimizers.Adam(0.01)),
-            "c": kv.KvTable(dims[2], name="c", optimizer=kv.optimizers.SGD(0.5))}
-
-
-def play(tables, world, rank, step, keys=KEYS):
-    """Global updates of `step` (and, at odd steps after the first, removals),
-    restricted to this rank's keys."""
-    g = np.random.default_rng([5, step])
-    for t in tables.values():
-        ids = np.unique(g.integers(0, keys, keys // 4))
-        grads = g.normal(size=(ids.size, t.dim)).astype(np.float32)
-        mine = owner_of(ids, world) == rank
-        t.apply_gradients(ids[mine], grads[mine], step=step, create_missing=True)
-        if step > 1 and step % 2:
-            gone = np.unique(g.integers(0, keys, keys // 10))
-            t.delete(gone[owner_of(gone, world) == rank])
-
-
-def dump(tables):
-    out = {}
-    for name, t in tables.items():
-        e = t.export()
-        order = np.argsort(e["keys"])
-        out[name] = {k: e[k][order] for k in ("keys", "values", "slots", "last_step", "counts")}
-    return out
-
-
-def merge(dumps):
-    out = {}
-    for name in dumps[0]:
-        cols = {k: np.concatenate([d[name][k] for d in dumps]) for k in dumps[0][name]}
-        order = np.argsort(cols["keys"])
-        out[name] = {k: v[order] for k, v in cols.items()}
-    return out
-
-
-def same(a, b):
-    assert sorted(a) == sorted(b)
-    for name in a:
-        for k in a[name]:
-            np.testing.assert_array_equal(a[name][k], b[name][k], err_msg=f"{name}/{k}")
 
 
 def reference(steps, keys=KEYS, dims=(4, 3, 2)):
@@ -97,12 +52,7 @@ def reference(steps, keys=KEYS, dims=(4, 3, 2)):
     return out
 
 
-def close(tables):
-    for t in tables.values():
-        t.close()
-
-
-def save_chain(d, world, *, buckets=ck.BUCKETS, version=2, steps=5, full_at=2, keys=KEYS,
+def save_chain(d, world, *, buckets=None, version=2, steps=5, full_at=2, keys=KEYS,
                dims=(4, 3, 2)):
     """Train `steps` steps on `world` thread ranks; a full save at `full_at`, a delta at
     every later step. Returns the SaveInfos of rank 0."""
@@ -136,23 +86,24 @@ def restore_on(d, world, *, checkpoint=None, buffer_bytes=None, dims=(4, 3, 2)):
 
 @pytest.fixture(scope="module")
 def chains(tmp_path_factory):
-    """Chains written on 3 ranks: full at 2, deltas at 3, 4, 5; with the default bucket
-    count and with 6 buckets."""
+    """Chains written on 3 ranks: full at 2, deltas at 3, 4, 5; with 11520 buckets, with
+    6, and with the bucket counts chosen by table size (here 1: small tables)."""
     d = tmp_path_factory.mktemp("chains")
     out = {}
-    for buckets in (ck.BUCKETS, 6):
+    for buckets in (11520, 6, None):
         infos = save_chain(d / f"b{buckets}", 3, buckets=buckets)
         assert [i.kind for i in infos] == ["full", "delta", "delta", "delta"]
         out[buckets] = d / f"b{buckets}"
     return out
 
 
-@pytest.mark.parametrize("buckets", [ck.BUCKETS, 6])
+@pytest.mark.parametrize("buckets", [11520, 6, None])
 @pytest.mark.parametrize("world", [1, 2, 4, 5])
 def test_chain_written_on_3_ranks_restores_on_any(chains, buckets, world):
     d = chains[buckets]
     m = json.loads((d / "ckpt-0000000005" / "manifest.json").read_text())
-    assert m["version"] == 2 and m["buckets"] == buckets and m["world_size"] == 3
+    assert m["version"] == 2 and m["world_size"] == 3
+    assert {f["buckets"] for f in m["files"].values()} == {buckets or 1}
     infos, state = restore_on(d, world)
     assert [i.chain for i in infos] == [tuple(f"ckpt-{s:010d}" for s in (2, 3, 4, 5))] * world
     same(state, reference(5))
@@ -173,7 +124,7 @@ def test_each_page_is_read_by_one_rank(chains, world):
     """World sizes dividing the bucket count read each page once over all ranks, and
     the index of only the files that can hold their keys (every file when gcd(3, M) is
     1; its own file when M = 3)."""
-    d = chains[ck.BUCKETS]
+    d = chains[11520]
     infos, _ = restore_on(d, world, checkpoint="ckpt-0000000002")
     index, pages = _index_and_page_bytes(d / "ckpt-0000000002")
     indexes_read = index if world == 3 else world * index
@@ -194,17 +145,34 @@ def test_buckets_not_divided_by_the_world_size_are_filtered_by_key(chains):
     assert sum(i.bytes for i in infos) == 5 * (pages + index)
 
 
-def test_small_buffer_replays_group_by_group(tmp_path):
-    """40,000 keys of dim 16 (about 5 MB over three tables, with 1,000-row pages of
-    a 6-bucket checkpoint) through a 4 MiB buffer (1 MiB reads): several groups and
-    batches, still bit for bit, with removals across the chain."""
+def test_small_buffer_replays_group_by_group(tmp_path, monkeypatch):
+    """About 120,000 rows of dim 16 per table (43 MB over three tables) through a 4 MiB
+    buffer (1 MiB reads): several groups and batches, still bit for bit, with removals
+    across the chain; with 6 buckets (several pages per bucket, buckets larger than a
+    read), with 11520, and with the bucket counts chosen by size (each file its own:
+    the full save's and the deltas' differ, replay groups go by their gcd)."""
     dims = (16, 16, 16)
-    save_chain(tmp_path / "big", 2, steps=4, keys=160_000, dims=dims, buckets=6)
-    save_chain(tmp_path / "many", 2, steps=4, keys=160_000, dims=dims)
+    groups = []
+    real = ck._batches
+
+    def counting(order, spans, limit, cut=None):
+        if cut is not None:
+            groups.append(len(set(cut.tolist())))
+        return real(order, spans, limit, cut)
+    monkeypatch.setattr(ck, "_batches", counting)
     want = reference(4, keys=160_000, dims=dims)
-    for d, world in ((tmp_path / "big", 3), (tmp_path / "big", 1), (tmp_path / "many", 3)):
-        infos, state = restore_on(d, world, buffer_bytes=ck.MIN_RESTORE_BUFFER, dims=dims)
-        same(state, want)
+    for buckets in (6, 11520, None):
+        d = tmp_path / f"b{buckets}"
+        save_chain(d, 2, steps=4, keys=160_000, dims=dims, buckets=buckets)
+        for step, least in ((2, 30), (4, 6)):  # chosen: the full save's, the delta's
+            files = json.loads((d / f"ckpt-{step:010d}" / "manifest.json").read_text())["files"]
+            got = {f["buckets"] for f in files.values()}
+            assert got == {buckets} if buckets else min(got) >= least, (step, got)
+        for world in (3, 1) if buckets else (3, 1, 4):  # 4: filtered by key, mixed counts
+            groups.clear()
+            _, state = restore_on(d, world, buffer_bytes=ck.MIN_RESTORE_BUFFER, dims=dims)
+            same(state, want)
+            assert min(groups) >= 2, groups  # every table, every rank: several groups
 
 
 def test_restore_buffer_is_checked():
@@ -212,7 +180,7 @@ def test_restore_buffer_is_checked():
     with pytest.raises(kv.InvalidArgumentError, match=r"buffer_bytes must be an integer "
                                                        r">= 4194304 \(4 MiB"):
         Checkpointer(t, Comm.local()).restore("/nonexistent", buffer_bytes=1 << 20)
-    with pytest.raises(kv.InvalidArgumentError, match="buckets must be an integer in"):
+    with pytest.raises(kv.InvalidArgumentError, match="buckets must be None or an integer in"):
         Checkpointer(t, Comm.local(), buckets=1 << 17)
     close(t)
 
@@ -227,7 +195,7 @@ def _pages(path: Path) -> np.ndarray:
 
 def test_corrupt_page_is_found_by_its_owner_and_every_rank_raises(chains, tmp_path):
     d = tmp_path / "c"
-    shutil.copytree(chains[ck.BUCKETS], d)
+    shutil.copytree(chains[11520], d)
     shard = next((d / "ckpt-0000000004").glob("000-a.r1-of-3.kvs"))
     page = _pages(shard)[0]
     data = bytearray(shard.read_bytes())
@@ -253,10 +221,10 @@ def test_corrupt_page_is_found_by_its_owner_and_every_rank_raises(chains, tmp_pa
 
 def test_file_changed_during_the_restore_clears_every_table(chains, tmp_path, monkeypatch):
     d = tmp_path / "c"
-    shutil.copytree(chains[ck.BUCKETS], d)
+    shutil.copytree(chains[11520], d)
     real = ck._Replay.apply
 
-    def corrupt_then_apply(self, tables):
+    def corrupt_then_apply(self):
         if self.rank == 0:  # between the passes, on one rank: a page changes
             shard = next((d / "ckpt-0000000002").glob("000-a.r0-of-3.kvs"))
             pages = _pages(shard)
@@ -264,7 +232,7 @@ def test_file_changed_during_the_restore_clears_every_table(chains, tmp_path, mo
             for p in pages[pages["bucket"] % 2 == 0]:  # a page of each of rank 0's buckets
                 data[int(p["offset"]) + 3] ^= 0xFF
             shard.write_bytes(bytes(data))
-        return real(self, tables)
+        return real(self)
     monkeypatch.setattr(ck._Replay, "apply", corrupt_then_apply)
     monkeypatch.setattr(ck._Replay, "_verify", _verify_without_keeping(ck._Replay._verify))
 
@@ -415,3 +383,22 @@ def test_restore_adds_at_most_its_buffer_to_the_tables(tmp_path):
     write(tmp_path / "v1", 1)
     old = _restore_growth(tmp_path / "v1", 8 << 20)
     assert old["rows"] == got["rows"] and old["growth"] > allowed + (100 << 20), (old, got)
+
+
+def test_bucket_count_grows_with_the_table():
+    """At least 128 KiB a bucket on average over all the files, a removed key counted
+    as a row, up to 11520 buckets: a page is large enough that its per-page costs do
+    not matter; each count of the ladder divides the larger ones."""
+    def choose(rows, removed=0, files=1):
+        return _shards.choose_buckets(rows, removed, 16, 16, files)  # 144-byte rows
+    assert choose(100) == 1
+    assert choose(200_000) == 180                              # 28.8 MB
+    assert choose(5_000_000, files=2) == 5760                  # 1.44 GB
+    assert choose(10**9) == 11520
+    assert choose(50_000, 50_000, files=2) == choose(200_000)  # removals count as rows
+    ns = np.geomspace(1, 10**9, 60).astype(int)
+    sizes = [choose(n) for n in ns]
+    assert sizes == sorted(sizes)
+    assert all(b == 1 or n * 144 >= b * _shards.BUCKET_BYTES for b, n in zip(sizes, ns))
+    ladder = _shards.BUCKET_LADDER
+    assert all(big % small == 0 for big, small in zip(ladder, ladder[1:]))

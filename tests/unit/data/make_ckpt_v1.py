@@ -1,6 +1,6 @@
 """Writes tests/unit/data/ckpt_v1 with the format-1 checkpoint code as it was committed
 before format 2 (git commit d5b9670, kvcoll/checkpoint.py), on 2 ranks (threads):
-the tables of tests/unit/test_checkpoint_reshard.py, a full save at step 2 and deltas
+the tables of tests/mpi/ckpt_tables.py, a full save at step 2 and deltas
 at 3 (with removals) and 4; and ckpt_v1.expected.npz, every table's state at step 4
 (merged over the ranks, sorted by key). Run from the repository root:
 
@@ -17,10 +17,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parent.parent / "mpi"))
 
-import kvcoll  # noqa: E402,F401
 import numpy as np  # noqa: E402
-from test_checkpoint_reshard import dump, make_tables, merge, play  # noqa: E402
+from ckpt_tables import dump, make_tables, merge, play  # noqa: E402
 from threadcomm import run_ranks  # noqa: E402
 
 source = subprocess.run(["git", "show", "d5b9670:kvcoll/checkpoint.py"], check=True,
@@ -29,7 +29,7 @@ spec = importlib.util.spec_from_loader("kvcoll._checkpoint_format1", loader=None
 old = importlib.util.module_from_spec(spec)
 old.__package__ = "kvcoll"
 sys.modules[spec.name] = old
-exec(compile(source, "checkpoint.py@d5b9670", "exec"), old.__dict__)
+exec(compile(source, "checkpoint.py@d5b9670", "exec"), old.__dict__)  # noqa: S102
 assert old.VERSION == 1
 
 out = HERE / "ckpt_v1"
