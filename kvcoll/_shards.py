@@ -44,6 +44,7 @@ that only reads format 1).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import hashlib
 import io
 import os
@@ -282,15 +283,18 @@ def _parse_index(path, tail: bytes, offset: int, dim, slot_floats, buckets, info
 
 
 class PageReader:
-    """Reads pages of shard files into one reused buffer of at most `limit` bytes (a
+    """Reads pages of shard files into reused buffers of at most `limit` bytes each (a
     single page larger than that gets a buffer of its own size) and verifies each
-    page's sha256. Keeps up to 64 files open."""
+    page's sha256, hashing on `threads` threads (hashlib lets go of the GIL). batches()
+    reads the next batch in the background while the caller uses the current one (two
+    buffers). Keeps up to 64 files open."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, threads: int = 2):
         self.limit = int(limit)
         self.bytes_read = 0
-        self._buf = None
+        self._bufs = [None, None]
         self._fds: collections.OrderedDict = collections.OrderedDict()
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads) if threads > 1 else None
 
     def _fd(self, path: str) -> int:
         fd = self._fds.pop(path, None)
@@ -304,22 +308,24 @@ class PageReader:
         self._fds[path] = fd
         return fd
 
-    def read(self, paths: list, pages: np.ndarray, *, keep: bool = False) -> list:
+    def _buffer(self, slot: int, total: int) -> np.ndarray:
+        buf = self._bufs[slot]
+        if buf is None or buf.size < total:
+            self._bufs[slot] = None
+            buf = self._bufs[slot] = np.empty(max(total, self.limit), np.uint8)
+        return buf
+
+    def read(self, paths: list, pages: np.ndarray, *, keep: bool = False,
+             slot: int = 0) -> list:
         """The bytes of `pages` (structured, with fields file (index into paths),
         offset, length, sha256) as uint8 arrays, in the order given, verified.
-        keep=True reads into a new buffer that the caller may keep; otherwise the
-        views are valid until the next read."""
+        keep=True reads into a new buffer that the caller may keep; otherwise into
+        buffer `slot` (0 or 1), and the views are valid until its next read."""
         total = int(_padded(pages["length"]).sum())
-        if keep:
-            buf = np.empty(total, np.uint8)
-        else:
-            if self._buf is None or self._buf.size < total:
-                if total > self.limit and pages.size > 1:
-                    raise ValueError(f"{total} bytes of pages exceed the read buffer of "
-                                     f"{self.limit} bytes")
-                self._buf = None
-                self._buf = np.empty(max(total, self.limit), np.uint8)
-            buf = self._buf
+        if total > self.limit and pages.size > 1:
+            raise ValueError(f"{total} bytes of pages exceed the read buffer of "
+                             f"{self.limit} bytes")
+        buf = np.empty(total, np.uint8) if keep else self._buffer(slot, total)
         # read in file order, adjacent pages of a file in one call
         order = np.lexsort((pages["offset"], pages["file"]))
         at = np.empty(pages.size, np.int64)  # each page's position in buf
@@ -336,16 +342,31 @@ class PageReader:
             pos += span
         for file, offset, end, start in runs:
             self._pread(paths[file], buf, start, offset, end - offset)
-        out = []
-        for i in range(pages.size):
-            view = buf[at[i]:at[i] + int(pages["length"][i])]
-            if hashlib.sha256(view).digest() != pages["sha256"][i].tobytes():
+        views = [buf[at[i]:at[i] + int(pages["length"][i])] for i in range(pages.size)]
+        digests = list(self._pool.map(_sha256, views)) if self._pool and len(views) > 1 \
+            else [_sha256(v) for v in views]
+        for i, digest in enumerate(digests):
+            if digest != pages["sha256"][i].tobytes():
                 raise CheckpointError(
                     f"checkpoint file {paths[int(pages['file'][i])]}: the page at byte "
                     f"{int(pages['offset'][i])} fails its sha256 check (corrupt); "
                     "restore an earlier checkpoint")
-            out.append(view)
-        return out
+        return views
+
+    def batches(self, paths: list, pages: np.ndarray, batches):
+        """Yield (batch, its pages' verified bytes) for each batch (an array of page
+        numbers), reading and verifying the next batch on a thread of its own while the
+        caller uses this one. An error of a read is raised here, in order."""
+        with concurrent.futures.ThreadPoolExecutor(1) as ahead:
+            it = iter(batches)
+            nxt, slot = next(it, None), 0
+            job = None if nxt is None else ahead.submit(self.read, paths, pages[nxt], slot=0)
+            while nxt is not None:
+                cur, views = nxt, job.result()
+                nxt, slot = next(it, None), slot ^ 1
+                if nxt is not None:
+                    job = ahead.submit(self.read, paths, pages[nxt], slot=slot)
+                yield cur, views
 
     def _pread(self, path: str, buf: np.ndarray, at: int, offset: int, nbytes: int) -> None:
         fd = self._fd(path)
@@ -360,7 +381,13 @@ class PageReader:
     def close(self) -> None:
         while self._fds:
             os.close(self._fds.popitem()[1])
-        self._buf = None
+        self._bufs = [None, None]
+        if self._pool is not None:
+            self._pool.shutdown()
+
+
+def _sha256(data) -> bytes:
+    return hashlib.sha256(data).digest()
 
 
 def _padded(lengths) -> np.ndarray:

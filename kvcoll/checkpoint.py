@@ -58,8 +58,8 @@ Restore on any world size, in bounded memory. On M ranks, rank r reads the index
 each shard file that can hold its keys (a file of rank s of N: s = r mod gcd(N, M)),
 then only the pages of its buckets (bucket = r mod gcd(B, M)); when M divides B those
 hold exactly its keys, otherwise it keeps those with owner_of(key, M) == r. It reads
-in two passes through one buffer of `buffer_bytes` / 4 (default RESTORE_BUFFER = 256
-MiB; at least MIN_RESTORE_BUFFER):
+in two passes through buffers of `buffer_bytes` / 4 (default RESTORE_BUFFER = 256 MiB;
+at least MIN_RESTORE_BUFFER):
 1. verify: the chain of manifests, the format version, the table specs against the
    tables, every file's size, every index's and every page's sha256, every key's
    bucket, the dense variables' names and shapes. Nothing changes; every rank raises
@@ -72,8 +72,9 @@ MiB; at least MIN_RESTORE_BUFFER):
    into the table. Keys of different buckets never meet, so replaying group by group
    equals replaying checkpoint by checkpoint; a row that a later delta removes lives
    at most until the end of its group.
-The memory bound. Beyond the tables it fills, a restore holds one read buffer
-(buffer_bytes / 4; when all the rank's pages fit in it, pass 1 keeps them and pass 2
+The memory bound. Beyond the tables it fills, a restore holds two read buffers of
+buffer_bytes / 4 (pass 2 reads and verifies the next batch on a thread while it
+applies this one; when all the rank's pages fit in one, pass 1 keeps them and pass 2
 reads nothing), the rows of the current group that a later delta removes (at most
 buffer_bytes / 4: a file row is a table row), a page's copies when it filters by key,
 and its plan (80 bytes per page it reads): at most buffer_bytes in all, whatever the
@@ -461,8 +462,8 @@ class Checkpointer:
         err = None
         try:
             loaded.apply()
-        except CheckpointError as exc:
-            err = f"rank {comm.rank}: {exc}"
+        except CheckpointError as exc:  # a file changed since pass 1 verified it
+            err = f"rank {comm.rank}: {exc} (it changed during the restore)"
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             err = f"rank {comm.rank}: {type(exc).__name__}: {exc}"
         finally:
@@ -472,8 +473,8 @@ class Checkpointer:
             for t in self.tables.values():
                 t.clear()
             raise CheckpointError(
-                errors[0] + " (found while replaying it, after every rank had verified it: "
-                "the checkpoint changed during the restore; every table was cleared)")
+                errors[0] + "; this happened while replaying the checkpoint, after every "
+                "rank had verified it: every table was cleared")
         for t in self.tables.values():
             t.track_removed(True)  # the next delta's removals are relative to this one
             t.take_removed()
@@ -682,11 +683,12 @@ class _Replay:
             gid = group_of[coarse]
             order = np.lexsort((pages["offset"], pages["file"], pages["kind"],
                                 pages["member"], gid))
-            for batch in _batches(order, spans, self.limit, gid):
-                if plan.cached is not None:
-                    views = [plan.cached[i] for i in batch.tolist()]
-                else:
-                    views = self.reader.read(plan.paths, pages[batch])
+            batches = _batches(order, spans, self.limit, gid)
+            if plan.cached is not None:
+                batches = ((b, [plan.cached[i] for i in b.tolist()]) for b in batches)
+            else:  # the next batch is read (and verified) while this one is applied
+                batches = self.reader.batches(plan.paths, pages, batches)
+            for batch, views in batches:
                 for i, view in zip(batch.tolist(), views):
                     self._apply_page(plan, pages[i], view)
             plan.cached = None

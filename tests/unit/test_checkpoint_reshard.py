@@ -240,9 +240,9 @@ def test_file_changed_during_the_restore_clears_every_table(chains, tmp_path, mo
         tables = make_tables()
         play(tables, comm.size, comm.rank, 9)
         with pytest.raises(kv.CheckpointError, match=r"rank 0: checkpoint file .*fails its "
-                           r"sha256 check .*\(found while replaying it, after every rank "
-                           r"had verified it: the checkpoint changed during the restore; "
-                           r"every table was cleared\)"):
+                           r"sha256 check .*\(it changed during the restore\); this "
+                           r"happened while replaying the checkpoint, after every rank had "
+                           r"verified it: every table was cleared"):
             Checkpointer(tables, comm).restore(d)
         assert all(len(t) == 0 for t in tables.values())
         close(tables)
