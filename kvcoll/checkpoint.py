@@ -688,9 +688,12 @@ class _Replay:
                 batches = ((b, [plan.cached[i] for i in b.tolist()]) for b in batches)
             else:  # the next batch is read (and verified) while this one is applied
                 batches = self.reader.batches(plan.paths, pages, batches)
-            for batch, views in batches:
-                for i, view in zip(batch.tolist(), views):
-                    self._apply_page(plan, pages[i], view)
+            try:
+                for batch, views in batches:
+                    for i, view in zip(batch.tolist(), views):
+                        self._apply_page(plan, pages[i], view)
+            finally:
+                batches.close()  # on an error: wait for the read ahead before close()
             plan.cached = None
 
     def _apply_page(self, plan: _TablePlan, page, view: np.ndarray) -> None:

@@ -1,5 +1,5 @@
 """Tables for the checkpoint tests that need no TensorFlow (tests/mpi/test_checkpoint.py,
-tests/unit/test_checkpoint_reshard.py): three tables with
+tests/unit/test_checkpoint_streaming.py): three tables with
 three row optimizers, the global updates (and removals) of a step restricted to a
 rank's keys, and a set of tables' every row as sorted arrays to compare.
 

@@ -249,6 +249,41 @@ def test_file_changed_during_the_restore_clears_every_table(chains, tmp_path, mo
     run_ranks(2, rank_main)
 
 
+def test_error_while_replaying_clears_every_table_and_the_next_restore_works(
+        tmp_path, monkeypatch):
+    """An error in the middle of the replay (here a simulated out-of-memory in a table
+    import, while the next batch is being read ahead): every rank raises with the
+    cause, every table is empty, and a restore afterwards succeeds."""
+    dims = (16, 16, 16)
+    save_chain(tmp_path, 2, steps=3, keys=80_000, dims=dims, buckets=6)
+    real = ck._Replay._apply_page
+    calls = []
+
+    def failing(self, plan, page, view):
+        calls.append(self.rank)
+        if self.rank == 1 and calls.count(1) == 3:
+            raise kv.CapacityError("table 'a': out of memory (simulated)")
+        return real(self, plan, page, view)
+    monkeypatch.setattr(ck._Replay, "_apply_page", failing)
+
+    def rank_main(comm):
+        tables = make_tables(dims)
+        c = Checkpointer(tables, comm)
+        with pytest.raises(kv.CheckpointError, match=r"^rank 1: CapacityError: table 'a': "
+                           r"out of memory \(simulated\); this happened while replaying"):
+            c.restore(tmp_path, buffer_bytes=ck.MIN_RESTORE_BUFFER)
+        assert all(len(t) == 0 for t in tables.values())
+        comm.barrier()
+        if comm.rank == 0:
+            monkeypatch.setattr(ck._Replay, "_apply_page", real)
+        comm.barrier()
+        c.restore(tmp_path, buffer_bytes=ck.MIN_RESTORE_BUFFER)
+        state = dump(tables)
+        close(tables)
+        return state
+    same(merge(run_ranks(2, rank_main)), reference(3, keys=80_000, dims=dims))
+
+
 def _verify_without_keeping(verify):
     """_Replay._verify as if the pages did not fit the buffer (pass 2 reads again)."""
     def run(self):
