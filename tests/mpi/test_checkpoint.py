@@ -1,65 +1,20 @@
 """Table checkpoints at any world size (kvcoll.checkpoint.Checkpointer, no TensorFlow).
 
 Every rank builds the whole table state from one seed, keeps its own keys, saves a
-full checkpoint and a delta; the checkpoint then restores on the same ranks and, on
-every rank, into one-rank tables holding every key (another world size); a file
-corrupted on one rank makes every rank raise the same error with nothing changed.
+full checkpoint and a delta; the checkpoint then restores on the same ranks (each
+reading its own files only) and, on every rank, into one-rank tables holding every key
+(another world size); a file corrupted on one rank makes every rank raise the same
+error with nothing changed.
 """
 
 import os
-import shutil
-import tempfile
 
-import numpy as np
 import pytest
+from ckpt_tables import dump, make_tables, play, same
 
 import kvcoll as kv
 from kvcoll.checkpoint import Checkpointer
 from kvcoll.comm import Comm
-from kvcoll.routing import owner_of
-
-DIMS = {"a": 4, "b": 3}
-
-
-def make_tables():
-    return {"a": kv.KvTable(4, name="a", seed=1, initializer=("normal", 0, 0.1),
-                            optimizer=kv.optimizers.Adagrad(0.1)),
-            "b": kv.KvTable(3, name="b", optimizer=kv.optimizers.Adam(0.01))}
-
-
-def play(tables, world, rank, step):
-    """Global updates of `step`, restricted to this rank's keys."""
-    g = np.random.default_rng([5, step])
-    for name, t in tables.items():
-        keys = np.unique(g.integers(0, 500, 200))
-        grads = g.normal(size=(keys.size, t.dim)).astype(np.float32)
-        mine = owner_of(keys, world) == rank
-        t.apply_gradients(keys[mine], grads[mine], step=step, create_missing=True)
-
-
-def dump(tables):
-    out = {}
-    for name, t in tables.items():
-        e = t.export()
-        order = np.argsort(e["keys"])
-        out[name] = {k: e[k][order] for k in ("keys", "values", "slots", "last_step", "counts")}
-    return out
-
-
-def same(a, b):
-    for name in a:
-        for k in a[name]:
-            np.testing.assert_array_equal(a[name][k], b[name][k], err_msg=f"{name}/{k}")
-
-
-@pytest.fixture()
-def shared_dir(comm):
-    path = tempfile.mkdtemp(prefix="kvckpt-") if comm.rank == 0 else None
-    path = comm.bcast_bytes(path.encode() if path else None).decode()
-    yield path
-    comm.barrier()
-    if comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def test_full_and_delta_restore_on_same_and_one_rank(comm, shared_dir):
@@ -78,6 +33,11 @@ def test_full_and_delta_restore_on_same_and_one_rank(comm, shared_dir):
     r = Checkpointer(fresh, comm).restore(shared_dir)
     assert r.step == 3 and r.chain == ("ckpt-0000000002", "ckpt-0000000003")
     same(dump(fresh), ref)
+    # on the world that wrote it, a rank reads its own files and nothing else
+    own = sum(os.path.getsize(os.path.join(shared_dir, c, f)) for c in r.chain
+              for f in os.listdir(os.path.join(shared_dir, c))
+              if f.endswith(f".r{rank}-of-{world}.kvs"))
+    assert r.bytes == own
 
     # every rank alone: a one-rank world holding every key
     local = make_tables()
