@@ -178,6 +178,74 @@ def _write_shard(path: str, rows: dict, removed: np.ndarray, buckets: int) -> di
     return _shards.write_shard(path, rows, removed, buckets)
 
 
+ADMISSION_ARRAYS = ("keys", "counts", "steps", "bloom", "bloom_adds")
+
+
+def _write_admission(tmp: str, shard: str, t: KvTable, name: str, comm) -> dict:
+    """The table's admission state on this rank (exact pending counts, or the Bloom
+    filter) into `<shard file>.adm`, as of this save: every checkpoint, full or delta,
+    holds it whole, so a restore admits exactly as the saved run would have."""
+    a = t.export_admission()
+    arrays = [a["keys"], a["counts"], a["steps"],
+              a["bloom"] if a["bloom"] is not None else np.zeros(0, np.uint8),
+              np.array([a["bloom_adds"]], np.int64)]
+    fname = shard + ".adm"
+    sha, nbytes = _shards.write_shard_v1(os.path.join(tmp, fname), arrays)
+    return {fname: {"sha256": sha, "bytes": nbytes, "table": name, "rank": comm.rank,
+                    "world": comm.size, "rows": 0, "admission": True}}
+
+
+def _read_admission(directory: str, m: dict, tables: dict, comm) -> dict:
+    """{table: admission state for this rank} from checkpoint m (verified): its own
+    file on the world that wrote it; else every file's pending keys it now owns, and
+    the Bloom filters merged (never admits later than the saved run)."""
+    out = {}
+    for name, t in tables.items():
+        adm = [f for f in m["tables"][name].get("admission", [])]
+        if not adm or t.admit_min_count < 2:
+            continue
+        parts = []
+        for fname in adm:
+            info = m["files"][fname]
+            same = info["world"] == comm.size
+            if same and info["rank"] != comm.rank:
+                continue
+            path = os.path.join(directory, m["_name"], fname)
+            buf = _shards.read_verified(path, info["sha256"], info["bytes"])
+            recs = dict(zip(ADMISSION_ARRAYS, _shards.parse_records_v1(buf, path)))
+            if len(recs) != len(ADMISSION_ARRAYS):
+                raise CheckpointError(f"{path}: not an admission state file")
+            if not same:
+                keep = owner_of(recs["keys"], comm.size) == comm.rank
+                recs.update(keys=recs["keys"][keep], counts=recs["counts"][keep],
+                            steps=recs["steps"][keep])
+            parts.append(recs)
+        if not parts:
+            continue
+        blooms = [p["bloom"] for p in parts if p["bloom"].size]
+        state = {"keys": np.concatenate([p["keys"] for p in parts]),
+                 "counts": np.concatenate([p["counts"] for p in parts]),
+                 "steps": np.concatenate([p["steps"] for p in parts]),
+                 "bloom": None, "bloom_adds": 0, "merge": len(parts) > 1}
+        if blooms:
+            if any(b.size != blooms[0].size for b in blooms):
+                raise CheckpointError(f"{m['_name']}: table {name!r}: Bloom filters of "
+                                      "different sizes")
+            state["bloom"] = np.maximum.reduce([_nibbles(b) for b in blooms]).astype(np.uint8)
+            state["bloom"] = _pack_nibbles(state["bloom"])
+            state["bloom_adds"] = int(max(int(p["bloom_adds"][0]) for p in parts))
+        out[name] = state
+    return out
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    return np.stack([packed & 15, packed >> 4], axis=1)
+
+
+def _pack_nibbles(n: np.ndarray) -> np.ndarray:
+    return (n[:, 0] | (n[:, 1] << 4)).astype(np.uint8)
+
+
 def _rows_to_save(t: KvTable, delta: bool) -> dict:
     """The rows a save writes, clearing their dirty bits: the dirty ones for a delta,
     every row otherwise (a full save reads them in one C call into arrays sized once,
@@ -231,6 +299,7 @@ class _KerasDense:
         import tensorflow as tf
 
         self._tf = tf
+        self._model, self._opt = model, optimizer
         self._ckpt = tf.train.Checkpoint(model=model, optimizer=optimizer)
 
     def write(self, directory: str) -> list[str]:
@@ -264,6 +333,18 @@ class _KerasDense:
 
     def read(self, directory: str) -> None:
         self._ckpt.read(os.path.join(directory, _DENSE_PREFIX)).assert_existing_objects_matched()
+
+    def snapshot(self) -> list:
+        """The values of every dense and optimizer variable (to roll a restore back)."""
+        return [v.numpy() for v in self._variables()]
+
+    def rollback(self, values: list) -> None:
+        for v, x in zip(self._variables(), values):
+            v.assign(x)
+
+    def _variables(self) -> list:
+        opt = self._opt
+        return list(self._model.variables) + (list(opt.variables) if opt is not None else [])
 
 
 # -- the checkpointer ----------------------------------------------------------------------
@@ -336,6 +417,8 @@ class Checkpointer:
                     info = _write_shard(path, rows, removed, buckets)
                 files[fname] = {**info, "table": name, "rank": comm.rank, "world": comm.size}
                 del rows
+                if self.version >= 2 and t.admit_min_count >= 2:
+                    files.update(_write_admission(tmp, fname, t, name, comm))
             if comm.rank == 0 and self.dense is not None:
                 for fname in self.dense.write(tmp):
                     path = os.path.join(tmp, fname)
@@ -398,9 +481,13 @@ class Checkpointer:
             for name, t in self.tables.items():
                 tables[name] = {**_table_spec(t),
                                 "files": sorted(f for f, v in files.items()
-                                                if v["table"] == name),
+                                                if v["table"] == name and not v.get("admission")),
                                 "rows": sum(v["rows"] for v in files.values()
                                             if v["table"] == name)}
+                adm = sorted(f for f, v in files.items() if v["table"] == name
+                             and v.get("admission"))
+                if adm:
+                    tables[name]["admission"] = adm
             keep = ("sha256", "bytes", "rank", "world") if self.version == 1 else \
                 ("sha256", "bytes", "rank", "world", "rows", "removed", "buckets", "pages",
                  "index")
@@ -457,8 +544,22 @@ class Checkpointer:
             if loaded is not None:
                 loaded.close()
             raise CheckpointError(errors[0] + "; nothing was restored")
-        # Verified everywhere: now change things.
+        # Verified everywhere: now change things, the dense model first (it can be rolled
+        # back), and agree on every part, so no rank is left half-restored.
         self._parent = None
+        before = self.dense.snapshot() if self.dense is not None else None
+        err = None
+        if self.dense is not None:
+            try:
+                self.dense.read(os.path.join(directory, loaded.chain[-1]["_name"]))
+            except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+                err = f"rank {comm.rank}: loading the dense model: {type(exc).__name__}: {exc}"
+        errors = [e for e in comm.allgather_json(err, "checkpoint:dense") if e]
+        if errors:
+            loaded.close()
+            self.dense.rollback(before)
+            raise CheckpointError(errors[0] + "; nothing was restored (the dense model was "
+                                  "rolled back)")
         err = None
         try:
             loaded.apply()
@@ -472,16 +573,19 @@ class Checkpointer:
         if errors:
             for t in self.tables.values():
                 t.clear()
+            if self.dense is not None:
+                self.dense.rollback(before)
             raise CheckpointError(
                 errors[0] + "; this happened while replaying the checkpoint, after every "
-                "rank had verified it: every table was cleared")
+                "rank had verified it: every table was cleared (the dense model was rolled "
+                "back)")
         for t in self.tables.values():
             t.track_removed(True)  # the next delta's removals are relative to this one
             t.take_removed()
+        for name, state in loaded.admission.items():  # as of the last checkpoint
+            self.tables[name].import_admission(state, merge=state.pop("merge"))
         chain = loaded.chain
         last = chain[-1]
-        if self.dense is not None:
-            self.dense.read(os.path.join(directory, last["_name"]))
         comm.barrier("checkpoint:restored")
         self._parent = (directory, last["_name"], last["version"])
         return RestoreInfo(os.path.join(directory, last["_name"]), last["_name"], last["step"],
@@ -528,8 +632,11 @@ class Checkpointer:
                 nbytes += info["bytes"]
             self.dense.check(os.path.join(directory, last["_name"]))
         if versions[0] == 1:
-            return _V1Load(directory, chain, self.tables, self.comm, nbytes)
-        return _Replay(directory, chain, self.tables, self.comm, buffer_bytes, nbytes)
+            loaded = _V1Load(directory, chain, self.tables, self.comm, nbytes)
+        else:
+            loaded = _Replay(directory, chain, self.tables, self.comm, buffer_bytes, nbytes)
+        loaded.admission = _read_admission(directory, last, self.tables, self.comm)
+        return loaded
 
 
 def _checked_buffer(n) -> int:
@@ -844,10 +951,11 @@ def save(directory, model, *, incremental: bool = False) -> SaveInfo:
     changed since this model's previous save (or restore) in the same directory;
     without one it writes a full checkpoint. In SSP/ASP every rank first waits until
     every update is applied (a sync point), so the checkpoint is consistent. Returns a
-    SaveInfo."""
+    SaveInfo. Its collectives wait up to the I/O deadline (KVCOLL_IO_TIMEOUT)."""
     eng = _engine(model)
     eng.sync()
-    return _checkpointer(eng).save(directory, eng.step, incremental=incremental)
+    with eng.comm.deadline("io"):
+        return _checkpointer(eng).save(directory, eng.step, incremental=incremental)
 
 
 def restore(directory, model, *, checkpoint: str | None = None,
@@ -858,9 +966,11 @@ def restore(directory, model, *, checkpoint: str | None = None,
     ones, bit for bit, and training continues from that step in every step mode; any
     mismatch or corruption raises CheckpointError on every rank before anything
     changes. Each rank reads only the parts of the checkpoint that hold its keys, and
-    uses at most `buffer_bytes` (default RESTORE_BUFFER, 256 MiB) beyond its tables."""
+    uses at most `buffer_bytes` (default RESTORE_BUFFER, 256 MiB) beyond its tables.
+    Its collectives wait up to the I/O deadline (KVCOLL_IO_TIMEOUT)."""
     eng = _engine(model)
     eng.sync()
-    info = _checkpointer(eng).restore(directory, checkpoint, buffer_bytes=buffer_bytes)
+    with eng.comm.deadline("io"):
+        info = _checkpointer(eng).restore(directory, checkpoint, buffer_bytes=buffer_bytes)
     eng.set_step(info.step)
     return info

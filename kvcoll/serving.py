@@ -125,6 +125,17 @@ def _read_npy(path: str, dtype, shape, batch: int):
 
 def export(directory, model, *, dictionary: bool = True, saved_model: bool = True,
            max_serving_bytes: int | None = None) -> dict:
+    """Write a model with kv.Embedding layers (or a kv.Trainer) for serving: see
+    _export; its collectives wait up to the I/O deadline (KVCOLL_IO_TIMEOUT)."""
+    from .checkpoint import _engine
+
+    with _engine(model).comm.deadline("io"):
+        return _export(directory, model, dictionary=dictionary, saved_model=saved_model,
+                       max_serving_bytes=max_serving_bytes)
+
+
+def _export(directory, model, *, dictionary: bool = True, saved_model: bool = True,
+            max_serving_bytes: int | None = None) -> dict:
     """Write a model with kv.Embedding layers (or a kv.Trainer) for serving into
     `directory` (a collective, replacing what was there): every rank writes its part of
     the embedding dictionary, rank 0 builds the SavedModel from the parts. In SSP/ASP

@@ -9,12 +9,15 @@ error with nothing changed.
 
 import os
 
+import numpy as np
+
 import pytest
 from ckpt_tables import dump, make_tables, play, same
 
 import kvcoll as kv
 from kvcoll.checkpoint import Checkpointer
 from kvcoll.comm import Comm
+from kvcoll.routing import owner_of
 
 
 def test_full_and_delta_restore_on_same_and_one_rank(comm, shared_dir):
@@ -73,5 +76,65 @@ def test_corrupt_file_on_one_rank_fails_everywhere(comm, shared_dir):
         Checkpointer(other, comm).restore(shared_dir)
     same(dump(other), before)
     for ts in (tables, other):
+        for t in ts.values():
+            t.close()
+
+
+def _admitting(admit):
+    return {"a": kv.KvTable(3, name="a", admit_min_count=3, admit=admit,
+                            optimizer=kv.optimizers.SGD(0.5))}
+
+
+def _sightings(tables, world, rank, step):
+    """Step `step`'s lookups (and updates) of this rank's keys: many keys are seen once
+    or twice, so they wait for admission across the save."""
+    g = np.random.default_rng([9, step])
+    ids = np.unique(g.integers(0, 400, 150))
+    ids = ids[owner_of(ids, world) == rank]
+    t = tables["a"]
+    t.find_or_create(ids, step=step)
+    t.apply_gradients(ids, np.ones((ids.size, 3), np.float32), step=step)
+
+
+@pytest.mark.parametrize("admit", ["exact", "bloom"])
+def test_admission_state_survives_a_restore(comm, shared_dir, admit):
+    """A run resumed from a checkpoint (full + delta) admits exactly as the uninterrupted
+    run: the pending counts (or the Bloom filter) are in every checkpoint. On another
+    world size the counts move with their keys (the filters are merged: never later)."""
+    world, rank = comm.size, comm.rank
+    run = _admitting(admit)
+    ck = Checkpointer(run, comm)
+    for step in (1, 2):
+        _sightings(run, world, rank, step)
+    ck.save(shared_dir, 2)
+    _sightings(run, world, rank, 3)
+    ck.save(shared_dir, 3, incremental=True)
+    v1 = os.path.join(shared_dir, "v1")  # format 1 keeps no admission state
+    Checkpointer(run, comm, version=1).save(v1, 3)
+    resumed, forgetful = _admitting(admit), _admitting(admit)
+    Checkpointer(resumed, comm).restore(shared_dir)
+    Checkpointer(forgetful, comm).restore(v1)
+    for step in (4, 5):
+        for ts in (run, resumed, forgetful):
+            _sightings(ts, world, rank, step)
+    same(dump(resumed), dump(run))
+    # without the state a resumed run admits later: the check above can fail
+    got = comm.allreduce(np.array([len(forgetful["a"]), len(run["a"])], np.int64))
+    assert got[0] < got[1], got
+    # another world size: every rank alone holds every key; the exact counts move with
+    # their keys, so the one-rank run admits as the whole run did
+    local = _admitting(admit)
+    Checkpointer(local, Comm.local()).restore(shared_dir)
+    everything = _admitting(admit)
+    for step in (1, 2, 3):
+        _sightings(everything, 1, 0, step)
+    for step in (4, 5):
+        for ts in (local, everything):
+            _sightings(ts, 1, 0, step)
+    if admit == "exact":
+        same(dump(local), dump(everything))
+    else:  # merged filters: never later than the whole run
+        assert set(dump(everything)["a"]["keys"]) <= set(dump(local)["a"]["keys"])
+    for ts in (run, resumed, forgetful, local, everything):
         for t in ts.values():
             t.close()

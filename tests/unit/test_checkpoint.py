@@ -251,3 +251,37 @@ def test_export_too_large_to_serve_is_refused_before_anything_is_written(tmp_pat
     with pytest.raises(kv.InvalidArgumentError, match="write nothing"):
         kv.export(tmp_path / "ex", tr, saved_model=False, dictionary=False)
     tr.close()
+
+
+@pytest.mark.parametrize("fails", ["dense model", "tables"])
+def test_a_restore_failing_after_verification_leaves_no_half_restored_model(saved, monkeypatch,
+                                                                             fails):
+    """Loading the dense model (or replaying the tables) fails after every check passed:
+    the error is agreed, the dense model is rolled back, and the tables are as before
+    (dense) or cleared (a replay cannot be undone), never half of each."""
+    from kvcoll import checkpoint
+
+    d, _, _ = saved
+    tr = trainer()
+    train(tr, 1)
+    weights = [w.copy() for w in tr.model.get_weights()]
+    rows = {n: t.export() for n, t in tr.tables.items()}
+
+    def broken(*args, **kwargs):
+        raise OSError("the disk went away")
+
+    if fails == "dense model":
+        monkeypatch.setattr(checkpoint._KerasDense, "read", broken)
+    else:
+        monkeypatch.setattr(checkpoint._Replay, "apply", broken)
+    with pytest.raises(kv.CheckpointError, match="the disk went away") as info:
+        kv.restore(d / "chain", tr)
+    assert "rolled back" in str(info.value)
+    for a, w in zip(tr.model.get_weights(), weights):
+        np.testing.assert_array_equal(a, w)
+    for n, t in tr.tables.items():
+        if fails == "dense model":
+            np.testing.assert_array_equal(np.sort(t.export()["keys"]), np.sort(rows[n]["keys"]))
+        else:
+            assert len(t) == 0
+    tr.close()
