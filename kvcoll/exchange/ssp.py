@@ -250,18 +250,22 @@ class SspExchange:
                 self.comm.answer_liveness()
             lead = max(0, step - 1 - (slow if slow is not None else step - 1))
         if behind is not None:
-            # Who is lost (a rank behind may only wait for another), asked outside the
-            # lock: the service thread needs it to go on serving the others.
-            _, report = self.comm.liveness()
-            raise CommTimeoutError(
-                f"rank {self._rank}/{self._world}: ssp:gate at step {step} waited "
-                f"{self.comm.timeout:g}s for rank(s) {behind} to finish step "
-                f"{step - self.staleness - 1}; "
-                f"{report or f'they died, stopped or are cut off from rank {self._rank}'} "
-                "(raise the limit with KVCOLL_COMM_TIMEOUT)")
+            raise self._timed_out(f"ssp:gate at step {step} waited {self.comm.timeout:g}s "
+                                  f"for rank(s) {behind} to finish step "
+                                  f"{step - self.staleness - 1}")
         self.max_lead = max(self.max_lead, lead)
         self.trace.append(_Trace(step, lead, 0, time.time()))
         return lead
+
+    def _timed_out(self, what: str) -> CommTimeoutError:
+        """The error of a wait of this worker's that timed out (`what`: which, for whom),
+        naming who is lost: a rank the wait was for may itself wait for another. Call it
+        outside the lock: the service thread goes on serving the others meanwhile."""
+        _, report = self.comm.liveness()
+        return CommTimeoutError(
+            f"rank {self._rank}/{self._world}: {what}; "
+            f"{report or f'they died, stopped or are cut off from rank {self._rank}'} "
+            "(raise the limit with KVCOLL_COMM_TIMEOUT)")
 
     def pull(self, ids: dict[str, np.ndarray], *, header=None, proceed=None,
              dense: bool = True, create: bool = True) -> Pull:
@@ -436,12 +440,8 @@ class SspExchange:
                 self._cv.wait(0.05)
                 self.comm.answer_liveness()
         if missing is not None:
-            _, report = self.comm.liveness()
-            raise CommTimeoutError(
-                f"rank {self._rank}/{self._world}: ssp:finish at step {step}: rank(s) "
-                f"{missing} made no progress for {limit:g}s and did not finish; "
-                f"{report or f'they died, stopped or are cut off from rank {self._rank}'} "
-                "(raise the limit with KVCOLL_COMM_TIMEOUT)")
+            raise self._timed_out(f"ssp:finish at step {step}: rank(s) {missing} made no "
+                                  f"progress for {limit:g}s and did not finish")
         self.comm.barrier("ssp:finish")
         top = int(self.comm.allreduce(np.array([step], np.int64), op="ssp:finish:clock",
                                       mpi_op="max")[0])

@@ -146,7 +146,7 @@ class Hosts:
         probe = f"kvt{os.getpid()}probe"
         made = _ip("netns", "add", probe, check=False)
         if made.returncode != 0:
-            return f"cannot create a network namespace (no CAP_NET_ADMIN?): " \
+            return f"cannot create a network namespace (needs CAP_NET_ADMIN and CAP_SYS_ADMIN): " \
                    f"{made.stderr.strip()}"
         try:
             uts = subprocess.run(["ip", "netns", "exec", probe, "unshare", "--uts", "sh",
