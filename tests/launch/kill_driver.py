@@ -7,15 +7,15 @@ kv.restore, kv.export), killed at a random moment of one phase.
 Every run restores CK's latest checkpoint (with --fresh-ok, none yet is fine), trains,
 saves and exports:
 
-    restore  (phase restore: restore twice more, the first timed, the second armed)
-    train 2 steps (phase train: 10 more, armed over 8 times the second one)
-    save     (incremental unless the step is a multiple of 4; phase save: train a step and
-             save, timed, then a step and a save again, armed: saves of the same kind)
+    restore  (phase restore: restore twice more, timed, then again, armed)
+    train 2 steps (phase train: 12 more, armed over 6 times the second one)
+    save     (incremental unless the step is a multiple of 4; phase save: twice a step and
+             a save, timed, then a step and a save, armed: saves of the same kind)
     export   (phase export: export, then again with the kill armed)
 
 "Armed" means rank --victim starts a timer that SIGKILLs its own process after a delay
-drawn uniformly from [0, the duration of the same phase just measured): a random moment
-inside the phase (or just after it, when the second run is quicker). After the armed
+drawn uniformly from [0, the duration of the same phase just measured (the shorter of two
+runs)): a random moment inside the phase (or just after it, when this run is quicker). After the armed
 phase the victim prints "<phase> done" (the kill came later) and waits to be killed.
 --phase none runs the schedule once without a kill; --phase check only restores and
 trains 2 steps (nothing written); --steps N trains N steps straight from scratch (a
@@ -123,8 +123,8 @@ class Run:
             self.say(f"restored 0 (nothing yet: {exc})")
             return
         self.say(f"restored {self.tr.step}")
-        if self.args.phase == "restore":  # the second restore is timed: files are cached
-            took = self.timed(lambda: kv.restore(d, self.tr))
+        if self.args.phase == "restore":  # timed twice more (files cached), then armed
+            took = min(self.timed(lambda: kv.restore(d, self.tr)) for _ in range(2))
             self.arm("restore", took)
             kv.restore(d, self.tr)
             self.done("restore")
@@ -149,17 +149,19 @@ class Run:
         self.step()                       # the first step traces the compiled step
         took = self.timed(self.step)
         if a.phase == "train":
-            self.arm("train", 8 * took)
-            for _ in range(10):
+            self.arm("train", 6 * took)
+            for _ in range(12):
                 self.step()
             self.done("train")
         kind = "full" if self.tr.step % 4 == 0 else "delta"
         self.save(kind)
-        if a.phase == "save":  # a second save of the same kind is timed, the third armed
+        if a.phase == "save":  # two more saves of the same kind timed, the fourth armed
+            took = []
+            for _ in range(2):
+                self.step()
+                took.append(self.save(kind))
             self.step()
-            took = self.save(kind)
-            self.step()
-            self.arm("save", took)
+            self.arm("save", min(took))
             self.save(kind)
             self.done("save")
         took = self.timed(lambda: kv.export(a.export_dir, self.tr))
