@@ -261,7 +261,8 @@ class SspExchange:
         """The error of a wait of this worker's that timed out (`what`: which, for whom),
         naming who is lost: a rank the wait was for may itself wait for another. Call it
         outside the lock: the service thread goes on serving the others meanwhile."""
-        _, report = self.comm.liveness()
+        with self.comm.waiting(what):
+            _, report = self.comm.liveness()
         return CommTimeoutError(
             f"rank {self._rank}/{self._world}: {what}; "
             f"{report or f'they died, stopped or are cut off from rank {self._rank}'} "
