@@ -9,7 +9,9 @@ they apply, and its watchdog.
 - watchdog: a job that announced a rank's abort and whose mpirun then ignores SIGTERM
   and never ends, with a daemon that detached itself, is killed whole
   KVCOLLRUN_KILL_AFTER seconds later, and kvcollrun exits 1;
-- SIGTERM is passed on to mpirun, whose own exit code kvcollrun returns.
+- SIGTERM (a preemption) reaches mpirun as SIGUSR2, which mpirun passes on to the ranks
+  without killing them; SIGINT is passed on as it is; kvcollrun returns mpirun's own exit
+  code.
 """
 
 import json
@@ -132,16 +134,19 @@ def test_watchdog_kills_a_job_that_does_not_end_after_an_abort(tmp_path):
 
 TERM = f"""#!{sys.executable}
 import signal, sys, time
-signal.signal(signal.SIGTERM, lambda *a: sys.exit(3))
+signal.signal(signal.SIGUSR2, lambda *a: sys.exit(3))
+signal.signal(signal.SIGINT, lambda *a: sys.exit(4))
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(5))
 print("ready", flush=True)
 time.sleep(60)
 """
 
 
-def test_sigterm_is_passed_on_to_mpirun(tmp_path):
+@pytest.mark.parametrize("sent,code", [(signal.SIGTERM, 3), (signal.SIGINT, 4)])
+def test_signals_are_passed_on_to_mpirun(tmp_path, sent, code):
     env = dict(os.environ, MPIRUN=str(fake(tmp_path, TERM)))
     proc = subprocess.Popen([str(KVCOLLRUN), "-np", "1", "true"], env=env,
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=20) == 3
+    proc.send_signal(sent)
+    assert proc.wait(timeout=20) == code
