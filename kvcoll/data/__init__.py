@@ -7,14 +7,18 @@ Nothing here imports MPI or TensorFlow; the synthetic set's per-sample work runs
 kvcoll's C core (reached through kvcoll.data._synth_c).
 """
 
-from .criteo import CriteoFormatError, criteo_id, parse_criteo_lines, read_criteo
+from ._reader import ReaderStats
+from .criteo import CriteoFormatError, CriteoReader, criteo, criteo_id, parse_criteo_lines, read_criteo
 from .shard import even_split, shard
 from .synthetic import SyntheticCTR, auc
 
 __all__ = [
     "CriteoFormatError",
+    "CriteoReader",
+    "ReaderStats",
     "SyntheticCTR",
     "auc",
+    "criteo",
     "criteo_id",
     "even_split",
     "parse_criteo_lines",

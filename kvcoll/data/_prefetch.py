@@ -1,0 +1,110 @@
+"""Reading ahead of training: a generator run in a background thread, behind a bounded queue.
+
+The readers' work (file reads, pyarrow's parsing, the C id kernels) releases the GIL,
+so a thread overlaps it with the training step. The queue holds at most `depth`
+batches, so memory stays bounded however fast the reader is. An exception in the
+generator is handed over the queue and re-raised on the consuming thread, the same
+object with its message (which names the file and line), after the batches read
+before it. `close()` (or dropping the iterator) stops the thread at its next batch.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+
+__all__ = ["Prefetch"]
+
+_DONE = object()
+
+
+class _Raised:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+class Prefetch:
+    """Iterate `source` (an iterator) in a daemon thread, `depth` items ahead.
+
+    depth 0 reads on the consuming thread (no thread at all)."""
+
+    def __init__(self, source: Iterator, depth: int = 2, name: str = "kvcoll-reader"):
+        self._source = source
+        self._depth = int(depth)
+        self._stop = threading.Event()
+        self._thread = None
+        self._finished = False
+        if self._depth > 0:
+            self._queue: queue.Queue = queue.Queue(maxsize=self._depth)
+            self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+            self._thread.start()
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        try:
+            for item in self._source:
+                if not self._put(item):
+                    return
+        except BaseException as exc:  # handed to the consumer, raised there
+            self._put(_Raised(exc))
+            return
+        finally:
+            close = getattr(self._source, "close", None)
+            if close is not None and self._stop.is_set():
+                try:
+                    close()
+                except (RuntimeError, ValueError):  # a generator still running elsewhere
+                    pass
+        self._put(_DONE)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._finished:
+            raise StopIteration
+        if self._thread is None:
+            try:
+                return next(self._source)
+            except StopIteration:
+                self._finished = True
+                raise
+        item = self._queue.get()
+        if item is _DONE:
+            self._finished = True
+            raise StopIteration
+        if isinstance(item, _Raised):
+            self._finished = True
+            raise item.exc
+        return item
+
+    def close(self) -> None:
+        """Stop reading ahead; the thread ends at its next batch (it is a daemon, so a
+        thread blocked in a slow read never keeps the process alive)."""
+        self._finished = True
+        self._stop.set()
+        if self._thread is None:
+            close = getattr(self._source, "close", None)
+            if close is not None:
+                close()
+            return
+        try:
+            while True:
+                self._queue.get_nowait()
+        except queue.Empty:
+            pass
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+
+    def __del__(self):
+        if not self._finished:
+            self._stop.set()
