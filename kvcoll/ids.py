@@ -19,7 +19,7 @@ import numpy as np
 from . import errors
 from ._c import check, ffi, lib, ptr
 
-__all__ = ["as_keys", "arrow_keys", "hash_strings", "hash64", "STRING_HASH_SEED"]
+__all__ = ["STRING_HASH_SEED", "arrow_keys", "as_keys", "hash64", "hash_strings"]
 
 # XXH64's seed for string ids. Fixed forever: changing it would move every string key.
 STRING_HASH_SEED = 0

@@ -54,7 +54,7 @@ class Prefetch:
             for item in self._source:
                 if not self._put(item):
                     return
-        except BaseException as exc:  # handed to the consumer, raised there
+        except BaseException as exc:  # noqa: BLE001 (handed to the consumer, raised there)
             self._put(_Raised(exc))
             return
         finally:

@@ -310,6 +310,7 @@ class CriteoReader(Reader):
         self.parse_block_bytes = _positive(parse_block_bytes, "parse_block_bytes")
         self.sizes = [os.path.getsize(p) for p in self.paths]
         empty = [p for p, s in zip(self.paths, self.sizes) if s == 0]
+        self.empty_files = len(empty)
         if empty and on_bad_line == "error":
             raise CriteoFormatError(
                 f"criteo: {empty[0]} is empty (no lines); leave it out, or pass "
@@ -350,6 +351,7 @@ class CriteoReader(Reader):
     # -- one pass ----------------------------------------------------------------------
 
     def _batches(self, stats: ReaderStats) -> Iterator[dict]:
+        stats.empty_files += self.empty_files     # plain files of 0 bytes, seen at start
         if self.pieces is None:
             return self._global(stats)
         return self._part(stats)
@@ -400,7 +402,7 @@ class CriteoReader(Reader):
                 else:
                     pending = buf
                 pending_lines = nl.size - k * b
-            if not got:
+            if not got and _files.is_gzip(path):
                 self._empty_file(path, stats)
         if pending_lines and not self.drop_remainder:
             nl = np.flatnonzero(np.frombuffer(pending, np.uint8) == _NEWLINE)
