@@ -179,23 +179,28 @@ class Synthetic:
 
 
 class Criteo:
+    """Criteo TSV files (--data): global batch t is lines [t*B, (t+1)*B) of the files, in
+    order, whatever the number of ranks; unless --eval-data is given, the first
+    --eval-samples lines (rounded up to whole batches) are held out for evaluation."""
+
     def __init__(self, args, rank, world):
         self.args, self.rank, self.world = args, rank, world
         self.steps = args.steps
         self.holdout = 0 if args.eval_data else -(-args.eval_samples // args.batch_size)
 
     def train(self, start=0):
-        # kvcoll: every rank reads its slice of each global batch
-        it = read_criteo(self.args.data, self.args.batch_size, self.rank, self.world)
-        for i, batch in enumerate(it):
-            if i < self.holdout + start:  # held out, or trained on before a --restore
-                continue
-            if self.steps is not None and i - self.holdout >= self.steps:
+        # kvcoll: this rank's slice of each global batch: every rank scans the line ends,
+        # parses only its own lines (pyarrow, ids in C), a background thread reading ahead;
+        # batches before start_step (held out, or trained on before a --restore) unparsed
+        reader = read_criteo(self.args.data, self.args.batch_size, self.rank, self.world,
+                             start_step=self.holdout + start)
+        for i, batch in enumerate(reader):
+            if self.steps is not None and i + start >= self.steps:
                 return
             yield batch
 
     def eval_chunks(self, n):
-        # Same number of batches on every rank (read_criteo's promise), some maybe empty.
+        # Same number of batches on every rank (split="global"), some maybe empty.
         paths = self.args.eval_data or self.args.data
         seen = 0
         for batch in read_criteo(paths, self.args.batch_size, self.rank, self.world):

@@ -93,7 +93,8 @@ class Reader:
 
     kind = "reader"
 
-    def __init__(self, batch_size, rank, world, split, on_bad_line, prefetch, drop_remainder):
+    def __init__(self, batch_size, rank, world, split, on_bad_line, prefetch, drop_remainder,
+                 start_step=0):
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
                 or batch_size < 1:
             raise InvalidArgumentError(f"{self.kind}: batch_size must be an int >= 1, got "
@@ -114,6 +115,11 @@ class Reader:
                 or prefetch < 0:
             raise InvalidArgumentError(f"{self.kind}: prefetch must be an int >= 0, got "
                                        f"{prefetch!r}")
+        if isinstance(start_step, bool) or not isinstance(start_step, (int, np.integer)) \
+                or start_step < 0:
+            raise InvalidArgumentError(f"{self.kind}: start_step must be an int >= 0, got "
+                                       f"{start_step!r}")
+        self.start_step = int(start_step)
         self.split, self.on_bad_line = split, on_bad_line
         self.prefetch, self.drop_remainder = int(prefetch), bool(drop_remainder)
         self.stats = ReaderStats()

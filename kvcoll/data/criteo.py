@@ -302,9 +302,9 @@ class CriteoReader(Reader):
     kind = "criteo"
 
     def __init__(self, paths, batch_size, rank, world, drop_remainder, split, on_bad_line,
-                 prefetch, block_bytes, parse_block_bytes):
+                 prefetch, block_bytes, parse_block_bytes, start_step):
         super().__init__(batch_size, rank, world, split, on_bad_line, prefetch,
-                         drop_remainder)
+                         drop_remainder, start_step)
         self.paths = _files.expand(paths, "criteo")
         self.block_bytes = _positive(block_bytes, "block_bytes")
         self.parse_block_bytes = _positive(parse_block_bytes, "parse_block_bytes")
@@ -384,6 +384,7 @@ class CriteoReader(Reader):
         b = self.batch_size
         pending, pending_lines = memoryview(b""), 0
         segs: list[tuple[int, str, int]] = []   # (line in buffer, path, its file line)
+        step = 0
         for path in self.paths:
             got = False
             file_line = 1
@@ -395,7 +396,9 @@ class CriteoReader(Reader):
                 file_line += nl.size - pending_lines
                 k = nl.size // b
                 if k:
-                    yield from self._slices(buf, nl, segs, [b] * k, stats)
+                    skip = min(k, max(0, self.start_step - step))
+                    yield from self._slices(buf, nl, segs, [b] * k, stats, skip)
+                    step += k
                     cut = k * b
                     pending = buf[int(nl[cut - 1]) + 1:]
                     segs = _rebase(segs, cut)
@@ -404,18 +407,23 @@ class CriteoReader(Reader):
                 pending_lines = nl.size - k * b
             if not got and _files.is_gzip(path):
                 self._empty_file(path, stats)
-        if pending_lines and not self.drop_remainder:
+        if pending_lines and not self.drop_remainder and step >= self.start_step:
             nl = np.flatnonzero(np.frombuffer(pending, np.uint8) == _NEWLINE)
             yield from self._slices(pending, nl, segs, [pending_lines], stats)
 
-    def _slices(self, buf, nl, segs, sizes, stats) -> Iterator[dict]:
+    def _slices(self, buf, nl, segs, sizes, stats, skip: int = 0) -> Iterator[dict]:
         """This rank's even_split slice of each global batch (of the given sizes) that
-        starts at line 0 of buf, parsed in one go."""
+        starts at line 0 of buf, parsed in one go; the first `skip` batches are passed
+        over (before start_step), unparsed."""
+        first = sum(sizes[:skip])
+        sizes = sizes[skip:]
+        if not sizes:
+            return
         starts = np.empty(nl.size + 1, np.int64)
         starts[0] = 0
         starts[1:] = nl + 1
         ranges, counts, first_lines = [], [], []
-        at = 0
+        at = first
         for size in sizes:
             lo, hi = even_split(size, self.rank, self.world)
             a, z = int(starts[at + lo]), int(starts[at + hi])
@@ -456,11 +464,21 @@ class CriteoReader(Reader):
         size = self.part_batch_size
         acc: list[tuple] = []
         held = 0
+        to_skip = self.start_step * size         # lines before start_step: not parsed
         for path, start, end in self.pieces:
             got = False
             for block in _files.text_blocks(path, start, end, self.block_bytes, "criteo"):
                 got = True
-                n = int(np.count_nonzero(np.frombuffer(block.data, np.uint8) == _NEWLINE))
+                nl = np.flatnonzero(np.frombuffer(block.data, np.uint8) == _NEWLINE)
+                n = nl.size
+                if to_skip >= n:
+                    to_skip -= n
+                    continue
+                if to_skip:
+                    cut = int(nl[to_skip - 1]) + 1
+                    block = _files.Block(block.data[cut:], block.path, block.offset + cut)
+                    n -= to_skip
+                    to_skip = 0
 
                 def where(i, block=block):  # the line number costs a scan: errors only
                     return f"{block.path} line {_files.line_number(block.path, block.offset) + i}"
@@ -526,7 +544,7 @@ def _positive(value, name: str) -> int:
 def read_criteo(paths, batch_size: int, rank: int | None = None, world: int | None = None,
                 drop_remainder: bool = False, *, split: str = "global",
                 on_bad_line: str = "error", prefetch: int = 2, block_bytes: int = 8 << 20,
-                parse_block_bytes: int = 1 << 20) -> CriteoReader:
+                parse_block_bytes: int = 1 << 20, start_step: int = 0) -> CriteoReader:
     """This rank's batches of Criteo TSV files: an iterable of batch dicts (one pass per
     iteration), also `.fit_batches()` and `.dataset()` for model.fit.
 
@@ -550,9 +568,11 @@ def read_criteo(paths, batch_size: int, rank: int | None = None, world: int | No
         files too); "skip" drops bad lines and empty files, counted in `stats`.
     prefetch: batches prepared ahead by a background thread (0: none).
     block_bytes: bytes read at a time; parse_block_bytes: pyarrow's parsing block.
+    start_step: begin at this step (resuming a run): earlier batches are passed over
+        without being parsed (in "part", this rank's first start_step batches).
     """
     return CriteoReader(paths, batch_size, rank, world, drop_remainder, split, on_bad_line,
-                        prefetch, block_bytes, parse_block_bytes)
+                        prefetch, block_bytes, parse_block_bytes, start_step)
 
 
 def criteo(paths, batch_size: int, rank: int | None = None, world: int | None = None,

@@ -77,9 +77,9 @@ class ParquetReader(Reader):
     kind = "parquet"
 
     def __init__(self, paths, batch_size, rank, world, drop_remainder, split, on_bad_line,
-                 prefetch, label, numeric, categorical, null_id):
+                 prefetch, label, numeric, categorical, null_id, start_step):
         super().__init__(batch_size, rank, world, split, on_bad_line, prefetch,
-                         drop_remainder)
+                         drop_remainder, start_step)
         pa, pq = _pa()
         if not isinstance(label, str):
             raise InvalidArgumentError(f"parquet: label must be a column name, got {label!r}")
@@ -176,10 +176,10 @@ class ParquetReader(Reader):
         if self.split == "global":
             steps = self.rows // b if self.drop_remainder else -(-self.rows // b)
             mine, counts = [], []
-            for t in range(steps):
+            for t in range(self.start_step, steps):
                 size = min(b, self.rows - t * b)
                 lo, hi = even_split(size, self.rank, self.world)
-                mine.append((t * b + lo, t * b + hi, t))
+                mine.append((t * b + lo, t * b + hi, t - self.start_step))
                 counts.append(hi - lo)
         else:
             if len(self.groups) >= self.world:
@@ -191,6 +191,14 @@ class ParquetReader(Reader):
                     lo, hi = even_split(self.groups[g][2], self.rank, self.world)
                     mine.append((int(starts[g]) + lo, int(starts[g]) + hi, -1))
             counts = []
+            skip = self.start_step * self.part_batch_size   # this rank's first rows
+            while mine and skip:
+                lo, hi, t = mine[0]
+                take = min(skip, hi - lo)
+                mine[0] = (lo + take, hi, t)
+                skip -= take
+                if lo + take == hi:
+                    mine.pop(0)
         plan = []
         ends = np.array([m[1] for m in mine], np.int64)
         for g in range(len(self.groups)):
@@ -395,19 +403,19 @@ def _cut(acc, step: int):
 def read_parquet(paths, batch_size: int, rank: int | None = None, world: int | None = None,
                  drop_remainder: bool = False, *, label: str, numeric=(), categorical=(),
                  split: str = "global", on_bad_line: str = "error", prefetch: int = 2,
-                 null_id: int = -1) -> ParquetReader:
+                 null_id: int = -1, start_step: int = 0) -> ParquetReader:
     """This rank's batches of Parquet files: an iterable of batch dicts (one pass per
     iteration), also `.fit_batches()` and `.dataset()` for model.fit.
 
     paths: a file, a glob pattern, or a list of them, read in order.
     label, numeric, categorical: column names (module docstring). Every file's schema
         is checked on every rank when the reader is made.
-    rank, world, split, drop_remainder, on_bad_line, prefetch: as `read_criteo`;
-        split="part" assigns row groups to ranks.
+    rank, world, split, drop_remainder, on_bad_line, prefetch, start_step: as
+        `read_criteo`; split="part" assigns row groups to ranks.
     null_id: the key of a null id.
     """
     return ParquetReader(paths, batch_size, rank, world, drop_remainder, split, on_bad_line,
-                         prefetch, label, numeric, categorical, null_id)
+                         prefetch, label, numeric, categorical, null_id, start_step)
 
 
 def parquet(paths, batch_size: int, rank: int | None = None, world: int | None = None,

@@ -431,3 +431,23 @@ def test_parquet_errors_name_file_row_group_and_column(tmp_path):
     os.remove(paths[1])
     with pytest.raises(InvalidArgumentError, match=r"no such file: .*b\.parquet"):
         read_parquet(paths, 10, **PQ)
+
+
+@pytest.mark.parametrize("split", ["global", "part"])
+def test_start_step_resumes_where_a_run_stopped(tmp_path, split):
+    paths = write_files(tmp_path, LINES, [45])
+    pq_paths, _ = parquet_files(tmp_path)
+    for world in (1, 2):
+        for r in range(world):
+            full = list(read_criteo(paths, 8, r, world, split=split, block_bytes=700))
+            for s in (0, 3, 6, len(full) - 1, len(full), len(full) + 2):
+                later = list(read_criteo(paths, 8, r, world, split=split, block_bytes=700,
+                                         start_step=s))
+                assert len(later) == max(0, len(full) - s)
+                for a, b in zip(later, full[s:]):
+                    assert_same(a, b, f"start {s}")
+            full = list(read_parquet(pq_paths, 40, r, world, split=split, **PQ))
+            later = list(read_parquet(pq_paths, 40, r, world, split=split, start_step=5, **PQ))
+            assert len(later) == len(full) - 5
+            for a, b in zip(later, full[5:]):
+                np.testing.assert_array_equal(a["categorical"]["item"], b["categorical"]["item"])
