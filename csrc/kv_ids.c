@@ -15,6 +15,8 @@
  */
 #include "kv_ids.h"
 
+#include <string.h>
+
 /* ---- XXH64 ------------------------------------------------------------------------- */
 
 #define XP1 0x9E3779B185EBCA87ULL
@@ -188,37 +190,75 @@ static const uint8_t HEX1[256] = {
     ['f'] = 16, ['A'] = 11, ['B'] = 12, ['C'] = 13, ['D'] = 14, ['E'] = 15, ['F'] = 16,
 };
 
-int kv_hex_ids32(const uint8_t *bytes, const int32_t *offsets, int64_t n, int64_t base,
-                 int64_t missing, int64_t *out, uint8_t *bad, int64_t *n_bad,
+/* One id of len bytes at p: base | value, or base | missing when empty; *ok = 0 when
+ * it is not 1 to 8 hex digits. 8 digits (Criteo's usual) take an unrolled path. */
+static inline int64_t hex_id(const uint8_t *p, int32_t len, int64_t base, int64_t missing,
+                             int *ok) {
+    uint64_t v = 0;
+    if (len == 8) {
+        uint8_t d0 = HEX1[p[0]], d1 = HEX1[p[1]], d2 = HEX1[p[2]], d3 = HEX1[p[3]];
+        uint8_t d4 = HEX1[p[4]], d5 = HEX1[p[5]], d6 = HEX1[p[6]], d7 = HEX1[p[7]];
+        *ok = (d0 && d1 && d2 && d3 && d4 && d5 && d6 && d7);
+        v = (uint64_t)(d0 - 1) << 28 | (uint64_t)(d1 - 1) << 24 | (uint64_t)(d2 - 1) << 20 |
+            (uint64_t)(d3 - 1) << 16 | (uint64_t)(d4 - 1) << 12 | (uint64_t)(d5 - 1) << 8 |
+            (uint64_t)(d6 - 1) << 4 | (uint64_t)(d7 - 1);
+    } else if (len == 0) {
+        *ok = 1;
+        v = (uint64_t)missing;
+    } else {
+        int good = len < 8;
+        for (int32_t k = 0; good && k < len; k++) {
+            uint8_t d = HEX1[p[k]];
+            good = d != 0;
+            v = (v << 4) | (uint8_t)(d - 1);
+        }
+        *ok = good;
+    }
+    if (!*ok) v = (uint64_t)missing;
+    return (int64_t)((uint64_t)base | v);
+}
+
+int kv_hex_ids32(int32_t ncols, int64_t n, const uint8_t *const *bytes,
+                 const int32_t *const *offsets, const int64_t *bases, int64_t missing,
+                 int64_t *out, int64_t out_stride, uint8_t *bad, int64_t *n_bad,
                  int64_t *first_bad) {
     if (!n_bad || !first_bad) return KV_EINVAL;
     *n_bad = 0;
-    *first_bad = -1;
-    CHECK_OFFSETS(bytes, offsets, n);
-    int64_t nb = 0, first = -1;
-    for (int64_t i = 0; i < n; i++) {
-        int32_t len = offsets[i + 1] - offsets[i];
-        int ok = len <= 8;
-        uint64_t v = 0;
-        if (len == 0) {
-            v = (uint64_t)missing;
-        } else if (ok) {
-            const uint8_t *p = bytes + offsets[i];
-            for (int32_t k = 0; k < len; k++) {
-                uint8_t d = HEX1[p[k]];
-                ok &= d != 0;
-                v = (v << 4) | (uint8_t)(d - 1);
+    first_bad[0] = first_bad[1] = -1;
+    if (ncols < 0 || n < 0 || (ncols > 0 && (!bytes || !offsets || !bases))) return KV_EINVAL;
+    if (ncols > 0 && n > 0 && (!out || out_stride < n)) return KV_EINVAL;
+    for (int32_t c = 0; c < ncols; c++) {
+        const int32_t *off = offsets[c];
+        if (!off) return KV_EINVAL;
+        if (off[0] < 0) return KV_EINVAL;
+        for (int64_t i = 0; i < n; i++)
+            if (off[i + 1] < off[i]) return KV_EINVAL;
+        if (off[n] > off[0] && !bytes[c]) return KV_EINVAL;
+    }
+    if (bad) memset(bad, 0, (size_t)n);
+    int64_t nb = 0;
+    for (int32_t c = 0; c < ncols; c++) {
+        const int32_t *off = offsets[c];
+        const uint8_t *b = bytes[c];
+        int64_t *o = out + (int64_t)c * out_stride;
+        for (int64_t i = 0; i < n; i++) {
+            int ok;
+            int32_t len = off[i + 1] - off[i];
+            o[i] = hex_id(len ? b + off[i] : EMPTY, len, bases[c], missing, &ok);
+            if (!ok) {
+                if (first_bad[0] < 0 || i < first_bad[0]) {
+                    first_bad[0] = i;
+                    first_bad[1] = c;
+                }
+                if (bad && !bad[i]) {
+                    bad[i] = 1;
+                    nb++;
+                } else if (!bad) {
+                    nb++;
+                }
             }
         }
-        if (!ok) {
-            v = (uint64_t)missing;
-            if (first < 0) first = i;
-            nb++;
-        }
-        if (bad) bad[i] = (uint8_t)!ok;
-        out[i] = (int64_t)((uint64_t)base | v);
     }
     *n_bad = nb;
-    *first_bad = first;
     return KV_OK;
 }

@@ -16,8 +16,8 @@
  *   kv_hash_fixed       n ids of `width` bytes, trailing NULs dropped (numpy 'S<width>')
  *   kv_hash_ucs4        n ids of `width` UCS-4 code points, trailing NULs dropped,
  *                       encoded to UTF-8 first (numpy 'U<width>', native byte order)
- * and kv_hex_ids32, Criteo's hexadecimal categorical values (Arrow offsets layout) to
- * `base | value` keys.
+ * and kv_hex_ids32, Criteo's hexadecimal categorical values (Arrow offsets layout,
+ * every categorical column of a parsed block in one call) to `base | value` keys.
  *
  * Offsets follow Arrow: id i is bytes[offsets[i] .. offsets[i + 1]); offsets must
  * start at >= 0 and never decrease (checked: KV_EINVAL otherwise). `bytes` may be NULL
@@ -59,16 +59,22 @@ int kv_hash_ucs4(const uint32_t *chars, int64_t width, int64_t n, uint64_t seed,
 
 /*
  * Hexadecimal ids (Criteo's categorical values, "68fd1e64"; upper or lower case, at
- * most 8 digits, so a value is below 2^32) in Arrow's offsets layout:
- *   out[i] = base | value         id i is a hex string of 1 to 8 digits
- *   out[i] = base | missing       id i is empty
- *   out[i] = base | missing, bad  anything else: bad[i] = 1 (when bad is not NULL)
- * *n_bad counts the bad ids and *first_bad is the first one's index (-1 if none).
- * Bad data is not an error of the call: the caller decides (raise, or skip the rows).
- * Returns KV_OK or KV_EINVAL (negative n, NULL buffers, decreasing offsets).
+ * most 8 digits, so a value is below 2^32) of `ncols` columns of n rows, each in
+ * Arrow's offsets layout (bytes[c], offsets[c][n + 1]), into out[c * out_stride + i]:
+ *   base[c] | value         id i of column c is a hex string of 1 to 8 digits
+ *   base[c] | missing       it is empty
+ *   base[c] | missing, bad  anything else
+ * bad[i] (when bad is not NULL) is 1 for the rows with any bad id; *n_bad counts bad
+ * rows when bad is given, bad ids otherwise; first_bad[0..1] is the (row, column) of
+ * the bad id in the lowest row (lowest column among equals), or -1, -1. Bad data is not
+ * an error of the call: the caller decides (raise, or skip the rows). One call covers a
+ * whole parsed block of every categorical column.
+ * Returns KV_OK or KV_EINVAL (negative sizes, NULL buffers, decreasing offsets,
+ * out_stride < n).
  */
-int kv_hex_ids32(const uint8_t *bytes, const int32_t *offsets, int64_t n, int64_t base,
-                 int64_t missing, int64_t *out, uint8_t *bad, int64_t *n_bad,
+int kv_hex_ids32(int32_t ncols, int64_t n, const uint8_t *const *bytes,
+                 const int32_t *const *offsets, const int64_t *bases, int64_t missing,
+                 int64_t *out, int64_t out_stride, uint8_t *bad, int64_t *n_bad,
                  int64_t *first_bad);
 
 #endif

@@ -116,38 +116,77 @@ static void test_ucs4(void) {
 }
 
 static void test_hex(void) {
-    const char *ids[] = {"68fd1e64", "", "0", "FFFFFFFF", "abc", "123456789", "12g4", "-1"};
+    /* column 0: every kind of id; column 1: all good but row 6, so the first bad row's
+     * column is the lower one (row 5: column 0) */
+    const char *ids0[] = {"68fd1e64", "", "0", "FFFFFFFF", "abc", "123456789", "12g4", "-1"};
+    const char *ids1[] = {"1", "2", "3", "4", "5", "6", "zz", "8"};
     enum { N = 8 };
-    char buf[64];
-    int32_t off[N + 1] = {0};
+    char buf0[64], buf1[64];
+    int32_t off0[N + 1] = {0}, off1[N + 1] = {0};
     for (int i = 0; i < N; i++) {
-        memcpy(buf + off[i], ids[i], strlen(ids[i]));
-        off[i + 1] = off[i] + (int32_t)strlen(ids[i]);
+        memcpy(buf0 + off0[i], ids0[i], strlen(ids0[i]));
+        off0[i + 1] = off0[i] + (int32_t)strlen(ids0[i]);
+        memcpy(buf1 + off1[i], ids1[i], strlen(ids1[i]));
+        off1[i + 1] = off1[i] + (int32_t)strlen(ids1[i]);
     }
-    const int64_t base = (int64_t)3 << 33, missing = (int64_t)1 << 32;
-    int64_t out[N], n_bad = -5, first = -5;
+    const uint8_t *bytes[2] = {(const uint8_t *)buf0, (const uint8_t *)buf1};
+    const int32_t *offs[2] = {off0, off1};
+    const int64_t missing = (int64_t)1 << 32;
+    const int64_t bases[2] = {(int64_t)3 << 33, (int64_t)4 << 33};
+    int64_t out[2 * 10], n_bad = -5, first[2] = {-5, -5};
     uint8_t bad[N];
-    CHECK_EQ_INT(kv_hex_ids32((const uint8_t *)buf, off, N, base, missing, out, bad, &n_bad,
-                              &first), KV_OK);
+    CHECK_EQ_INT(kv_hex_ids32(2, N, bytes, offs, bases, missing, out, 10, bad, &n_bad, first),
+                 KV_OK);
+    const int64_t base = bases[0];
     CHECK(out[0] == (base | 0x68fd1e64));
     CHECK(out[1] == (base | missing));
     CHECK(out[2] == base);
     CHECK(out[3] == (base | 0xFFFFFFFFLL));
     CHECK(out[4] == (base | 0xabc));
-    CHECK_EQ_INT(n_bad, 3);  /* 9 digits, a non-hex digit, a sign */
-    CHECK_EQ_INT(first, 5);
-    for (int i = 0; i < N; i++) CHECK_EQ_INT(bad[i], i >= 5);
     for (int i = 5; i < N; i++) CHECK(out[i] == (base | missing));
-    /* bad may be NULL; counts still come back */
-    CHECK_EQ_INT(kv_hex_ids32((const uint8_t *)buf, off, N, 0, missing, out, NULL, &n_bad,
-                              &first), KV_OK);
-    CHECK_EQ_INT(n_bad, 3);
-    CHECK(out[0] == 0x68fd1e64);
-    CHECK_EQ_INT(kv_hex_ids32((const uint8_t *)buf, off, N, 0, missing, out, NULL, NULL,
-                              &first), KV_EINVAL);
-    int32_t down[2] = {4, 2};
-    CHECK_EQ_INT(kv_hex_ids32((const uint8_t *)buf, down, 1, 0, missing, out, NULL, &n_bad,
-                              &first), KV_EINVAL);
+    CHECK(out[10] == (bases[1] | 1) && out[17] == (bases[1] | 8));
+    CHECK(out[16] == (bases[1] | missing));
+    CHECK_EQ_INT(n_bad, 3);  /* rows 5, 6, 7 (row 6 bad in both columns counts once) */
+    CHECK_EQ_INT(first[0], 5);
+    CHECK_EQ_INT(first[1], 0);
+    for (int i = 0; i < N; i++) CHECK_EQ_INT(bad[i], i >= 5);
+    /* without bad[], bad ids are counted: 3 in column 0, 1 in column 1 */
+    CHECK_EQ_INT(kv_hex_ids32(2, N, bytes, offs, bases, missing, out, 10, NULL, &n_bad, first),
+                 KV_OK);
+    CHECK_EQ_INT(n_bad, 4);
+    /* only column 1: its first bad id is row 6 */
+    CHECK_EQ_INT(kv_hex_ids32(1, N, bytes + 1, offs + 1, bases + 1, missing, out, N, NULL,
+                              &n_bad, first), KV_OK);
+    CHECK(first[0] == 6 && first[1] == 0 && n_bad == 1);
+    /* bad arguments */
+    CHECK_EQ_INT(kv_hex_ids32(2, N, bytes, offs, bases, missing, out, N - 1, NULL, &n_bad,
+                              first), KV_EINVAL);
+    CHECK_EQ_INT(kv_hex_ids32(2, N, bytes, offs, bases, missing, out, 10, NULL, NULL, first),
+                 KV_EINVAL);
+    int32_t down[3] = {4, 2, 2};
+    const int32_t *offs_down[1] = {down};
+    CHECK_EQ_INT(kv_hex_ids32(1, 2, bytes, offs_down, bases, missing, out, 2, NULL, &n_bad,
+                              first), KV_EINVAL);
+    const uint8_t *nobytes[1] = {NULL};
+    CHECK_EQ_INT(kv_hex_ids32(1, N, nobytes, offs, bases, missing, out, N, NULL, &n_bad,
+                              first), KV_EINVAL);
+    /* every 8-digit id the unrolled path reads, against the loop (7 digits + a prefix) */
+    uint64_t seed = 9;
+    for (int r = 0; r < 2000; r++) {
+        char s8[9], s7[8];
+        uint32_t v = (uint32_t)test_rand(&seed);
+        snprintf(s8, sizeof s8, (r & 1) ? "%08X" : "%08x", v);
+        snprintf(s7, sizeof s7, "%07x", v & 0x0FFFFFFF);
+        int32_t o8[2] = {0, 8}, o7[2] = {0, 7};
+        const uint8_t *b8[1] = {(const uint8_t *)s8}, *b7[1] = {(const uint8_t *)s7};
+        const int32_t *p8[1] = {o8}, *p7[1] = {o7};
+        int64_t zero = 0, x8, x7;
+        CHECK_EQ_INT(kv_hex_ids32(1, 1, b8, p8, &zero, missing, &x8, 1, NULL, &n_bad, first),
+                     KV_OK);
+        CHECK_EQ_INT(kv_hex_ids32(1, 1, b7, p7, &zero, missing, &x7, 1, NULL, &n_bad, first),
+                     KV_OK);
+        CHECK(x8 == (int64_t)v && x7 == (int64_t)(v & 0x0FFFFFFF));
+    }
 }
 
 int main(void) {

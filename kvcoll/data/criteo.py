@@ -18,9 +18,9 @@ Output, as from `kvcoll.data.SyntheticCTR`: a dict of numpy arrays
 
 How: pyarrow's CSV reader (multi-threaded C++, here one thread per rank) splits the
 lines and converts the label and the integers; the 26 hex columns come out as Arrow
-binary arrays and become ids in one C call per column (kv_hex_ids32, over the
-arrays' offsets and bytes). A block pyarrow refuses (a bad line) is parsed again by
-the vectorised numpy reference (`parse_criteo_lines`), which names the file, the
+binary arrays and become ids in one C call per parsed block for all 26 columns
+(kv_hex_ids32, over the arrays' offsets and bytes). A block pyarrow refuses (a bad
+line) is parsed again by the vectorised numpy reference (`parse_criteo_lines`), which names the file, the
 line and the column, or drops the bad lines with on_bad_line="skip". How ranks split
 the data (split="global" or "part") and the rest of the reader's behaviour are
 described in kvcoll/data/_reader.py and in `read_criteo`.
@@ -238,24 +238,30 @@ def _arrow():
     return _ARROW
 
 
-def _hex_ids(column, base: int, out: np.ndarray, scratch: np.ndarray) -> int:
-    """Ids of one categorical column (pyarrow binary chunks) into `out`, one C call per
-    chunk over its offsets and bytes; returns the number of bad values."""
+def _hex_ids(table, out: np.ndarray) -> bool:
+    """The 26 categorical columns of a parsed table (pyarrow binary arrays) as ids into
+    out [26, n]: one C call per record batch for all columns, over the arrays' own
+    offsets and bytes. False if any value is not a hex id."""
+    n = out.shape[1]
+    scratch = np.zeros(3, np.int64)
+    data = np.zeros(NUM_CATEGORICAL, np.uint64)
+    offsets = np.zeros(NUM_CATEGORICAL, np.uint64)
+    base = ffi.cast("int64_t *", ffi.from_buffer(out))
     at = 0
-    for chunk in column.chunks:
-        n = len(chunk)
-        bufs = chunk.buffers()
-        offsets = np.frombuffer(bufs[1], np.int32, count=n + 1, offset=chunk.offset * 4)
-        data = (ptr("uint8_t *", np.frombuffer(bufs[2], np.uint8))
-                if bufs[2] is not None and bufs[2].size else ffi.NULL)
-        check(lib.kv_hex_ids32(data, ptr("int32_t *", offsets), n, base, MISSING,
-                               ptr("int64_t *", out[at:at + n]), ffi.NULL,
-                               ptr("int64_t *", scratch), ptr("int64_t *", scratch[1:])),
-              "criteo: hex ids")
+    for batch in table.to_batches():
+        m = batch.num_rows
+        for f, arr in enumerate(batch.columns[1 + NUM_INTEGER:]):
+            bufs = arr.buffers()
+            offsets[f] = bufs[1].address + 4 * arr.offset
+            data[f] = bufs[2].address if bufs[2] is not None else 0
+        check(lib.kv_hex_ids32(NUM_CATEGORICAL, m, ptr("uint8_t **", data),
+                               ptr("int32_t **", offsets), ptr("int64_t *", _FIELD_BASE),
+                               MISSING, base + at, n, ffi.NULL, ptr("int64_t *", scratch),
+                               ptr("int64_t *", scratch[1:])), "criteo: hex ids")
         if scratch[0]:
-            return int(scratch[0])
-        at += n
-    return 0
+            return False
+        at += m
+    return True
 
 
 def _parse_arrow(data, n: int, block_size: int):
@@ -286,11 +292,8 @@ def _parse_arrow(data, n: int, block_size: int):
         return None
     numeric = (np.sign(x) * np.log1p(np.abs(x))).astype(np.float32)
     categorical = np.empty((NUM_CATEGORICAL, n), np.int64)
-    scratch = np.zeros(2, np.int64)
-    for f in range(NUM_CATEGORICAL):
-        if _hex_ids(table.column(1 + NUM_INTEGER + f), int(_FIELD_BASE[f]), categorical[f],
-                    scratch):
-            return None
+    if not _hex_ids(table, categorical):
+        return None
     return categorical, numeric, label.astype(np.float32)
 
 
