@@ -97,25 +97,19 @@ int kv_hash_strings(const uint8_t *bytes, const int64_t *starts, const int64_t *
 
 static const uint8_t EMPTY[1] = {0};
 
-int kv_hash_offsets32(const uint8_t *bytes, const int32_t *offsets, int64_t n, uint64_t seed,
-                      int64_t *out) {
-    CHECK_OFFSETS(bytes, offsets, n);
-    for (int64_t i = 0; i < n; i++) {
-        uint64_t len = (uint64_t)(offsets[i + 1] - offsets[i]);
-        out[i] = (int64_t)xxh64(len ? bytes + offsets[i] : EMPTY, len, seed);
+/* The two Arrow offset widths share one body. */
+#define HASH_OFFSETS(name, offset_t)                                                  \
+    int name(const uint8_t *bytes, const offset_t *offsets, int64_t n, uint64_t seed, \
+             int64_t *out) {                                                          \
+        CHECK_OFFSETS(bytes, offsets, n);                                             \
+        for (int64_t i = 0; i < n; i++) {                                             \
+            uint64_t len = (uint64_t)(offsets[i + 1] - offsets[i]);                   \
+            out[i] = (int64_t)xxh64(len ? bytes + offsets[i] : EMPTY, len, seed);     \
+        }                                                                             \
+        return KV_OK;                                                                 \
     }
-    return KV_OK;
-}
-
-int kv_hash_offsets64(const uint8_t *bytes, const int64_t *offsets, int64_t n, uint64_t seed,
-                      int64_t *out) {
-    CHECK_OFFSETS(bytes, offsets, n);
-    for (int64_t i = 0; i < n; i++) {
-        uint64_t len = (uint64_t)(offsets[i + 1] - offsets[i]);
-        out[i] = (int64_t)xxh64(len ? bytes + offsets[i] : EMPTY, len, seed);
-    }
-    return KV_OK;
-}
+HASH_OFFSETS(kv_hash_offsets32, int32_t)
+HASH_OFFSETS(kv_hash_offsets64, int64_t)
 
 int kv_hash_fixed(const uint8_t *bytes, int64_t width, int64_t n, uint64_t seed, int64_t *out) {
     if (n < 0 || width < 0 || (n > 0 && (!out || (width > 0 && !bytes)))) return KV_EINVAL;
