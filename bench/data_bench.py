@@ -31,7 +31,6 @@ import os
 import shutil
 import statistics
 import tempfile
-import time
 
 import numpy as np
 
@@ -203,10 +202,11 @@ def hash_child(spec: dict) -> None:
         want = legacy_hash_strings(values if name != "pyarrow string" else ids)
         if not np.array_equal(hash_strings(values), want):
             raise AssertionError(f"hash_strings differs from the previous keys on {name}")
-        for impl, fn in (("kvcoll", hash_strings), ("current", legacy_hash_strings)):
-            if impl == "current" and name == "pyarrow string":
-                fn = lambda v: legacy_hash_strings(v.to_numpy(zero_copy_only=False))  # noqa: E731
-            times = common.timed_passes(lambda: fn(values), min_reps=spec["reps"],
+        # the previous code took a pyarrow array only as numpy objects
+        current = values.to_numpy(zero_copy_only=False) if name == "pyarrow string" else values
+        for impl, fn, arg in (("kvcoll", hash_strings, values),
+                              ("current", legacy_hash_strings, current)):
+            times = common.timed_passes(lambda fn=fn, arg=arg: fn(arg), min_reps=spec["reps"],
                                         max_reps=spec["reps"], min_seconds=0)
             common.emit({"layout": name, "impl": impl, "ids": n,
                          "ids_per_sec": n / min(times)})

@@ -5,20 +5,20 @@ dict of named id columns for Parquet), "numeric" float32 [n, D], "label" float32
 and cut a global batch over ranks with `even_split`, so by default a batch depends on
 the step and never on the world size (the file readers also offer split="part": each
 rank reads only its own part). The file readers parse with pyarrow and turn string and
-hex ids into keys in C; `criteo()` and `parquet()` give tf.data.Datasets for
-model.fit. Nothing here imports MPI, and TensorFlow only for those datasets.
+hex ids into keys in C; `criteo_dataset()` and `parquet_dataset()` give tf.data.Datasets
+for model.fit. Nothing here imports MPI, and TensorFlow only for those datasets.
 """
 
 from ._reader import ReaderStats
 from .criteo import (
-                     CriteoFormatError,
-                     CriteoReader,
-                     criteo,
-                     criteo_id,
-                     parse_criteo_lines,
-                     read_criteo,
+    CriteoFormatError,
+    CriteoReader,
+    criteo_dataset,
+    criteo_id,
+    parse_criteo_lines,
+    read_criteo,
 )
-from .parquet import ParquetFormatError, ParquetReader, parquet, read_parquet
+from .parquet import ParquetFormatError, ParquetReader, parquet_dataset, read_parquet
 from .shard import even_split, shard
 from .synthetic import SyntheticCTR, auc
 
@@ -30,10 +30,10 @@ __all__ = [
     "ReaderStats",
     "SyntheticCTR",
     "auc",
-    "criteo",
+    "criteo_dataset",
     "criteo_id",
     "even_split",
-    "parquet",
+    "parquet_dataset",
     "parse_criteo_lines",
     "read_criteo",
     "read_parquet",

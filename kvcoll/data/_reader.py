@@ -28,10 +28,11 @@ loop) and `dataset()` (a tf.data.Dataset of the same). Batches are prepared by a
 background thread, `prefetch` batches ahead; an error there is raised on the
 consuming thread, with its message naming file and line.
 
-Errors on one rank: in model.fit (and kv.Trainer's steps) a reader that raises on one
-rank makes every rank raise the same error, before any update (the step's agreement).
-A hand-written loop that does not go through kvcoll's steps must do that itself:
-a parse error is found only by the rank that parses the line.
+Errors on one rank: a parse error is found only by the rank that parses the line. In
+model.fit, a reader that raises on one rank makes every rank raise the same error,
+before any update (the step's agreement). In a hand-written loop it is raised on that
+rank only; left uncaught, kvcoll's abort hook (installed by kvcoll.init) ends the whole
+job rather than leave the other ranks waiting in a collective.
 """
 
 from __future__ import annotations

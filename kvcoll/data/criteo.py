@@ -43,7 +43,7 @@ from ._reader import Reader, ReaderStats
 from .shard import even_split
 
 __all__ = ["MISSING", "NUM_CATEGORICAL", "NUM_INTEGER", "CriteoFormatError", "CriteoReader",
-           "criteo", "criteo_id", "parse_criteo_lines", "read_criteo"]
+           "criteo_dataset", "criteo_id", "parse_criteo_lines", "read_criteo"]
 
 NUM_INTEGER = 13
 NUM_CATEGORICAL = 26
@@ -578,8 +578,8 @@ def read_criteo(paths, batch_size: int, rank: int | None = None, world: int | No
                         prefetch, block_bytes, parse_block_bytes, start_step)
 
 
-def criteo(paths, batch_size: int, rank: int | None = None, world: int | None = None,
-           **options):
+def criteo_dataset(paths, batch_size: int, rank: int | None = None,
+                   world: int | None = None, **options):
     """A tf.data.Dataset of this rank's (features, label) batches of Criteo TSV files,
     for model.fit: features {"C1".."C26": int64 [n], "numeric": float32 [n, 13]}, label
     float32 [n]. Each iteration (epoch) is a new pass. Options as `read_criteo`."""

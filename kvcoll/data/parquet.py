@@ -39,7 +39,7 @@ from . import _files
 from ._reader import Reader, ReaderStats
 from .shard import even_split
 
-__all__ = ["ParquetFormatError", "ParquetReader", "parquet", "read_parquet"]
+__all__ = ["ParquetFormatError", "ParquetReader", "parquet_dataset", "read_parquet"]
 
 
 class ParquetFormatError(InvalidArgumentError):
@@ -418,8 +418,8 @@ def read_parquet(paths, batch_size: int, rank: int | None = None, world: int | N
                          prefetch, label, numeric, categorical, null_id, start_step)
 
 
-def parquet(paths, batch_size: int, rank: int | None = None, world: int | None = None,
-            **options):
+def parquet_dataset(paths, batch_size: int, rank: int | None = None,
+                    world: int | None = None, **options):
     """A tf.data.Dataset of this rank's (features, label) batches of Parquet files, for
     model.fit (features as `ParquetReader.features`). Options as `read_parquet`."""
     return read_parquet(paths, batch_size, rank, world, **options).dataset()

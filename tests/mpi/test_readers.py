@@ -93,7 +93,7 @@ def test_parquet_every_row_to_one_rank(comm, tmp_path, split):
             got, _ = comm.allgatherv(b["categorical"]["row"])
             np.testing.assert_array_equal(got, np.arange(t * B, min(N, (t + 1) * B)))
             np.testing.assert_array_equal(b["numeric"][:, 0], b["categorical"]["row"])
-            values, splits = b["categorical"]["hist"]
+            _, splits = b["categorical"]["hist"]
             np.testing.assert_array_equal(np.diff(splits), b["categorical"]["row"] % 3)
     rows = np.concatenate([b["categorical"]["row"] for b in batches])
     got, _ = comm.allgatherv(rows)
@@ -118,7 +118,7 @@ def criteo_model():
 def test_fit_on_a_criteo_dataset(comm, tmp_path, split):
     paths = criteo_files(tmp_path)
     model = criteo_model()
-    hist = model.fit(kv.data.criteo(paths, B, split=split), epochs=2, verbose=0)
+    hist = model.fit(kv.data.criteo_dataset(paths, B, split=split), epochs=2, verbose=0)
     assert len(hist.history["loss"]) == 2 and np.isfinite(hist.history["loss"]).all()
     seen = comm.allreduce(np.array([sum(1 for _ in read_criteo(paths, B, split=split))]))
     assert seen[0] >= -(-N // B)
@@ -126,7 +126,8 @@ def test_fit_on_a_criteo_dataset(comm, tmp_path, split):
 
 def test_a_bad_line_on_one_rank_stops_every_rank_in_fit(comm, tmp_path):
     paths = criteo_files(tmp_path)
-    text = open(paths[0]).read().splitlines(keepends=True)
+    with open(paths[0]) as f:
+        text = f.read().splitlines(keepends=True)
     # global batch 2 is lines 128..191; its last line belongs to the last rank
     text[191] = "1\t2\t3\n"
     with open(paths[0], "w") as f:
@@ -134,7 +135,7 @@ def test_a_bad_line_on_one_rank_stops_every_rank_in_fit(comm, tmp_path):
     import tensorflow as tf
 
     # through tf.data, TensorFlow re-raises a reader's error as its own, message kept
-    for data in (kv.data.criteo(paths, B), read_criteo(paths, B).fit_batches()):
+    for data in (kv.data.criteo_dataset(paths, B), read_criteo(paths, B).fit_batches()):
         model = criteo_model()
         with pytest.raises((kv.KvcollError, ValueError, tf.errors.OpError),
                            match=r"a\.tsv line 192: expected 40"):
