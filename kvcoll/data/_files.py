@@ -116,22 +116,24 @@ def text_blocks(path: str, start: int = 0, end: int | None = None,
             at = start
             while remaining is None or remaining > 0:
                 want = block_bytes if remaining is None else min(block_bytes, remaining)
-                chunk = f.read(want)
-                if not chunk:
+                data = bytearray(len(carry) + want)      # read once, straight after carry
+                data[:len(carry)] = carry
+                got = f.readinto(memoryview(data)[len(carry):])
+                if not got:
                     break
+                if got < want:
+                    del data[len(carry) + got:]
                 if remaining is not None:
-                    remaining -= len(chunk)
-                    if remaining == 0 and not chunk.endswith(b"\n"):
-                        chunk += f.readline()  # finish the last line that starts in range
-                data = carry + chunk if carry else chunk
+                    remaining -= got
+                    if remaining == 0 and not data.endswith(b"\n"):
+                        data += f.readline()   # finish the last line that starts in range
                 cut = data.rfind(b"\n") + 1
                 if cut == 0:
-                    carry = data
+                    carry = bytes(data)
                     continue
-                block = Block(memoryview(data)[:cut], path, at)
+                carry = bytes(data[cut:])
+                yield Block(memoryview(data)[:cut], path, at)
                 at += cut
-                carry = data[cut:]
-                yield block
             if carry:
                 yield Block(memoryview(carry + b"\n"), path, at)
     except (OSError, EOFError, zlib.error) as exc:

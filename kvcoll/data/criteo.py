@@ -383,36 +383,56 @@ class CriteoReader(Reader):
         return batch["categorical"].T, batch["numeric"].T, batch["label"], keep
 
     def _global(self, stats: ReaderStats) -> Iterator[dict]:
-        """split='global': every rank scans every line end, parses its slices."""
+        """split='global': every rank scans every line end, parses its slices. The
+        whole batches inside a block are sliced in place; only a batch that spans two
+        blocks (or files) is copied together."""
         b = self.batch_size
-        pending, pending_lines = memoryview(b""), 0
-        segs: list[tuple[int, str, int]] = []   # (line in buffer, path, its file line)
-        step = 0
+        pend: list[memoryview] = []           # the lines of the batch under way
+        pend_segs: list[tuple[int, str, int]] = []   # (its line, path, that line's number)
+        pend_lines = step = 0
         for path in self.paths:
             got = False
             file_line = 1
             for block in _files.text_blocks(path, block_bytes=self.block_bytes, what="criteo"):
                 got = True
-                buf = memoryview(b"".join([pending, block.data])) if pending_lines else block.data
-                segs.append((pending_lines, path, file_line))
-                nl = np.flatnonzero(np.frombuffer(buf, np.uint8) == _NEWLINE)
-                file_line += nl.size - pending_lines
-                k = nl.size // b
+                data = block.data
+                nl = np.flatnonzero(np.frombuffer(data, np.uint8) == _NEWLINE)
+                n, at, start = nl.size, 0, 0
+                if pend_lines:                # complete the batch under way
+                    need = b - pend_lines
+                    if n < need:
+                        pend.append(data)
+                        pend_segs.append((pend_lines, path, file_line))
+                        pend_lines += n
+                        file_line += n
+                        continue
+                    start = int(nl[need - 1]) + 1
+                    head = memoryview(b"".join([*pend, data[:start]]))
+                    head_nl = np.flatnonzero(np.frombuffer(head, np.uint8) == _NEWLINE)
+                    yield from self._slices(head, head_nl, [*pend_segs, (pend_lines, path, file_line)],
+                                            [b], stats, skip=int(step < self.start_step))
+                    step += 1
+                    at = need
+                    pend, pend_segs, pend_lines = [], [], 0
+                k = (n - at) // b
                 if k:
-                    skip = min(k, max(0, self.start_step - step))
-                    yield from self._slices(buf, nl, segs, [b] * k, stats, skip)
+                    end = int(nl[at + k * b - 1]) + 1
+                    yield from self._slices(data[start:end], nl[at:at + k * b] - start,
+                                            [(0, path, file_line + at)], [b] * k, stats,
+                                            min(k, max(0, self.start_step - step)))
                     step += k
-                    cut = k * b
-                    pending = buf[int(nl[cut - 1]) + 1:]
-                    segs = _rebase(segs, cut)
-                else:
-                    pending = buf
-                pending_lines = nl.size - k * b
+                    start = end
+                if n - at - k * b:
+                    pend = [data[start:]]
+                    pend_segs = [(0, path, file_line + at + k * b)]
+                    pend_lines = n - at - k * b
+                file_line += n
             if not got and _files.is_gzip(path):
                 self._empty_file(path, stats)
-        if pending_lines and not self.drop_remainder and step >= self.start_step:
-            nl = np.flatnonzero(np.frombuffer(pending, np.uint8) == _NEWLINE)
-            yield from self._slices(pending, nl, segs, [pending_lines], stats)
+        if pend_lines and not self.drop_remainder and step >= self.start_step:
+            tail = memoryview(b"".join(pend))
+            nl = np.flatnonzero(np.frombuffer(tail, np.uint8) == _NEWLINE)
+            yield from self._slices(tail, nl, pend_segs, [pend_lines], stats)
 
     def _slices(self, buf, nl, segs, sizes, stats, skip: int = 0) -> Iterator[dict]:
         """This rank's even_split slice of each global batch (of the given sizes) that
@@ -497,20 +517,6 @@ class CriteoReader(Reader):
         if held and not self.drop_remainder:
             acc, held, out = _take(acc, held, held)
             yield _batch(*out, 0, out[2].size, stats)
-
-
-def _rebase(segs, cut: int):
-    """Segments of a buffer whose first `cut` lines were consumed."""
-    out = []
-    for k, (line, path, file_line) in enumerate(segs):
-        nxt = segs[k + 1][0] if k + 1 < len(segs) else None
-        if nxt is not None and nxt <= cut:
-            continue
-        if line < cut:
-            out.append((0, path, file_line + cut - line))
-        else:
-            out.append((line - cut, path, file_line))
-    return out
 
 
 def _take(acc, held, size):
