@@ -24,6 +24,33 @@ class _Raised:
         self.exc = exc
 
 
+def _put(q: queue.Queue, stop: threading.Event, item) -> bool:
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _produce(source: Iterator, q: queue.Queue, stop: threading.Event) -> None:
+    """The reading thread. It holds the queue, the event and the source, never the
+    Prefetch object, so dropping that object stops the thread (its __del__ sets stop)."""
+    try:
+        for item in source:
+            if not _put(q, stop, item):
+                break
+        else:
+            _put(q, stop, _DONE)
+    except BaseException as exc:  # noqa: BLE001 (handed to the consumer, raised there)
+        _put(q, stop, _Raised(exc))
+    finally:
+        close = getattr(source, "close", None)
+        if close is not None:
+            close()                 # a generator's finally blocks (open files) run here
+
+
 class Prefetch:
     """Iterate `source` (an iterator) in a daemon thread, `depth` items ahead.
 
@@ -31,40 +58,14 @@ class Prefetch:
 
     def __init__(self, source: Iterator, depth: int = 2, name: str = "kvcoll-reader"):
         self._source = source
-        self._depth = int(depth)
         self._stop = threading.Event()
         self._thread = None
         self._finished = False
-        if self._depth > 0:
-            self._queue: queue.Queue = queue.Queue(maxsize=self._depth)
-            self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        if depth > 0:
+            self._queue: queue.Queue = queue.Queue(maxsize=int(depth))
+            self._thread = threading.Thread(target=_produce, name=name, daemon=True,
+                                            args=(source, self._queue, self._stop))
             self._thread.start()
-
-    def _put(self, item) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _run(self) -> None:
-        try:
-            for item in self._source:
-                if not self._put(item):
-                    return
-        except BaseException as exc:  # noqa: BLE001 (handed to the consumer, raised there)
-            self._put(_Raised(exc))
-            return
-        finally:
-            close = getattr(self._source, "close", None)
-            if close is not None and self._stop.is_set():
-                try:
-                    close()
-                except (RuntimeError, ValueError):  # a generator still running elsewhere
-                    pass
-        self._put(_DONE)
 
     def __iter__(self):
         return self
@@ -106,5 +107,4 @@ class Prefetch:
             self._thread.join(timeout=5.0)
 
     def __del__(self):
-        if not self._finished:
-            self._stop.set()
+        self._stop.set()

@@ -451,3 +451,18 @@ def test_start_step_resumes_where_a_run_stopped(tmp_path, split):
             assert len(later) == len(full) - 5
             for a, b in zip(later, full[5:]):
                 np.testing.assert_array_equal(a["categorical"]["item"], b["categorical"]["item"])
+
+
+def test_an_abandoned_pass_stops_its_reading_thread(tmp_path):
+    import gc
+    import threading
+
+    paths = write_files(tmp_path, LINES, [])
+    before = {t.ident for t in threading.enumerate()}
+    it = iter(read_criteo(paths, 4, prefetch=1))
+    next(it)
+    thread = next(t for t in threading.enumerate() if t.ident not in before)
+    del it                                  # a loop that breaks early, say
+    gc.collect()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
