@@ -99,6 +99,7 @@ class ParquetReader(Reader):
         self.paths = _files.expand(paths, "parquet")
         self.groups: list[tuple[int, int, int]] = []    # (file, row group, rows)
         self.multi_hot = {}
+        self._string = {}
         self.empty_files = 0
         for fi, path in enumerate(self.paths):
             try:
@@ -116,6 +117,10 @@ class ParquetReader(Reader):
                 self.empty_files += 1
             self.groups += [(fi, g, n) for g, n in enumerate(rows) if n]
         self.rows = sum(n for _, _, n in self.groups)
+        # string id columns come back dictionary-encoded, as Parquet usually stores them:
+        # each distinct id is hashed once per row group, rows take their key by index
+        self._dictionary = [c for c in self.categorical if not self.multi_hot[c]
+                            and self._string[c]]
 
     def _check_schema(self, pa, path, schema) -> None:
         want = {self.label: ("int", "float", "bool"), **{c: ("int", "float", "bool")
@@ -137,6 +142,7 @@ class ParquetReader(Reader):
                 raise ParquetFormatError(f"parquet: {path}: column {name!r} has type {t}; "
                                          f"{role} must be {need}")
             if name in self.categorical:
+                self._string[name] = kind == "string"
                 multi = kind == "list"
                 if self.multi_hot.setdefault(name, multi) != multi:
                     raise ParquetFormatError(
@@ -221,7 +227,8 @@ class ParquetReader(Reader):
         fi, rg, _ = self.groups[g]
         path = self.paths[fi]
         try:
-            table = pq.ParquetFile(path).read_row_group(rg, columns=self.columns)
+            table = pq.ParquetFile(path, read_dictionary=self._dictionary).read_row_group(
+                rg, columns=self.columns)
         except (pa.ArrowException, OSError) as exc:
             if self.on_bad_line == "error":
                 raise ParquetFormatError(f"parquet: {path} row group {rg}: cannot read it: "
