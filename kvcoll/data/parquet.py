@@ -228,15 +228,19 @@ class ParquetReader(Reader):
         path = self.paths[fi]
         try:
             table = pq.ParquetFile(path, read_dictionary=self._dictionary).read_row_group(
-                rg, columns=self.columns)
+                rg, columns=self.columns, use_threads=False)    # one thread per rank
         except (pa.ArrowException, OSError) as exc:
             if self.on_bad_line == "error":
                 raise ParquetFormatError(f"parquet: {path} row group {rg}: cannot read it: "
                                          f"{exc}") from None
             stats.skip(sum(hi - lo for lo, hi, _ in ranges), f"{path} row group {rg}: {exc}")
             return None
-        if len(ranges) == 1 and ranges[0][:2] == (0, table.num_rows):
-            rows = None
+        rows = None
+        if all(a[1] == z[0] for a, z in zip(ranges, ranges[1:])):     # one run of rows
+            lo, hi = ranges[0][0], ranges[-1][1]
+            if (lo, hi) != (0, table.num_rows):
+                table = table.slice(lo, hi - lo)
+                rows = np.arange(lo, hi)
         else:
             rows = np.concatenate([np.arange(lo, hi) for lo, hi, _ in ranges])
             table = table.take(pa.array(rows))
