@@ -323,8 +323,7 @@ class CriteoReader(Reader):
         gz = any(_files.is_gzip(p) for p in self.paths)
         if split == "part":
             if not gz:
-                self.pieces = [(p, a, b) for p, a, b in _files.byte_ranges(
-                    self.paths, self.sizes, self.rank, self.world)]
+                self.pieces = _files.byte_ranges(self.paths, self.sizes, self.rank, self.world)
             elif len(self.paths) >= self.world:
                 lo, hi = even_split(len(self.paths), self.rank, self.world)
                 self.pieces = [(p, 0, None) for p in self.paths[lo:hi]]
