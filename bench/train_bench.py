@@ -28,12 +28,19 @@ budget, so 1 -> 2 ranks measures scaling, not TensorFlow's own threading):
   sparse side costs the same per step whatever the MLP, so how close kvcoll gets to
   the limit depends on how much dense work a step has. These records carry "variant".
 
+- kvcoll from a Criteo TSV file: the warm-up and timed steps' synthetic samples written
+  as Criteo TSV (bench/data_bench.py's write_criteo; about 335 MB at the full size) and
+  read back by kvcoll.data.read_criteo, in alternating pairs with the synthetic run on 1
+  and 2 ranks (--train-file-pairs; --train-file-only runs just these). Target: the
+  file-backed run at least 95% of the synthetic one's samples/s. Written to
+  train_file.json and train_file.md.
+
 The kvcoll records also carry how much the shards' rows grew per step and how fast the
 machine hands a process new memory (first_touch_gbps, measured after the run): their
 ratio is the part of a step spent having the kernel (on a VM, also its host) supply the
 pages the new rows land in.
 
-Writes bench/results/train.json, train.md and train.png.
+Writes bench/results/train.json, train.md, train.png, train_file.json and train_file.md.
 """
 
 from __future__ import annotations
