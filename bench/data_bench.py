@@ -238,12 +238,13 @@ def run(args) -> None:
                      ("tsv", "criteo", {"rank": 0, "world": 2, "split": "part"}, pair),
                      ("parquet", "parquet", {}, pair)]
         for fmt, reader, extra, pair in plan:
+            busy = common.wait_until_quiet(120)       # the machine is shared
             print(f"[data] {reader} {fmt} {extra or ''} pair {pair + 1}", flush=True)
             got, err = common.run_child("bench.data_bench:reader_child",
                                         {"path": files[fmt], "reader": reader, "cpu": cpu,
                                          "reps": reps, **extra}, timeout=1800)
             rec = {"bench": "reader", "format": fmt, "reader": reader, "pair": pair,
-                   "file_bytes": sizes[fmt], "lines": lines, **extra}
+                   "file_bytes": sizes[fmt], "lines": lines, "busy_before": busy, **extra}
             records.append(dict(rec, **got[0]) if got else dict(rec, error=err))
         print("[data] hash_strings", flush=True)
         got, err = common.run_child("bench.data_bench:hash_child",
@@ -292,7 +293,9 @@ def markdown(records, machine) -> str:
         f"`./dev bench data` — {lines_n:,} lines of SyntheticCTR written as Criteo TSV "
         f"({size.get('tsv', 0) / 1e6:.0f} MB; .gz {size.get('tsv.gz', 0) / 1e6:.0f} MB; Parquet "
         f"{size.get('parquet', 0) / 1e6:.0f} MB), one pinned core per reader, prefetch off, "
-        f"files in the page cache; best of 3 passes, median over the pairs. "
+        f"files in the page cache; best of 3 passes, median over the pairs; other processes "
+        f"used up to {max(r.get('busy_before', 0) for r in records):.2f} CPUs before a "
+        f"measurement. "
         f"{machine['cpu']}, {machine['cores']} cores, pyarrow "
         f"{common._version('pyarrow')}, {machine.get('date', '')}.",
         "",
