@@ -238,7 +238,7 @@ def run(args) -> None:
                      ("tsv", "criteo", {"rank": 0, "world": 2, "split": "part"}, pair),
                      ("parquet", "parquet", {}, pair)]
         for fmt, reader, extra, pair in plan:
-            busy = common.wait_until_quiet(120)       # the machine is shared
+            busy = common.wait_until_quiet(0 if args.quick else 120)   # the machine is shared
             print(f"[data] {reader} {fmt} {extra or ''} pair {pair + 1}", flush=True)
             got, err = common.run_child("bench.data_bench:reader_child",
                                         {"path": files[fmt], "reader": reader, "cpu": cpu,

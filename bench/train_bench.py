@@ -86,7 +86,7 @@ def run(args) -> None:
     out_dir = args.out or (tempfile.mkdtemp() if args.quick else common.RESULTS)
     pairs = 1 if args.quick else args.train_file_pairs
     if pairs:
-        file_records = file_pairs(steps, batch, evals, pairs)
+        file_records = file_pairs(steps, batch, evals, pairs, wait=0 if args.quick else 300)
         common.publish(out_dir, "train_file", file_records,
                        lambda m: file_markdown(file_records, steps, batch, m))
     if args.train_file_only:
@@ -129,7 +129,7 @@ def run(args) -> None:
     print(f"[train] wrote {png}")
 
 
-def file_pairs(steps: int, batch: int, evals: int, pairs: int) -> list[dict]:
+def file_pairs(steps: int, batch: int, evals: int, pairs: int, wait: float = 300) -> list[dict]:
     """kvcoll on synthetic batches and on the same samples read from a Criteo TSV file,
     in alternating pairs on 1 and 2 ranks. The file holds the warm-up and timed steps'
     samples (line t*B+i is synthetic sample t*B+i, so both runs train on the same
@@ -146,7 +146,7 @@ def file_pairs(steps: int, batch: int, evals: int, pairs: int) -> list[dict]:
         write_criteo(evalf, evals, stream="eval")
         for world in (1, 2):
             for pair in range(pairs):
-                busy = common.wait_until_quiet(300)   # the machine is shared: a quiet moment
+                busy = common.wait_until_quiet(wait)  # the machine is shared: a quiet moment
                 for data in ("synthetic", "criteo-tsv"):
                     path = os.path.join(tmp, f"{data}{world}-{pair}.json")
                     extra = ["--data", train, "--eval-data", evalf] if data != "synthetic" else []
