@@ -9,12 +9,12 @@ benchmark's flags. A benchmark is a module with add_arguments(parser) and run(ar
 import argparse
 import sys
 
-from . import (async_bench, checkpoint_bench, fit_bench, lifecycle_bench, table_bench,
-               train_bench)
+from . import (async_bench, checkpoint_bench, data_bench, fit_bench, lifecycle_bench,
+               soak_bench, table_bench, train_bench)
 
 BENCHMARKS = {"table": table_bench, "train": train_bench, "fit": fit_bench,
               "checkpoint": checkpoint_bench, "async": async_bench,
-              "lifecycle": lifecycle_bench}
+              "lifecycle": lifecycle_bench, "soak": soak_bench, "data": data_bench}
 
 
 def _common(p: argparse.ArgumentParser, default=None) -> None:

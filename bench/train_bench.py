@@ -28,12 +28,19 @@ budget, so 1 -> 2 ranks measures scaling, not TensorFlow's own threading):
   sparse side costs the same per step whatever the MLP, so how close kvcoll gets to
   the limit depends on how much dense work a step has. These records carry "variant".
 
+- kvcoll from a Criteo TSV file: the warm-up and timed steps' synthetic samples written
+  as Criteo TSV (bench/data_bench.py's write_criteo; about 335 MB at the full size) and
+  read back by kvcoll.data.read_criteo, in alternating pairs with the synthetic run on 1
+  and 2 ranks (--train-file-pairs; --train-file-only runs just these). Target: the
+  file-backed run at least 95% of the synthetic one's samples/s. Written to
+  train_file.json and train_file.md.
+
 The kvcoll records also carry how much the shards' rows grew per step and how fast the
 machine hands a process new memory (first_touch_gbps, measured after the run): their
 ratio is the part of a step spent having the kernel (on a VM, also its host) supply the
 pages the new rows land in.
 
-Writes bench/results/train.json, train.md and train.png.
+Writes bench/results/train.json, train.md, train.png, train_file.json and train_file.md.
 """
 
 from __future__ import annotations
@@ -60,6 +67,10 @@ def add_arguments(p) -> None:
                    help="only the Horovod lane's comparison (TensorFlow 2.15 + Horovod): kvcoll "
                    "on 2 ranks with its own dense allreduce and with Horovod's, alternating; "
                    "writes train-horovod.json/.md")
+    g.add_argument("--train-file-pairs", type=int, default=3,
+                   help="synthetic / Criteo-file kvcoll pairs per world size (0 skips)")
+    g.add_argument("--train-file-only", action="store_true",
+                   help="only the file-backed pairs (writes train_file.json and .md alone)")
 
 
 def _mpirun(world: int, args: list[str], timeout: float) -> None:
@@ -80,6 +91,13 @@ def run(args) -> None:
     batch = 1024 if args.quick else args.train_batch
     evals = 8192 if args.quick else 100_000
     out_dir = args.out or (tempfile.mkdtemp() if args.quick else common.RESULTS)
+    pairs = 1 if args.quick else args.train_file_pairs
+    if pairs:
+        file_records = file_pairs(steps, batch, evals, pairs, wait=0 if args.quick else 300)
+        common.publish(out_dir, "train_file", file_records,
+                       lambda m: file_markdown(file_records, steps, batch, m))
+    if args.train_file_only:
+        return
     records = []
     with tempfile.TemporaryDirectory() as tmp:
         plan = [(impl, world) for world in (1, 2)
@@ -174,6 +192,101 @@ def markdown_horovod(records, steps, batch, machine) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def file_pairs(steps: int, batch: int, evals: int, pairs: int, wait: float = 300) -> list[dict]:
+    """kvcoll on synthetic batches and on the same samples read from a Criteo TSV file,
+    in alternating pairs on 1 and 2 ranks. The file holds the warm-up and timed steps'
+    samples (line t*B+i is synthetic sample t*B+i, so both runs train on the same
+    global batches); the evaluation file holds the synthetic eval samples."""
+    from .data_bench import write_criteo
+
+    records = []
+    with tempfile.TemporaryDirectory(dir=common.ROOT, prefix="kvbench-train-") as tmp:
+        train = os.path.join(tmp, "train.tsv")
+        evalf = os.path.join(tmp, "eval.tsv")
+        lines = (steps + 10) * batch                     # the worker's 10 warm-up steps
+        print(f"[train] writing {lines:,} lines of Criteo TSV", flush=True)
+        size = write_criteo(train, lines)
+        write_criteo(evalf, evals, stream="eval")
+        for world in (1, 2):
+            for pair in range(pairs):
+                busy = common.wait_until_quiet(wait)  # the machine is shared: a quiet moment
+                for data in ("synthetic", "criteo-tsv"):
+                    path = os.path.join(tmp, f"{data}{world}-{pair}.json")
+                    extra = ["--data", train, "--eval-data", evalf] if data != "synthetic" else []
+                    print(f"[train] kvcoll on {data} data, {world} rank(s), pair {pair + 1}",
+                          flush=True)
+                    _mpirun(world, ["--impl", "kvcoll", "--steps", str(steps), "--batch-size",
+                                    str(batch), "--eval-samples", str(evals), "--out", path,
+                                    *extra], timeout=3600)
+                    records.append(dict(json.load(open(path)), pair=pair, file_bytes=size,
+                                        busy_before=busy))
+    return records
+
+
+def file_summary(records) -> dict:
+    """Per world size: the file run's samples/s over its synthetic partner's, per pair,
+    and the median of those ratios."""
+    import statistics
+
+    out = {}
+    for world in sorted({r["world_size"] for r in records}):
+        syn = {r["pair"]: r for r in records if r["world_size"] == world
+               and r["data"] == "synthetic"}
+        fil = {r["pair"]: r for r in records if r["world_size"] == world
+               and r["data"] == "criteo-tsv"}
+        ratios = [fil[p]["samples_per_sec"] / syn[p]["samples_per_sec"] for p in fil if p in syn]
+        out[world] = {"ratios": ratios, "ratio": statistics.median(ratios),
+                      "synthetic": statistics.median(r["samples_per_sec"] for r in syn.values()),
+                      "file": statistics.median(r["samples_per_sec"] for r in fil.values()),
+                      "data_ms": {k: statistics.median(r["ms_per_step"]["data"] for r in v.values())
+                                  for k, v in (("synthetic", syn), ("file", fil))},
+                      "total_ms": {k: statistics.median(r["ms_per_step"]["total"]
+                                                        for r in v.values())
+                                   for k, v in (("synthetic", syn), ("file", fil))},
+                      "auc": {k: statistics.median(r["eval_auc"] for r in v.values())
+                              for k, v in (("synthetic", syn), ("file", fil))}}
+    return out
+
+
+def file_markdown(records, steps, batch, machine) -> str:
+    s = file_summary(records)
+    size = records[0]["file_bytes"]
+    lines = [
+        "# Training from a Criteo TSV file vs synthetic batches",
+        "",
+        f"`./dev bench train` (file part: `--train-file-only`) — the demo configuration "
+        f"(DeepFM, kv.Trainer loop, BSP, one TensorFlow thread per rank), {steps} timed steps of "
+        f"a global batch of {batch}: generated by SyntheticCTR, or the same samples read from "
+        f"a {size / 1e6:.0f} MB Criteo TSV file by kvcoll.data.read_criteo (split='global', "
+        f"read ahead by a background thread). Runs alternate synthetic, file, synthetic, ...; "
+        f"before each pair the bench waits (up to 5 minutes) until other processes use less "
+        f"than 0.3 CPUs: they used {max(r['busy_before'] for r in records):.2f} at most. "
+        f"{machine['cpu']}, {machine['cores']} cores, {machine.get('date', '')}.",
+        "",
+        "| ranks | synthetic samples/s | file samples/s | file / synthetic (median) | pairs | "
+        "data ms/step (synthetic / file) | step ms (synthetic / file) | eval AUC "
+        "(synthetic / file) | target >= 95% |",
+        "|---|---:|---:|---:|---|---|---|---|---|",
+    ]
+    for world, d in s.items():
+        pairs = ", ".join(f"{r:.1%}" for r in d["ratios"])
+        ok = "met" if d["ratio"] >= 0.95 else "**not met**"
+        lines.append(f"| {world} | {d['synthetic']:,.0f} | {d['file']:,.0f} | {d['ratio']:.1%} | "
+                     f"{pairs} | {d['data_ms']['synthetic']:.2f} / {d['data_ms']['file']:.2f} | "
+                     f"{d['total_ms']['synthetic']:.1f} / {d['total_ms']['file']:.1f} | "
+                     f"{d['auc']['synthetic']:.4f} / {d['auc']['file']:.4f} | {ok} |")
+    lines += [
+        "",
+        "- data ms/step: for the file, the time the step loop waited for the next batch "
+        "(the reading thread works meanwhile, on the same cores); for synthetic data, "
+        "generating the batch",
+        "- the file's numeric values are integers (round(expm1(x)), 10% missing, as in Criteo) "
+        "read back as sign * log1p, and its ids criteo_id's: the same samples, the same "
+        "number of distinct ids per step, slightly different numbers (hence the AUCs)",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def _get(records, impl, world, variant=None):

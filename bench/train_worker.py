@@ -30,8 +30,9 @@
                  lane's comparison (python -m bench train --horovod, TensorFlow 2.15)
 
 Every implementation sees the same data (kvcoll.data.SyntheticCTR: the global batch of
-step t is the same at any world size), the same model code (examples/models.py), the
-same optimizers and hyperparameters (examples/train.py's defaults) and the same thread
+step t is the same at any world size; with --data, the same samples written as a
+Criteo TSV file and read back by kvcoll.data.read_criteo), the same model code
+(examples/models.py), the same optimizers and hyperparameters (examples/train.py's defaults) and the same thread
 budget per rank (--threads for TensorFlow's intra-op pool, inter-op 1).
 """
 
@@ -72,6 +73,10 @@ def parse(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab", type=int, default=10**7, help="synthetic ids per field")
     p.add_argument("--dense-backend", choices=("kvcoll", "horovod"), default="kvcoll")
+    p.add_argument("--data", metavar="PATH",
+                   help="kvcoll: train on this Criteo TSV file (kvcoll.data.read_criteo, "
+                        "split='global', read ahead in a thread) instead of generating batches")
+    p.add_argument("--eval-data", metavar="PATH", help="with --data: the Criteo TSV to evaluate on")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -154,8 +159,19 @@ def main(argv=None):
         predict = trainer.predict
         timings = trainer.timings
 
+    if args.data:  # this rank's slice of each global batch of the file, read ahead
+        from kvcoll.data import read_criteo
+
+        batches = iter(read_criteo(args.data, args.batch_size, rank, world))
+
+        def get(step):
+            return next(batches)
+    else:
+        def get(step):
+            return data.batch(step, args.batch_size, rank, world)
+
     for step in range(args.warmup):
-        b = data.batch(step, args.batch_size, rank, world)
+        b = get(step)
         step_fn(features(b), b["label"])
     comm.barrier()
     t0_timings = dict(timings) if timings is not None else None
@@ -164,7 +180,7 @@ def main(argv=None):
     last, data_s = 0.0, 0.0
     for step in range(args.warmup, args.warmup + args.steps):
         td = time.perf_counter()
-        b = data.batch(step, args.batch_size, rank, world)
+        b = get(step)
         f = features(b)
         data_s += time.perf_counter() - td
         last = step_fn(f, b["label"])
@@ -175,7 +191,12 @@ def main(argv=None):
         touch = first_touch_gbps()
         new_mb, touch = comm.allgather(np.array([new_mb, touch]), op="new-memory").mean(axis=0)
 
-    ev = data.eval_set(args.eval_samples, rank, world)
+    if args.eval_data:
+        from kvcoll.data import read_criteo
+
+        ev = next(iter(read_criteo(args.eval_data, args.eval_samples, rank, world)))
+    else:
+        ev = data.eval_set(args.eval_samples, rank, world)
     preds = np.asarray(predict(features(ev)), np.float32).reshape(-1)
     all_preds, _ = comm.allgatherv(preds)
     all_labels, _ = comm.allgatherv(ev["label"].astype(np.float32))
@@ -188,6 +209,7 @@ def main(argv=None):
         "final_loss": float(last), "threads_per_rank": args.threads,
         "samples_trained": (args.warmup + args.steps) * args.batch_size,
         "dense_backend": args.dense_backend,
+        "data": "criteo-tsv" if args.data else "synthetic",
     }
     if timings is not None:
         per_step = {k: (timings[k] - t0_timings[k]) / args.steps * 1e3 for k in timings}

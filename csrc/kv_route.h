@@ -34,17 +34,7 @@ static inline int32_t kv_owner_of_hash(uint64_t h, int32_t world) {
  * out[i] = kv_mix64((uint64_t)keys[i]). */
 int kv_hash_batch(const int64_t *keys, int64_t n, uint64_t *out);
 
-/*
- * String keys: out[i] = (int64) XXH64(bytes[starts[i] .. starts[i] + lens[i]), seed),
- * the published xxHash64 (github.com/Cyan4973/xxHash, XXH64 spec), so any xxhash
- * library reproduces it; kvcoll uses seed 0. Equal byte strings get equal keys on
- * every rank, run and machine (no per-process salt, unlike Python's hash()). For n
- * distinct strings the chance that any two share a key is at most n(n-1)/2^65
- * (birthday bound, ~2.7e-4 at 10^8 strings, ~2.7 % at 10^9).
- * Returns KV_OK or KV_EINVAL (negative n, start or length, NULL buffers).
- */
-int kv_hash_strings(const uint8_t *bytes, const int64_t *starts, const int64_t *lens,
-                    int64_t n, uint64_t seed, int64_t *out);
+/* String ids to keys (XXH64): kv_ids.h. */
 
 /* owner[i] = owner rank of keys[i] for a world of `world` ranks (world >= 1).
  * Returns KV_OK or KV_EINVAL. */

@@ -31,6 +31,7 @@ it as JSON; --logdir writes TensorBoard scalars.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import sys
@@ -179,23 +180,28 @@ class Synthetic:
 
 
 class Criteo:
+    """Criteo TSV files (--data): global batch t is lines [t*B, (t+1)*B) of the files, in
+    order, whatever the number of ranks; unless --eval-data is given, the first
+    --eval-samples lines (rounded up to whole batches) are held out for evaluation."""
+
     def __init__(self, args, rank, world):
         self.args, self.rank, self.world = args, rank, world
         self.steps = args.steps
         self.holdout = 0 if args.eval_data else -(-args.eval_samples // args.batch_size)
 
     def train(self, start=0):
-        # kvcoll: every rank reads its slice of each global batch
-        it = read_criteo(self.args.data, self.args.batch_size, self.rank, self.world)
-        for i, batch in enumerate(it):
-            if i < self.holdout + start:  # held out, or trained on before a --restore
-                continue
-            if self.steps is not None and i - self.holdout >= self.steps:
+        # kvcoll: this rank's slice of each global batch: every rank scans the line ends,
+        # parses only its own lines (pyarrow, ids in C), a background thread reading ahead;
+        # batches before start_step (held out, or trained on before a --restore) unparsed
+        reader = read_criteo(self.args.data, self.args.batch_size, self.rank, self.world,
+                             start_step=self.holdout + start)
+        for i, batch in enumerate(reader):
+            if self.steps is not None and i + start >= self.steps:
                 return
             yield batch
 
     def eval_chunks(self, n):
-        # Same number of batches on every rank (read_criteo's promise), some maybe empty.
+        # Same number of batches on every rank (split="global"), some maybe empty.
         paths = self.args.eval_data or self.args.data
         seen = 0
         for batch in read_criteo(paths, self.args.batch_size, self.rank, self.world):
@@ -205,6 +211,23 @@ class Criteo:
             yield batch
 
     planted = None
+
+    def why_empty(self) -> str:
+        """Why no batch was trained on (the answer to "no training data")."""
+        if not self.holdout:
+            return "the --data files hold no line"
+        gz = [gzip.open if str(p).endswith(".gz") else open for p in self.args.data]
+        lines = 0
+        for path, opener in zip(self.args.data, gz):
+            with opener(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    lines += block.count(b"\n")
+        a = self.args
+        return (f"the --data files hold {lines:,} lines and the evaluation hold-out takes "
+                f"the first {self.holdout * a.batch_size:,} (--eval-samples {a.eval_samples:,} "
+                f"rounded up to whole global batches of --batch-size {a.batch_size:,}), "
+                f"leaving none to train on; pass a smaller --eval-samples, or --eval-data "
+                f"PATH to evaluate on other files")
 
 
 # ---- main ------------------------------------------------------------------------------
@@ -283,7 +306,8 @@ def main(argv=None):
     eng = engine_of(model)
     steps = eng.step
     if steps == 0:
-        say("error: no training data")
+        why = data.why_empty() if hasattr(data, "why_empty") else "--steps is 0"
+        say(f"error: no training data: {why}")
         kv.shutdown()
         return 1
     if ck is not None and ck.saves and ck.saves[-1].step == steps:

@@ -1,4 +1,4 @@
-"""Checkpoints: full and incremental saves that restore on any world size.
+"""Checkpoints: full and incremental saves that restore on any world size, streaming.
 
     kv.save(ckpt_dir, model)                       # full: every row, the dense model
     kv.save(ckpt_dir, model, incremental=True)     # only rows changed since the last save
@@ -13,17 +13,20 @@ Layout of a checkpoint directory:
     DIR/latest                       the name of the newest complete checkpoint + "\\n"
     DIR/ckpt-0000000400/             one checkpoint (full or delta), complete
         manifest.json                format, version, kind, parent, step, world size,
-                                     table specs, every file with its sha256 and size
+                                     table specs, every file with its size and sha256 (a
+                                     shard file: its index's, its rows and bucket count)
         dense.index, dense.data-*    the Keras model and its optimizer (tf.train.Checkpoint)
         000-user.r1-of-2.kvs         table "user", written by rank 1 of 2
     DIR/ckpt-0000000500.tmp-<hex>/   a save in progress, or one a crash abandoned
 
-A shard file (`.kvs`) is a sequence of six NumPy `.npy` records, one after the other,
-for the rows a rank owned: keys int64 [n], values float32 [n, dim], slots float32
-[n, slot_floats] (the row optimizer's state), last_step uint32 [n], counts uint32 [n]
-(the row headers), and removed int64 [m] (keys evicted or deleted since the parent
-checkpoint, unique; always empty in a full checkpoint). Read it with
-`read_shard(path)` or any .npy reader that reads several arrays from one file.
+A shard file (`.kvs`, format version 2) holds the rows a rank owned, and (in a delta)
+the keys removed since the parent, in pages grouped by bucket: a key's bucket is
+(mix(key) >> 40) mod B, the same hash bits that choose its owner, so for any world size
+M dividing B a bucket's keys all belong to rank bucket mod M. B is the file's (its
+"buckets" in the manifest), chosen by its writer from its size, up to 11520 for a large
+table, few for a small delta (kvcoll._shards.choose_buckets). An index at the end of
+the file gives every page's bucket, offset, count and sha256; kvcoll._shards describes
+the bytes. `read_shard(path)` reads one file whole.
 
 Atomicity. Every rank writes its files under the temporary directory and fsyncs them;
 the ranks agree that every part is durable; only then does rank 0 write the manifest,
@@ -39,32 +42,61 @@ since the previous save: the C export reads a row's value, slots and header in o
 pass under the table lock and clears the bit) and names its parent; restore replays
 the full checkpoint, then each delta in order. If a save fails after the dirty bits
 were cleared, the next save is a full one, so no change is ever lost. A delta needs
-its parent in the same directory and written or restored by this process; otherwise
-`incremental=True` writes a full checkpoint (`SaveInfo.kind` says which).
+its parent in the same directory, written or restored by this process, in the same
+format; otherwise `incremental=True` writes a full checkpoint (`SaveInfo.kind` says
+which).
 
 Removals. From its first save on, a Checkpointer keeps each table's removed-keys log
 on (KvTable.track_removed): every key evicted or deleted is logged in C, and each save
-drains the log (KvTable.take_removed) into the shard's `removed` array (a full save
+drains the log (KvTable.take_removed) into the shard's removed pages (a full save
 drains and drops it). Replay applies a delta's removals before its rows, so a key
 evicted and then created again before the save ends up present, and one evicted for
 good ends up absent. A save must not run concurrently with table changes (BSP saves
 run between steps).
 
-Restore on any world size. A shard written by rank s of W holds the keys with
-owner_of(key, W) == s. On M ranks, each rank reads its own file when M == W and every
-file otherwise, and keeps the keys it owns under the new partition. Everything (the
-chain of manifests, the format version, the table specs against the trainer's
-tables, every file's size and sha256, the dense variables' names and shapes) is
-checked before any table or variable changes, and every rank raises the same
-CheckpointError if any rank found a problem.
+Restore on any world size, in bounded memory. On M ranks, rank r reads the index of
+each shard file that can hold its keys (a file of rank s of N: s = r mod gcd(N, M)),
+then only the pages of its buckets (bucket = r mod gcd(B, M)); when M divides B those
+hold exactly its keys, otherwise it keeps those with owner_of(key, M) == r. It reads
+in two passes through buffers of `buffer_bytes` / 4 (default RESTORE_BUFFER = 256 MiB;
+at least MIN_RESTORE_BUFFER):
+1. verify: the chain of manifests, the format version, the table specs against the
+   tables, every file's size, every index's and every page's sha256, every key's
+   bucket, the dense variables' names and shapes. Nothing changes; every rank raises
+   the same CheckpointError if any rank found a problem.
+2. replay, group by group: buckets are counted modulo G, the gcd of the bucket counts
+   of the table's files over the chain (a key's bucket mod G is the same in every
+   file); a group is a run of this rank's buckets whose pages over the whole chain fit
+   the buffer; its pages are read (and their sha256 checked again), then applied in
+   chain order (each checkpoint's removals, then its rows), straight from the buffer
+   into the table. Keys of different buckets never meet, so replaying group by group
+   equals replaying checkpoint by checkpoint; a row that a later delta removes lives
+   at most until the end of its group.
+The memory bound. Beyond the tables it fills, a restore holds two read buffers of
+buffer_bytes / 4 (pass 2 reads and verifies the next batch on a thread while it
+applies this one; when all the rank's pages fit in one, pass 1 keeps them and pass 2
+reads nothing), the rows of the current group that a later delta removes (at most
+buffer_bytes / 4: a file row is a table row), a page's copies when it filters by key,
+and its plan (80 bytes per page it reads): at most buffer_bytes in all, whatever the
+number of ranks that wrote the checkpoint or the length of the chain. Two things are
+outside it: the C table's own growth (it builds its new index before it frees the
+old one: under 5 bytes a row, once), and a bucket whose pages over the chain exceed
+buffer_bytes / 4, whose rows a later delta removes may live until the end of the
+bucket: at most that delta's removals in the bucket, which choose_buckets keeps near
+BUCKET_BYTES' worth of rows (128 KiB to 768 KiB), except in a table above 11520 x
+64 MiB = 740 GB with the default buffer. If a file changes between the two passes,
+every rank clears its tables and raises CheckpointError: restore again.
+
+Version 1 checkpoints (whole-file checksums, no buckets) still restore, through the
+old reader: every rank reads every file it may need whole, in memory.
+`Checkpointer(version=1)` writes them, for a kvcoll that reads only version 1.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import io
 import json
+import math
 import os
 import re
 import secrets
@@ -74,21 +106,25 @@ import weakref
 
 import numpy as np
 
-from .errors import CheckpointError
+from . import _shards
+from .errors import CheckpointError, InvalidArgumentError
 from .routing import owner_of
 from .table import KvTable
 
 __all__ = ["save", "restore", "latest", "Checkpointer", "SaveInfo", "RestoreInfo",
-           "read_shard", "FORMAT", "VERSION"]
+           "read_shard", "FORMAT", "VERSION", "RESTORE_BUFFER", "MIN_RESTORE_BUFFER"]
 
 FORMAT = "kvcoll-checkpoint"
-VERSION = 1
+VERSION = 2
+RESTORE_BUFFER = 256 << 20
+MIN_RESTORE_BUFFER = 4 * _shards.PAGE_BYTES
 LATEST = "latest"
 MANIFEST = "manifest.json"
-SHARD_ARRAYS = ("keys", "values", "slots", "last_step", "counts", "removed")
+SHARD_ARRAYS = _shards.V1_ARRAYS
 _DENSE_PREFIX = "dense"
 _NAME_RE = re.compile(r"^ckpt-\d{10}(-\d+)?$")
-_CHUNK = 16 << 20
+
+read_shard = _shards.read_shard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +144,8 @@ class SaveInfo:
 @dataclasses.dataclass(frozen=True)
 class RestoreInfo:
     """What a restore read: the checkpoint, its step, the chain replayed (full first),
-    the rows this rank now holds and the bytes it read."""
+    the rows this rank now holds, the bytes it read (each once: indexes, its pages,
+    the dense part) and the seconds it took."""
 
     path: str
     name: str
@@ -129,32 +166,6 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _byte_view(arr: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(arr).reshape(-1)).cast("B")
-
-
-def _write_shard(path: str, arrays: list) -> tuple[str, int]:
-    """Write arrays as consecutive .npy records, fsync, return (sha256, bytes)."""
-    h = hashlib.sha256()
-    total = 0
-    with open(path, "xb", buffering=0) as f:
-        for arr in arrays:
-            arr = np.ascontiguousarray(arr)
-            head = io.BytesIO()
-            np.lib.format.write_array_header_1_0(
-                head, np.lib.format.header_data_from_array_1_0(arr))
-            for part in (memoryview(head.getbuffer()), _byte_view(arr) if arr.size else b""):
-                for at in range(0, len(part), _CHUNK):
-                    chunk = part[at:at + _CHUNK]
-                    h.update(chunk)
-                    mv = memoryview(chunk)
-                    while mv:  # raw writes may be short
-                        mv = mv[f.write(mv):]
-                total += len(part)
-        os.fsync(f.fileno())
-    return h.hexdigest(), total
-
-
 def _write_bytes(path: str, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
@@ -162,98 +173,88 @@ def _write_bytes(path: str, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _read_verified(path: str, sha256: str, size: int) -> np.ndarray:
-    """The whole file as uint8, after checking its size and sha256."""
-    try:
-        actual = os.path.getsize(path)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint file {path} is missing") from None
-    if actual != size:
-        raise CheckpointError(f"checkpoint file {path} has {actual} bytes, the manifest "
-                              f"says {size}: it is truncated or was replaced")
-    buf = np.empty(size, np.uint8)
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        mv = memoryview(buf)
-        at = 0
-        while at < size:
-            n = f.readinto(mv[at:at + _CHUNK])
-            if not n:
-                raise CheckpointError(f"checkpoint file {path} ended early")
-            h.update(mv[at:at + n])
-            at += n
-    if h.hexdigest() != sha256:
-        raise CheckpointError(f"checkpoint file {path} fails its sha256 check (corrupt); "
-                              "restore an earlier checkpoint")
-    return buf
+def _write_shard(path: str, rows: dict, removed: np.ndarray, buckets: int) -> dict:
+    """One table's shard file of this rank (format 2; tests replace it to fail a save)."""
+    return _shards.write_shard(path, rows, removed, buckets)
 
 
-def _sha256_file(path: str) -> tuple[str, int]:
-    h = hashlib.sha256()
-    n = 0
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            chunk = f.read(_CHUNK)
-            if not chunk:
-                break
-            h.update(chunk)
-            n += len(chunk)
-    return h.hexdigest(), n
+ADMISSION_ARRAYS = ("keys", "counts", "steps", "bloom", "bloom_adds")
 
 
-def _parse_records(buf: np.ndarray, path: str) -> list[np.ndarray]:
-    """The .npy records of a shard file's bytes, as views into buf."""
-    out = []
-    at = 0
-    raw = memoryview(buf)
-    while at < buf.size:
-        fp = io.BytesIO(raw[at:at + 65536 + 16].tobytes())
-        try:
-            major, _ = np.lib.format.read_magic(fp)
-            read = np.lib.format.read_array_header_1_0 if major == 1 \
-                else np.lib.format.read_array_header_2_0
-            shape, fortran, dtype = read(fp)
-        except ValueError as exc:
-            raise CheckpointError(f"checkpoint file {path}: record {len(out)} is not a "
-                                  f".npy record ({exc})") from None
-        start = at + fp.tell()
-        count = int(np.prod(shape, dtype=np.int64))
-        end = start + count * dtype.itemsize
-        if fortran or end > buf.size or dtype.hasobject:
-            raise CheckpointError(f"checkpoint file {path}: record {len(out)} is malformed")
-        out.append(buf[start:end].view(dtype).reshape(shape))
-        at = end
+def _write_admission(tmp: str, shard: str, t: KvTable, name: str, comm) -> dict:
+    """The table's admission state on this rank (exact pending counts, or the Bloom
+    filter) into `<shard file>.adm`, as of this save: every checkpoint, full or delta,
+    holds it whole, so a restore admits exactly as the saved run would have."""
+    a = t.export_admission()
+    arrays = [a["keys"], a["counts"], a["steps"],
+              a["bloom"] if a["bloom"] is not None else np.zeros(0, np.uint8),
+              np.array([a["bloom_adds"]], np.int64)]
+    fname = shard + ".adm"
+    sha, nbytes = _shards.write_shard_v1(os.path.join(tmp, fname), arrays)
+    return {fname: {"sha256": sha, "bytes": nbytes, "table": name, "rank": comm.rank,
+                    "world": comm.size, "rows": 0, "admission": True}}
+
+
+def _read_admission(directory: str, m: dict, tables: dict, comm) -> dict:
+    """{table: admission state for this rank} from checkpoint m (verified): its own
+    file on the world that wrote it; else every file's pending keys it now owns, and
+    the Bloom filters merged (never admits later than the saved run)."""
+    out = {}
+    for name, t in tables.items():
+        adm = [f for f in m["tables"][name].get("admission", [])]
+        if not adm or t.admit_min_count < 2:
+            continue
+        parts = []
+        for fname in adm:
+            info = m["files"][fname]
+            same = info["world"] == comm.size
+            if same and info["rank"] != comm.rank:
+                continue
+            path = os.path.join(directory, m["_name"], fname)
+            buf = _shards.read_verified(path, info["sha256"], info["bytes"])
+            recs = dict(zip(ADMISSION_ARRAYS, _shards.parse_records_v1(buf, path)))
+            if len(recs) != len(ADMISSION_ARRAYS):
+                raise CheckpointError(f"{path}: not an admission state file")
+            if not same:
+                keep = owner_of(recs["keys"], comm.size) == comm.rank
+                recs.update(keys=recs["keys"][keep], counts=recs["counts"][keep],
+                            steps=recs["steps"][keep])
+            parts.append(recs)
+        if not parts:
+            continue
+        blooms = [p["bloom"] for p in parts if p["bloom"].size]
+        state = {"keys": np.concatenate([p["keys"] for p in parts]),
+                 "counts": np.concatenate([p["counts"] for p in parts]),
+                 "steps": np.concatenate([p["steps"] for p in parts]),
+                 "bloom": None, "bloom_adds": 0, "merge": len(parts) > 1}
+        if blooms:
+            if any(b.size != blooms[0].size for b in blooms):
+                raise CheckpointError(f"{m['_name']}: table {name!r}: Bloom filters of "
+                                      "different sizes")
+            state["bloom"] = np.maximum.reduce([_nibbles(b) for b in blooms]).astype(np.uint8)
+            state["bloom"] = _pack_nibbles(state["bloom"])
+            state["bloom_adds"] = int(max(int(p["bloom_adds"][0]) for p in parts))
+        out[name] = state
     return out
 
 
-def read_shard(path: str) -> dict:
-    """A shard file's arrays by name (keys, values, slots, last_step, counts, removed),
-    without checksum verification (restore verifies against the manifest)."""
-    with open(path, "rb") as f:
-        buf = np.frombuffer(f.read(), np.uint8)
-    return _check_records(_parse_records(buf, path), path, None, None)
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    return np.stack([packed & 15, packed >> 4], axis=1)
 
 
-def _check_records(records: list, path: str, dim, slot_floats) -> dict:
-    if len(records) != len(SHARD_ARRAYS):
-        raise CheckpointError(f"checkpoint file {path}: {len(records)} arrays, expected "
-                              f"{len(SHARD_ARRAYS)} ({', '.join(SHARD_ARRAYS)})")
-    a = dict(zip(SHARD_ARRAYS, records))
-    n = a["keys"].shape[0] if a["keys"].ndim == 1 else -1
-    dim = a["values"].shape[1] if dim is None and a["values"].ndim == 2 else dim
-    slot_floats = a["slots"].shape[1] if slot_floats is None and a["slots"].ndim == 2 \
-        else slot_floats
-    want = {"keys": ((n,), np.int64), "values": ((n, dim), np.float32),
-            "slots": ((n, slot_floats), np.float32), "last_step": ((n,), np.uint32),
-            "counts": ((n,), np.uint32)}
-    for name, (shape, dtype) in want.items():
-        if a[name].shape != shape or a[name].dtype != dtype:
-            raise CheckpointError(
-                f"checkpoint file {path}: {name} is {a[name].dtype} {a[name].shape}, "
-                f"expected {np.dtype(dtype)} {shape}")
-    if a["removed"].ndim != 1 or a["removed"].dtype != np.int64:
-        raise CheckpointError(f"checkpoint file {path}: removed must be int64 [m]")
-    return a
+def _pack_nibbles(n: np.ndarray) -> np.ndarray:
+    return (n[:, 0] | (n[:, 1] << 4)).astype(np.uint8)
+
+
+def _rows_to_save(t: KvTable, delta: bool) -> dict:
+    """The rows a save writes, clearing their dirty bits: the dirty ones for a delta,
+    every row otherwise (a full save reads them in one C call into arrays sized once,
+    not in batches joined by a copy)."""
+    if delta:
+        return t.export(dirty_only=True, clear_dirty=True)
+    (rows,) = t.export_batches(clear_dirty=True, batch=len(t) + 1,
+                               columns=("slots", "last_step", "counts"))
+    return rows
 
 
 # -- specs -----------------------------------------------------------------------------
@@ -298,6 +299,7 @@ class _KerasDense:
         import tensorflow as tf
 
         self._tf = tf
+        self._model, self._opt = model, optimizer
         self._ckpt = tf.train.Checkpoint(model=model, optimizer=optimizer)
 
     def write(self, directory: str) -> list[str]:
@@ -332,6 +334,18 @@ class _KerasDense:
     def read(self, directory: str) -> None:
         self._ckpt.read(os.path.join(directory, _DENSE_PREFIX)).assert_existing_objects_matched()
 
+    def snapshot(self) -> list:
+        """The values of every dense and optimizer variable (to roll a restore back)."""
+        return [v.numpy() for v in self._variables()]
+
+    def rollback(self, values: list) -> None:
+        for v, x in zip(self._variables(), values):
+            v.assign(x)
+
+    def _variables(self) -> list:
+        opt = self._opt
+        return list(self._model.variables) + (list(opt.variables) if opt is not None else [])
+
 
 # -- the checkpointer ----------------------------------------------------------------------
 
@@ -339,13 +353,30 @@ class Checkpointer:
     """Saves and restores a fixed set of tables (and optionally a dense part) on a
     communicator. Keeps the incremental chain: the checkpoint the tables' dirty bits
     are relative to. kv.save / kv.restore keep one per Trainer; use this class
-    directly for tables without a Keras model (bench, engine-only scripts)."""
+    directly for tables without a Keras model (bench, engine-only scripts).
 
-    def __init__(self, tables: dict, comm, dense=None):
+    buckets: the bucket count of every shard file it writes (1 .. 65536; a restore on a
+    world size dividing it reads exactly its own keys); None (the default) chooses per
+    file from its size (kvcoll._shards.choose_buckets).
+    restore_buffer: the bytes a restore may use beyond the tables (default 256 MiB).
+    version: the format it writes (2, or 1 for a kvcoll that reads only version 1)."""
+
+    def __init__(self, tables: dict, comm, dense=None, *, buckets: int | None = None,
+                 restore_buffer: int = RESTORE_BUFFER, version: int = VERSION):
+        if version not in (1, 2):
+            raise InvalidArgumentError(f"checkpoint format version must be 1 or 2, got "
+                                       f"{version!r}")
+        if buckets is not None and (not isinstance(buckets, int)
+                                    or not 1 <= buckets <= _shards.MAX_BUCKETS):
+            raise InvalidArgumentError(f"buckets must be None or an integer in [1, "
+                                       f"{_shards.MAX_BUCKETS}], got {buckets!r}")
         self.tables = dict(tables)
         self.comm = comm
         self.dense = dense
-        self._parent = None  # (abs dir, checkpoint name) the dirty bits are relative to
+        self.buckets = buckets
+        self.restore_buffer = _checked_buffer(restore_buffer)
+        self.version = version
+        self._parent = None  # (abs dir, name, version) the dirty bits are relative to
 
     # -- save ------------------------------------------------------------------------
 
@@ -370,21 +401,30 @@ class Checkpointer:
                 t.track_removed(True)  # from now on removals are logged for the next delta
                 logged = t.take_removed()  # a full save holds every live row: drop it
                 removed = np.unique(logged) if delta else np.zeros(0, np.int64)
-                rows = t.export(dirty_only=delta, clear_dirty=True)
+                # format 1: as kvcoll wrote it, a baseline for the benchmark
+                rows = t.export(dirty_only=delta, clear_dirty=True) if self.version == 1 \
+                    else _rows_to_save(t, delta)
                 fname = f"{i:03d}-{_safe(name)}.r{comm.rank}-of-{comm.size}.kvs"
-                arrays = [rows["keys"], rows["values"], rows["slots"], rows["last_step"],
-                          rows["counts"], removed]
-                sha, nbytes = _write_shard(os.path.join(tmp, fname), arrays)
-                files[fname] = {"sha256": sha, "bytes": nbytes, "table": name,
-                                "rank": comm.rank, "world": comm.size,
-                                "rows": int(rows["keys"].size)}
-                del rows, arrays
+                path = os.path.join(tmp, fname)
+                if self.version == 1:
+                    sha, nbytes = _shards.write_shard_v1(
+                        path, [rows["keys"], rows["values"], rows["slots"],
+                               rows["last_step"], rows["counts"], removed])
+                    info = {"sha256": sha, "bytes": nbytes, "rows": int(rows["keys"].size)}
+                else:
+                    buckets = self.buckets or _shards.choose_buckets(
+                        rows["keys"].size, removed.size, t.dim, t.slot_floats, comm.size)
+                    info = _write_shard(path, rows, removed, buckets)
+                files[fname] = {**info, "table": name, "rank": comm.rank, "world": comm.size}
+                del rows
+                if self.version >= 2 and t.admit_min_count >= 2:
+                    files.update(_write_admission(tmp, fname, t, name, comm))
             if comm.rank == 0 and self.dense is not None:
                 for fname in self.dense.write(tmp):
                     path = os.path.join(tmp, fname)
                     with open(path, "rb+") as f:
                         os.fsync(f.fileno())
-                    sha, nbytes = _sha256_file(path)
+                    sha, nbytes = _shards.sha256_file(path)
                     files[fname] = {"sha256": sha, "bytes": nbytes, "table": None}
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             err = f"rank {comm.rank}: saving {tmp} failed: {type(exc).__name__}: {exc}"
@@ -402,7 +442,7 @@ class Checkpointer:
             raise CheckpointError(errors[0] + " (the previous checkpoint is intact)")
         if "error" in result:
             raise CheckpointError(result["error"])
-        self._parent = (directory, plan["name"])
+        self._parent = (directory, plan["name"], self.version)
         return SaveInfo(os.path.join(directory, plan["name"]), plan["name"], plan["kind"],
                         int(step), result["rows"], result["bytes"], time.perf_counter() - t0)
 
@@ -415,6 +455,7 @@ class Checkpointer:
                     shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
             parent = None
             if incremental and self._parent is not None and self._parent[0] == directory \
+                    and self._parent[2] == self.version \
                     and os.path.isfile(os.path.join(directory, self._parent[1], MANIFEST)):
                 parent = self._parent[1]
             name = f"ckpt-{step:010d}"
@@ -440,18 +481,27 @@ class Checkpointer:
             for name, t in self.tables.items():
                 tables[name] = {**_table_spec(t),
                                 "files": sorted(f for f, v in files.items()
-                                                if v["table"] == name),
+                                                if v["table"] == name and not v.get("admission")),
                                 "rows": sum(v["rows"] for v in files.values()
                                             if v["table"] == name)}
+                adm = sorted(f for f, v in files.items() if v["table"] == name
+                             and v.get("admission"))
+                if adm:
+                    tables[name]["admission"] = adm
+            keep = ("sha256", "bytes", "rank", "world") if self.version == 1 else \
+                ("sha256", "bytes", "rank", "world", "rows", "removed", "buckets", "pages",
+                 "index")
             manifest = {
-                "format": FORMAT, "version": VERSION, "kind": plan["kind"],
+                "format": FORMAT, "version": self.version, "kind": plan["kind"],
                 "parent": plan["parent"], "step": int(step), "world_size": self.comm.size,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "checksum": "sha256", "tables": tables,
                 "dense": sorted(f for f, v in files.items() if v["table"] is None) or None,
-                "files": {f: {k: v[k] for k in ("sha256", "bytes", "rank", "world") if k in v}
+                "files": {f: {k: v[k] for k in keep if k in v}
                           for f, v in sorted(files.items())},
             }
+            if self.version >= 2:
+                manifest["page_bytes"] = _shards.PAGE_BYTES
             _write_bytes(os.path.join(tmp, MANIFEST),
                          (json.dumps(manifest, indent=1) + "\n").encode())
             _fsync_dir(tmp)
@@ -470,16 +520,20 @@ class Checkpointer:
 
     # -- restore ---------------------------------------------------------------------
 
-    def restore(self, directory, checkpoint: str | None = None) -> RestoreInfo:
+    def restore(self, directory, checkpoint: str | None = None, *,
+                buffer_bytes: int | None = None) -> RestoreInfo:
         """Replace the tables (and the dense part) with a checkpoint's state: `latest`
         unless `checkpoint` names one. A collective; on any problem every rank raises
-        CheckpointError and nothing has changed."""
+        CheckpointError and nothing has changed. buffer_bytes (default: the
+        Checkpointer's restore_buffer) bounds the memory it uses beyond the tables."""
         t0 = time.perf_counter()
         comm = self.comm
+        buffer_bytes = self.restore_buffer if buffer_bytes is None \
+            else _checked_buffer(buffer_bytes)
         directory = os.path.abspath(os.fspath(directory))
         err, loaded = None, None
         try:
-            loaded = self._load(directory, checkpoint)
+            loaded = self._load(directory, checkpoint, buffer_bytes)
         except CheckpointError as exc:
             err = f"rank {comm.rank}: {exc}"
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -487,33 +541,60 @@ class Checkpointer:
                   f"({type(exc).__name__}: {exc})"
         errors = [e for e in comm.allgather_json(err, "checkpoint:verify") if e]
         if errors:
+            if loaded is not None:
+                loaded.close()
             raise CheckpointError(errors[0] + "; nothing was restored")
-        chain, per_ckpt, nbytes = loaded
-        # Verified everywhere: now change things.
+        # Verified everywhere: now change things, the dense model first (it can be rolled
+        # back), and agree on every part, so no rank is left half-restored.
         self._parent = None
-        for name, t in self.tables.items():
-            t.clear()
-            for rows in per_ckpt:
-                r = rows[name]
-                if r["removed"].size:  # removals first: a re-created key stays
-                    t.delete(r["removed"])
-                if r["keys"].size:
-                    t.import_(r["keys"], r["values"], slots=r["slots"],
-                              last_step=r["last_step"], counts=r["counts"])
+        before = self.dense.snapshot() if self.dense is not None else None
+        err = None
+        if self.dense is not None:
+            try:
+                self.dense.read(os.path.join(directory, loaded.chain[-1]["_name"]))
+            except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+                err = f"rank {comm.rank}: loading the dense model: {type(exc).__name__}: {exc}"
+        errors = [e for e in comm.allgather_json(err, "checkpoint:dense") if e]
+        if errors:
+            loaded.close()
+            self.dense.rollback(before)
+            raise CheckpointError(errors[0] + "; nothing was restored (the dense model was "
+                                  "rolled back)")
+        err = None
+        try:
+            loaded.apply()
+        except CheckpointError as exc:  # a file changed since pass 1 verified it
+            err = f"rank {comm.rank}: {exc} (it changed during the restore)"
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+            err = f"rank {comm.rank}: {type(exc).__name__}: {exc}"
+        finally:
+            loaded.close()
+        errors = [e for e in comm.allgather_json(err, "checkpoint:replayed") if e]
+        if errors:
+            for t in self.tables.values():
+                t.clear()
+            if self.dense is not None:
+                self.dense.rollback(before)
+            raise CheckpointError(
+                errors[0] + "; this happened while replaying the checkpoint, after every "
+                "rank had verified it: every table was cleared (the dense model was rolled "
+                "back)")
+        for t in self.tables.values():
             t.track_removed(True)  # the next delta's removals are relative to this one
             t.take_removed()
+        for name, state in loaded.admission.items():  # as of the last checkpoint
+            self.tables[name].import_admission(state, merge=state.pop("merge"))
+        chain = loaded.chain
         last = chain[-1]
-        if self.dense is not None:
-            self.dense.read(os.path.join(directory, last["_name"]))
         comm.barrier("checkpoint:restored")
-        self._parent = (directory, last["_name"])
+        self._parent = (directory, last["_name"], last["version"])
         return RestoreInfo(os.path.join(directory, last["_name"]), last["_name"], last["step"],
                            tuple(m["_name"] for m in chain),
-                           sum(len(t) for t in self.tables.values()), nbytes,
+                           sum(len(t) for t in self.tables.values()), loaded.nbytes,
                            time.perf_counter() - t0)
 
-    def _load(self, directory: str, checkpoint: str | None):
-        """Read and verify everything this rank needs; change nothing."""
+    def _load(self, directory: str, checkpoint: str | None, buffer_bytes: int):
+        """Read and verify everything this rank needs (pass 1); change nothing."""
         if checkpoint is None:
             try:
                 with open(os.path.join(directory, LATEST)) as f:
@@ -531,23 +612,230 @@ class Checkpointer:
             if m["kind"] == "full":
                 break
             name = m["parent"]
+        versions = sorted({m["version"] for m in chain})
+        if len(versions) > 1:
+            raise CheckpointError(
+                f"{directory}: the chain {[m['_name'] for m in chain]} mixes format versions "
+                f"{versions}; kvcoll never writes such a chain")
         for m in chain:
             _check_specs(m, self.tables, os.path.join(directory, m["_name"]))
         last = chain[-1]
+        nbytes = 0
         if self.dense is not None:
             if not last.get("dense"):
                 raise CheckpointError(f"{os.path.join(directory, last['_name'])} holds no "
                                       "dense model; it was saved without one")
             for fname in last["dense"]:
                 info = last["files"][fname]
-                _read_verified(os.path.join(directory, last["_name"], fname),
-                               info["sha256"], info["bytes"])
+                _shards.read_verified(os.path.join(directory, last["_name"], fname),
+                                      info["sha256"], info["bytes"])
+                nbytes += info["bytes"]
             self.dense.check(os.path.join(directory, last["_name"]))
-        rank, world = self.comm.rank, self.comm.size
-        per_ckpt, nbytes = [], 0
+        if versions[0] == 1:
+            loaded = _V1Load(directory, chain, self.tables, self.comm, nbytes)
+        else:
+            loaded = _Replay(directory, chain, self.tables, self.comm, buffer_bytes, nbytes)
+        loaded.admission = _read_admission(directory, last, self.tables, self.comm)
+        return loaded
+
+
+def _checked_buffer(n) -> int:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < MIN_RESTORE_BUFFER:
+        raise InvalidArgumentError(
+            f"restore buffer_bytes must be an integer >= {MIN_RESTORE_BUFFER} "
+            f"({MIN_RESTORE_BUFFER >> 20} MiB: four of the largest pages), got {n!r}")
+    return int(n)
+
+
+# -- restore, format 2: verify every page, then replay group by group -----------------------
+
+_PAGE = np.dtype([("member", "<u4"), ("file", "<u4"), ("offset", "<u8"), ("length", "<u8"),
+                  ("count", "<u8"), ("bucket", "<u4"), ("kind", "<u4"), ("buckets", "<u4"),
+                  ("filter", "u1"), ("sha256", "u1", (32,))], align=True)
+
+
+class _TablePlan:
+    """The pages of one table this rank reads: from every checkpoint of the chain
+    (member), every file that can hold its keys, only its buckets. A page keeps its
+    file's bucket count, and whether this rank must filter its keys (when the world
+    size does not divide that count)."""
+
+    def __init__(self, name: str, table: KvTable, rank: int, world: int):
+        self.name, self.table, self.rank, self.world = name, table, rank, world
+        self.paths: list[str] = []
+        self.parts: list[np.ndarray] = []
+        self.pages = np.zeros(0, _PAGE)
+        self.coarse = 0   # G: the gcd of the files' bucket counts (0: no file yet)
+        self.cached = None  # the pages' verified bytes, if pass 1 kept them
+
+    def add(self, member: int, path: str, index: np.ndarray, buckets: int) -> None:
+        share = math.gcd(buckets, self.world)  # a rank's buckets are rank mod share
+        index = index[index["bucket"] % share == self.rank % share]
+        rec = np.zeros(index.size, _PAGE)
+        rec["member"], rec["file"] = member, len(self.paths)
+        rec["buckets"], rec["filter"] = buckets, share < self.world
+        for f in ("offset", "count", "bucket", "kind", "sha256"):
+            rec[f] = index[f]
+        rec["length"] = _shards.page_length(index["kind"], index["count"], self.table.dim,
+                                            self.table.slot_floats)
+        self.paths.append(path)
+        self.parts.append(rec)
+        self.coarse = math.gcd(self.coarse, buckets)
+
+    def done(self) -> None:
+        if self.parts:
+            self.pages = np.concatenate(self.parts)
+        self.parts = []
+
+
+def _batches(order: np.ndarray, spans: np.ndarray, limit: int, cut=None):
+    """Cut `order` (page numbers) into runs whose spans sum to at most `limit` (a page
+    larger than that alone), also wherever `cut` (a group id per page) changes."""
+    start, acc = 0, 0
+    for k, i in enumerate(order.tolist()):
+        new_group = cut is not None and k > start and cut[i] != cut[order[k - 1]]
+        if k > start and (acc + spans[i] > limit or new_group):
+            yield order[start:k]
+            start, acc = k, 0
+        acc += int(spans[i])
+    if start < order.size:
+        yield order[start:]
+
+
+class _Replay:
+    """A format-2 restore on this rank. Construction is pass 1 (plan and verify, no
+    change); apply() is pass 2 (replay into the tables)."""
+
+    def __init__(self, directory: str, chain: list, tables: dict, comm, buffer_bytes: int,
+                 nbytes: int):
+        self.chain, self.comm = chain, comm
+        self.rank, self.world = comm.rank, comm.size
+        self.limit = buffer_bytes // 4
+        self.reader = _shards.PageReader(self.limit)
+        self.plans = []
+        nbytes_index = 0
+        try:
+            for name, t in tables.items():
+                plan = _TablePlan(name, t, self.rank, self.world)
+                for member, m in enumerate(chain):
+                    for fname in m["tables"][name]["files"]:
+                        info = m["files"].get(fname)
+                        if info is None:
+                            raise CheckpointError(f"{m['_name']}: {fname} is not in the "
+                                                  "manifest")
+                        if (info["rank"] - self.rank) % math.gcd(info["world"], self.world):
+                            continue  # its writer's keys and ours are disjoint
+                        path = os.path.join(directory, m["_name"], fname)
+                        b = info["buckets"]
+                        if not isinstance(b, int) or not 1 <= b <= _shards.MAX_BUCKETS:
+                            raise CheckpointError(
+                                f"{path}: its bucket count {b!r} in the manifest is not an "
+                                f"integer in [1, {_shards.MAX_BUCKETS}] (corrupt manifest)")
+                        index = _shards.read_index(path, info, t.dim, t.slot_floats, b)
+                        nbytes_index += int(info["index"]["bytes"])
+                        plan.add(member, path, index, b)
+                plan.done()
+                self.plans.append(plan)
+            self._verify()
+        except BaseException:
+            self.reader.close()
+            raise
+        self.nbytes = nbytes + nbytes_index + self.reader.bytes_read
+
+    def _spans(self, plan: _TablePlan) -> np.ndarray:
+        return (plan.pages["length"].astype(np.int64) + 7) & ~7
+
+    def _verify(self) -> None:
+        """Pass 1: read every page once, in file order, checking its sha256 and that its
+        keys are in its bucket. Keeps them when they all fit the buffer."""
+        keep = sum(int(self._spans(p).sum()) for p in self.plans) <= self.limit
+        for plan in self.plans:
+            pages, spans = plan.pages, self._spans(plan)
+            views = [None] * pages.size if keep else None
+            order = np.lexsort((pages["offset"], pages["file"]))
+            for batch in _batches(order, spans, self.limit):
+                got = self.reader.read(plan.paths, pages[batch], keep=keep)
+                for i, view in zip(batch.tolist(), got):
+                    n = int(pages["count"][i])
+                    keys = view[:8 * n].view(np.int64)
+                    if (_shards.buckets_of(keys, int(pages["buckets"][i]))
+                            != pages["bucket"][i]).any():
+                        raise CheckpointError(
+                            f"checkpoint file {plan.paths[int(pages['file'][i])]}: the page "
+                            f"at byte {int(pages['offset'][i])} holds keys outside its "
+                            f"bucket {int(pages['bucket'][i])} (not a shard file kvcoll wrote)")
+                    if keep:
+                        views[i] = view
+            plan.cached = views
+
+    def apply(self) -> None:
+        """Pass 2: clear each table and replay its pages group by group (see the module
+        docstring), in chain order inside a group: removals, then rows."""
+        for plan in self.plans:
+            t = plan.table
+            t.clear()
+            t.track_removed(False)  # replay's deletions are not news for the next delta
+            pages, spans = plan.pages, self._spans(plan)
+            if not pages.size:
+                continue
+            coarse = pages["bucket"] % plan.coarse  # the same for a key in every file
+            per_bucket = np.bincount(coarse, weights=spans, minlength=plan.coarse)
+            group_of = np.zeros(plan.coarse, np.int64)
+            g, acc = 0, 0
+            for b in np.flatnonzero(per_bucket).tolist():
+                if acc and acc + per_bucket[b] > self.limit:
+                    g, acc = g + 1, 0
+                group_of[b] = g
+                acc += per_bucket[b]
+            gid = group_of[coarse]
+            order = np.lexsort((pages["offset"], pages["file"], pages["kind"],
+                                pages["member"], gid))
+            batches = _batches(order, spans, self.limit, gid)
+            if plan.cached is not None:
+                batches = ((b, [plan.cached[i] for i in b.tolist()]) for b in batches)
+            else:  # the next batch is read (and verified) while this one is applied
+                batches = self.reader.batches(plan.paths, pages, batches)
+            try:
+                for batch, views in batches:
+                    for i, view in zip(batch.tolist(), views):
+                        self._apply_page(plan, pages[i], view)
+            finally:
+                batches.close()  # on an error: wait for the read ahead before close()
+            plan.cached = None
+
+    def _apply_page(self, plan: _TablePlan, page, view: np.ndarray) -> None:
+        t, kind = plan.table, int(page["kind"])
+        cols = _shards.split_page(view, kind, int(page["count"]), t.dim, t.slot_floats)
+        if page["filter"]:
+            keys = cols["removed" if kind == _shards.REMOVED else "keys"]
+            mine = owner_of(keys, self.world) == self.rank
+            if not mine.all():
+                cols = {k: v[mine] for k, v in cols.items()}
+        if kind == _shards.REMOVED:
+            t.delete(cols["removed"])
+        else:
+            t.import_(cols["keys"], cols["values"], slots=cols["slots"],
+                      last_step=cols["last_step"], counts=cols["counts"])
+
+    def close(self) -> None:
+        self.reader.close()
+        for plan in self.plans:
+            plan.cached = None
+
+
+# -- restore, format 1: every file this rank may need, whole, in memory ---------------------
+
+class _V1Load:
+    """A version-1 restore: reads and verifies every file this rank may need (its own
+    when the world size is the writer's, every file otherwise) and keeps its rows in
+    memory until apply()."""
+
+    def __init__(self, directory: str, chain: list, tables: dict, comm, nbytes: int):
+        rank, world = comm.rank, comm.size
+        self.chain, self.tables, self.per_ckpt = chain, tables, []
         for m in chain:
             rows = {}
-            for name, t in self.tables.items():
+            for name, t in tables.items():
                 parts = []
                 for fname in m["tables"][name]["files"]:
                     info = m["files"].get(fname)
@@ -556,9 +844,10 @@ class Checkpointer:
                     if info["world"] == world and info["rank"] != rank:
                         continue  # same partition: only this rank's own file
                     path = os.path.join(directory, m["_name"], fname)
-                    buf = _read_verified(path, info["sha256"], info["bytes"])
+                    buf = _shards.read_verified(path, info["sha256"], info["bytes"])
                     nbytes += buf.size
-                    a = _check_records(_parse_records(buf, path), path, t.dim, t.slot_floats)
+                    a = _shards.check_records_v1(_shards.parse_records_v1(buf, path), path,
+                                                 t.dim, t.slot_floats)
                     if info["world"] != world:  # another partition: keep what is ours now
                         keep = owner_of(a["keys"], world) == rank
                         a = {k: v[owner_of(v, world) == rank] if k == "removed" else v[keep]
@@ -569,8 +858,23 @@ class Checkpointer:
                 else:
                     rows[name] = {k: np.concatenate([p[k] for p in parts]) if parts else
                                   _empty(k, t) for k in SHARD_ARRAYS}
-            per_ckpt.append(rows)
-        return chain, per_ckpt, nbytes
+            self.per_ckpt.append(rows)
+        self.nbytes = nbytes
+
+    def apply(self) -> None:
+        for name, t in self.tables.items():
+            t.clear()
+            t.track_removed(False)  # replay's deletions are not news for the next delta
+            for rows in self.per_ckpt:
+                r = rows[name]
+                if r["removed"].size:  # removals first: a re-created key stays
+                    t.delete(r["removed"])
+                if r["keys"].size:
+                    t.import_(r["keys"], r["values"], slots=r["slots"],
+                              last_step=r["last_step"], counts=r["counts"])
+
+    def close(self) -> None:
+        self.per_ckpt = []
 
 
 def _empty(name: str, t: KvTable) -> np.ndarray:
@@ -647,21 +951,26 @@ def save(directory, model, *, incremental: bool = False) -> SaveInfo:
     changed since this model's previous save (or restore) in the same directory;
     without one it writes a full checkpoint. In SSP/ASP every rank first waits until
     every update is applied (a sync point), so the checkpoint is consistent. Returns a
-    SaveInfo."""
+    SaveInfo. Its collectives wait up to the I/O deadline (KVCOLL_IO_TIMEOUT)."""
     eng = _engine(model)
     eng.sync()
-    return _checkpointer(eng).save(directory, eng.step, incremental=incremental)
+    with eng.comm.deadline("io"):
+        return _checkpointer(eng).save(directory, eng.step, incremental=incremental)
 
 
-def restore(directory, model, *, checkpoint: str | None = None) -> RestoreInfo:
+def restore(directory, model, *, checkpoint: str | None = None,
+            buffer_bytes: int | None = None) -> RestoreInfo:
     """Restore a model with kv.Embedding layers (or a kv.Trainer) from `directory`'s
     latest checkpoint (or `checkpoint`, a name such as "ckpt-0000000400"), on any number
     of ranks (a collective). Tables, dense model, optimizer and step become the saved
     ones, bit for bit, and training continues from that step in every step mode; any
     mismatch or corruption raises CheckpointError on every rank before anything
-    changes."""
+    changes. Each rank reads only the parts of the checkpoint that hold its keys, and
+    uses at most `buffer_bytes` (default RESTORE_BUFFER, 256 MiB) beyond its tables.
+    Its collectives wait up to the I/O deadline (KVCOLL_IO_TIMEOUT)."""
     eng = _engine(model)
     eng.sync()
-    info = _checkpointer(eng).restore(directory, checkpoint)
+    with eng.comm.deadline("io"):
+        info = _checkpointer(eng).restore(directory, checkpoint, buffer_bytes=buffer_bytes)
     eng.set_step(info.step)
     return info

@@ -9,6 +9,15 @@ so no rank is left waiting. Deadlines come by kind (`timeouts`): "step" for a tr
 step's exchanges, "io" for checkpoints and exports, "startup" for bringing kvcoll up;
 `with comm.deadline("io"):` switches a block to another kind.
 
+A collective that times out cannot say by itself which peer is missing, so the rank
+asks: on a liveness channel of its own (a second private communicator) it pings every
+peer and waits LIVENESS_GRACE seconds; a rank that waits in any kvcoll call answers
+at once with what it waits in and at which step. The error then names the ranks that
+gave no sign of life (dead, stopped, or cut off by the network), the operation and the
+step (`Comm.step`, which the exchanges keep current). If MPI_Abort cannot end the
+process (its launcher is unreachable), the process exits by itself ABORT_EXIT_AFTER
+seconds later, so a rank on a host cut off from the others never lingers.
+
 Validate before a collective, never raise inside one on a single rank: `agree()`
 lets every rank learn that some rank's input was bad and raise the same error.
 """
@@ -16,6 +25,7 @@ lets every rank learn that some rank's input was bad and raise the same error.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import os
 import sys
@@ -56,12 +66,13 @@ def _mpi_type(dtype: np.dtype):
     }[np.dtype(dtype)]
 
 
-def _poll_until(ready, limit: float, message, spin: float = 0.0) -> None:
+def _poll_until(ready, limit: float, message, spin: float = 0.0, idle=None) -> None:
     """Call ready() until it returns True; after `limit` seconds raise
     CommTimeoutError(message()). For the first `spin` seconds it polls back to back,
     yielding the core (and the GIL) between polls, so a peer that is a moment late
     costs microseconds, not a sleep; then it sleeps with back-off (20 us doubling to
-    1 ms): a long wait never spins."""
+    1 ms): a long wait never spins. idle(), if given, is called between the sleeps
+    (it answers the peers' liveness pings)."""
     if ready():
         return
     now = time.monotonic()
@@ -76,6 +87,8 @@ def _poll_until(ready, limit: float, message, spin: float = 0.0) -> None:
             raise CommTimeoutError(message())
         time.sleep(pause)
         pause = min(pause * 2, 1e-3)
+        if idle is not None:
+            idle()
 
 
 # The setting that raises each kind of deadline.
@@ -87,27 +100,149 @@ _TIMEOUT_VARS = {"step": "KVCOLL_COMM_TIMEOUT", "io": "KVCOLL_IO_TIMEOUT",
 # (due as soon as the owner has served it).
 SPIN = 5e-3
 
+# After a collective's deadline: how long a rank waits for its peers' sign of life
+# before naming the silent ones (a peer waiting in kvcoll answers within milliseconds).
+LIVENESS_GRACE = 2.0
+
+# After MPI_Abort: how long a rank waits for MPI to end it before it exits by itself.
+ABORT_EXIT_AFTER = 5.0
+
+
+class _Liveness:
+    """The liveness channel: a private communicator, shared by a Comm and its dups, on
+    which a rank whose collective timed out pings its peers (`diagnose`) and every rank
+    waiting in kvcoll answers (`answer`, called between the sleeps of every wait) with
+    the operation and step it waits in. Only non-blocking calls: a dead peer's messages
+    are never waited for."""
+
+    _PING, _PONG = 31, 32
+    _SIZE = 256  # bytes per message: kind, sequence, step (int64), then the op (utf-8)
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self._waits: dict[int, tuple[str, int | None]] = {}  # thread id -> (op, step)
+        self._sends: list = []  # (request, buffer): kept alive until MPI is done with them
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._next_answer = 0.0
+
+    @contextlib.contextmanager
+    def waiting(self, op: str, step: int | None):
+        """Within the block, this thread waits in `op` at `step` (what answers report)."""
+        me = threading.get_ident()
+        self._waits[me] = (op, step)
+        try:
+            yield
+        finally:
+            self._waits.pop(me, None)
+
+    def _pack(self, kind: int, seq: int) -> np.ndarray:
+        waits = list(self._waits.values())
+        op, step = waits[0] if waits else ("nothing (busy outside kvcoll)", None)
+        buf = np.zeros(self._SIZE, np.uint8)
+        buf[:24].view(np.int64)[:] = (kind, seq, -1 if step is None else step)
+        text = op.encode()[:self._SIZE - 24]
+        buf[24:24 + len(text)] = np.frombuffer(text, np.uint8)
+        return buf
+
+    @classmethod
+    def _unpack(cls, buf: np.ndarray) -> tuple[int, int, str, int | None]:
+        kind, seq, step = (int(x) for x in buf[:24].view(np.int64))
+        op = buf[24:].tobytes().rstrip(b"\0").decode(errors="replace")
+        return kind, seq, op, None if step < 0 else step
+
+    def _send(self, buf: np.ndarray, dest: int, tag: int) -> None:
+        self._sends = [(r, b) for r, b in self._sends if not r.Test()]
+        self._sends.append((self.comm.Isend([buf, _mpi().BYTE], dest, tag), buf))
+
+    def _take(self, tag: int):
+        """One arrived message with `tag`: (source, kind, seq, op, step), or None."""
+        MPI = _mpi()
+        status = MPI.Status()
+        msg = self.comm.Improbe(MPI.ANY_SOURCE, tag, status)
+        if msg is None:
+            return None
+        buf = np.empty(self._SIZE, np.uint8)
+        msg.Recv([buf, MPI.BYTE])
+        return (status.Get_source(), *self._unpack(buf))
+
+    def _answer_pings(self, heard: dict | None = None) -> None:
+        while (got := self._take(self._PING)) is not None:
+            src, _, seq, op, step = got
+            self._send(self._pack(self._PONG, seq), src, self._PONG)
+            if heard is not None:
+                heard[src] = (op, step)
+
+    def answer(self) -> None:
+        """Answer the pings that have arrived (at most every 10 ms; never blocks)."""
+        now = time.monotonic()
+        if now < self._next_answer or not self._lock.acquire(blocking=False):
+            return
+        try:
+            self._next_answer = now + 0.01
+            self._answer_pings()
+        finally:
+            self._lock.release()
+
+    def diagnose(self, grace: float) -> dict:
+        """Ping every peer and wait up to `grace` seconds: {rank: (op, step)} of the
+        peers that answered (or pinged: they are diagnosing too). The others are lost."""
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+            for peer in range(self.size):
+                if peer != self.rank:
+                    self._send(self._pack(self._PING, seq), peer, self._PING)
+            heard: dict = {}
+            deadline = time.monotonic() + grace
+            while len(heard) < self.size - 1 and time.monotonic() < deadline:
+                self._answer_pings(heard)
+                while (got := self._take(self._PONG)) is not None:
+                    src, _, answered, op, step = got
+                    if answered == seq:
+                        heard[src] = (op, step)
+                time.sleep(1e-3)
+            return heard
+
+    def free(self) -> None:
+        self.comm.Free()
+
+
+def _at(step) -> str:
+    return "" if step is None else f" at step {step}"
+
 
 class Comm:
     """kvcoll's communicator: a Dup of a parent (COMM_WORLD by default).
 
     timeout: the "step" deadline in seconds; timeouts: the other kinds' ("io",
-    "startup"; default: the step's). The duplication itself waits at most the
-    "startup" deadline."""
+    "startup"; default: the step's). The duplication itself (and that of the liveness
+    channel, shared with the dups) waits at most the "startup" deadline.
 
-    def __init__(self, parent=None, timeout: float = 300.0, timeouts: dict | None = None):
+    step: the training step the caller is in (None: not training yet), named in
+    timeout errors; the exchanges set it."""
+
+    def __init__(self, parent=None, timeout: float = 300.0, timeouts: dict | None = None,
+                 _live: _Liveness | None = None):
         MPI = _mpi()
         self.timeouts = {"step": float(timeout), "io": float(timeout),
                          "startup": float(timeout), **(timeouts or {})}
         self.timeout, self.kind = self.timeouts["startup"], "startup"
         self.rank = -1
         self.size = 0
+        self.step: int | None = None
         self.calls: dict[str, int] = {}  # per operation name: how many times issued
+        self._live, self._owns_live = _live, False
         parent = parent if parent is not None else MPI.COMM_WORLD
         self.rank, self.size = parent.Get_rank(), parent.Get_size()
         comm, req = parent.Idup()
         self.wait(req, "dup (a new communicator: every rank must create it)")
         self._comm = comm
+        if self._live is None and self.size > 1:
+            live, req = comm.Idup()
+            self.wait(req, "dup (the liveness channel: every rank must create it)")
+            self._live, self._owns_live = _Liveness(live), True
         self.timeout, self.kind = self.timeouts["step"], "step"
         self.thread_level = MPI.Query_thread()
 
@@ -150,22 +285,70 @@ class Comm:
     def _count(self, op: str) -> None:
         self.calls[op] = self.calls.get(op, 0) + 1
 
-    def wait(self, req, op: str) -> None:
-        """Wait for a request (polling, see _poll_until); raise after `timeout` s."""
-        _poll_until(req.Test, self.timeout, lambda: (
-            f"rank {self.rank}/{self.size}: {op} did not complete within "
-            f"{self.timeout:g}s; a peer died or did not issue the same call "
-            f"({self.hint})"), spin=SPIN)
+    def wait(self, req, op: str, peer: int | None = None) -> None:
+        """Wait for a request (polling, see _poll_until); raise CommTimeoutError after
+        `timeout` s, naming the ranks that gave no sign of life (see `liveness`); `peer`:
+        the rank a point-to-point request goes to."""
+        with self.waiting(op):
+            _poll_until(req.Test, self.timeout, lambda: self._timed_out(op, peer), spin=SPIN,
+                        idle=self.answer_liveness)
+
+    def _timed_out(self, op: str, peer: int | None) -> str:
+        head = (f"rank {self.rank}/{self.size}: {op}{_at(self.step)} did not complete within "
+                f"{self.timeout:g}s")
+        lost, report = self.liveness()
+        if lost is None:
+            who = f"rank {peer}" if peer is not None else "a peer"
+            return f"{head}; {who} died, stopped or did not issue the same call ({self.hint})"
+        if lost or peer is not None:
+            return f"{head}: {report} ({self.hint})"
+        return (f"{head}, yet {report}: the ranks issued different calls (every rank must "
+                f"issue kvcoll's collectives in the same order), or one is slower than the "
+                f"deadline ({self.hint})")
+
+    @contextlib.contextmanager
+    def waiting(self, op: str):
+        """Within the block this thread waits in `op` (at self.step): what it answers its
+        peers' liveness pings. For waits of one's own (a loop on a condition); call
+        answer_liveness() in the loop."""
+        live = self._live
+        with live.waiting(op, self.step) if live else contextlib.nullcontext():
+            yield
+
+    def answer_liveness(self) -> None:
+        """Answer the peers' liveness pings that have arrived (never blocks)."""
+        if self._live is not None:
+            self._live.answer()
+
+    def liveness(self, grace: float | None = None) -> tuple[list | None, str]:
+        """Ask every peer whether it is alive, waiting up to `grace` s (default
+        LIVENESS_GRACE, at most the deadline): (the ranks that gave no sign of life, a
+        sentence saying who is lost and what the others wait in); (None, "") without a
+        liveness channel (one rank)."""
+        if self._live is None:
+            return None, ""
+        grace = min(LIVENESS_GRACE, self.timeout) if grace is None else grace
+        heard = self._live.diagnose(grace)
+        lost = [r for r in range(self.size) if r != self.rank and r not in heard]
+        alive = "; ".join(f"rank {r} waits in {o}{_at(s)}"
+                          for r, (o, s) in sorted(heard.items()))
+        if not lost:
+            return lost, f"every rank is alive ({alive})"
+        return lost, (f"lost rank(s) {lost}, no sign of life within {grace:g}s (dead, stopped, "
+                      f"or cut off from rank {self.rank})" + (f"; alive: {alive}" if alive else ""))
 
     def dup(self) -> "Comm":
         """Another private communicator over the same ranks (e.g. for a service thread):
-        a collective, with the startup deadline."""
-        return Comm(self._comm, self.timeouts["step"], self.timeouts)
+        a collective, with the startup deadline. It shares this one's liveness channel."""
+        return Comm(self._comm, self.timeouts["step"], self.timeouts, _live=self._live)
 
     def free(self) -> None:
         if self._comm is not None:
             self._comm.Free()
             self._comm = None
+        if self._owns_live:
+            self._live.free()
+            self._live, self._owns_live = None, False
 
     def abort(self, code: int = 1) -> None:
         """End the whole job (every rank)."""
@@ -284,7 +467,7 @@ class Comm:
         """
         self._count(op)
         buf = np.ascontiguousarray(buf, np.uint8)
-        return SendHandle(self, self._comm.Isend([buf, _mpi().BYTE], dest, tag), buf, op)
+        return SendHandle(self, self._comm.Isend([buf, _mpi().BYTE], dest, tag), buf, op, dest)
 
     def try_recv(self, source: int = -1, tag: int = -1):
         """A message that has arrived, if any: (source, tag, uint8 buffer), else None.
@@ -322,10 +505,16 @@ class Comm:
             return bool(box)
 
         who = "any rank" if source < 0 else f"rank {source}"
-        _poll_until(ready, limit, lambda: (
-            f"rank {self.rank}/{self.size}: {op}: no answer from {who} within "
-            f"{limit:g}s; a peer died or stopped serving (raise the limit with "
-            f"{_TIMEOUT_VARS[self.kind]})"), spin=spin)
+
+        def message():
+            head = f"rank {self.rank}/{self.size}: {op}: no answer from {who} within {limit:g}s"
+            lost, report = self.liveness(min(LIVENESS_GRACE, limit))
+            if lost is None:
+                report = f"{who} died, stopped serving or is cut off from rank {self.rank}"
+            return f"{head}; {report} (raise the limit with {_TIMEOUT_VARS[self.kind]})"
+
+        with self.waiting(op):
+            _poll_until(ready, limit, message, spin=spin, idle=self.answer_liveness)
         return box[0]
 
     def alltoallv(self, send: np.ndarray, counts, op: str = "alltoallv",
@@ -485,8 +674,8 @@ class AllToAllHandle:
 class SendHandle:
     """A point-to-point send in flight (see Comm.isend)."""
 
-    def __init__(self, comm: Comm, req, buf: np.ndarray, op: str):
-        self._c, self._req, self._buf, self.op = comm, req, buf, op
+    def __init__(self, comm: Comm, req, buf: np.ndarray, op: str, dest: int):
+        self._c, self._req, self._buf, self.op, self.dest = comm, req, buf, op, dest
 
     def done(self) -> bool:
         if self._req is None:
@@ -498,7 +687,7 @@ class SendHandle:
 
     def wait(self) -> None:
         if self._req is not None:
-            self._c.wait(self._req, self.op)
+            self._c.wait(self._req, self.op, peer=self.dest)
             self._req, self._buf = None, None
 
 
@@ -513,6 +702,10 @@ def install_abort_hook(comm: Comm) -> None:
         sys.stderr.write(f"kvcoll: rank {comm.rank} raised {kind.__name__}{where}; "
                          "aborting the job\n")
         sys.stderr.flush()
+        # MPI_Abort asks the launcher to end every rank; when the launcher cannot be
+        # reached (this host is cut off) it may never return: exit anyway (faulthandler's
+        # watchdog is a C thread, it needs no GIL; it prints every thread's stack first).
+        faulthandler.dump_traceback_later(ABORT_EXIT_AFTER, exit=True)
         comm.abort(1)
 
     def hook(kind, value, tb):

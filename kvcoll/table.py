@@ -53,6 +53,9 @@ _OPT_KINDS = {
 
 _OPT_FLAGS = {"eps_inside_sqrt": lib.KV_OPTF_EPS_INSIDE_SQRT}
 
+# What KvTable.export reads of a row, in kv_table_export's argument order.
+_EXPORT_COLUMNS = ("keys", "values", "slots", "last_step", "counts", "dirty")
+
 
 @dataclasses.dataclass(frozen=True)
 class Initializer:
@@ -492,33 +495,44 @@ class KvTable:
                batch: int = 1 << 16) -> dict:
         """Every row (or only the dirty ones) as arrays: keys, values, slots,
         last_step, counts, dirty. Arena order; one C call per `batch` rows."""
+        parts = list(self.export_batches(dirty_only=dirty_only, clear_dirty=clear_dirty,
+                                         batch=batch))
+        out = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+        if "dirty" in out:
+            out["dirty"] = out["dirty"].astype(bool)
+        return out
+
+    def export_batches(self, *, dirty_only: bool = False, clear_dirty: bool = False,
+                       batch: int = 1 << 16, columns=_EXPORT_COLUMNS):
+        """export() one batch at a time: yields dicts of up to `batch` rows (fresh
+        arrays each time; the last one may be empty), so a caller can stream a table
+        without holding it twice. `columns` picks what to read (keys and values are
+        always read; dirty is uint8 here)."""
         t = self._handle()
         flags = (lib.KV_EXPORT_DIRTY_ONLY if dirty_only else 0) | \
                 (lib.KV_EXPORT_CLEAR_DIRTY if clear_dirty else 0)
+        unknown = set(columns) - set(_EXPORT_COLUMNS)
+        if unknown:
+            raise errors.InvalidArgumentError(
+                f"table {self.name!r}: export columns {sorted(unknown)} are unknown; "
+                f"choose from {list(_EXPORT_COLUMNS)}")
+        width = {"values": (self.dim,), "slots": (self.slot_floats,)}
+        dtype = {"keys": np.int64, "values": np.float32, "slots": np.float32,
+                 "last_step": np.uint32, "counts": np.uint32, "dirty": np.uint8}
+        ctype = {"keys": "int64_t *", "values": "float *", "slots": "float *",
+                 "last_step": "uint32_t *", "counts": "uint32_t *", "dirty": "uint8_t *"}
+        names = [c for c in _EXPORT_COLUMNS if c in ("keys", "values") or c in columns]
         cursor = ffi.new("int64_t *", 0)
         n_out = ffi.new("int64_t *")
-        parts = []
         while True:
-            p = {
-                "keys": np.empty(batch, np.int64),
-                "values": np.empty((batch, self.dim), np.float32),
-                "slots": np.empty((batch, self.slot_floats), np.float32),
-                "last_step": np.empty(batch, np.uint32),
-                "counts": np.empty(batch, np.uint32),
-                "dirty": np.empty(batch, np.uint8),
-            }
-            check(lib.kv_table_export(
-                t, cursor, batch, flags, ptr("int64_t *", p["keys"]),
-                ptr("float *", p["values"]), ptr("float *", p["slots"]),
-                ptr("uint32_t *", p["last_step"]), ptr("uint32_t *", p["counts"]),
-                ptr("uint8_t *", p["dirty"]), n_out), f"table {self.name!r}: export")
+            p = {c: np.empty((batch,) + width.get(c, ()), dtype[c]) for c in names}
+            args = [ptr(ctype[c], p[c]) if c in p else ffi.NULL for c in _EXPORT_COLUMNS]
+            check(lib.kv_table_export(t, cursor, batch, flags, *args, n_out),
+                  f"table {self.name!r}: export")
             n = int(n_out[0])
-            parts.append({name: a[:n] for name, a in p.items()})
+            yield {c: a[:n] for c, a in p.items()}
             if n < batch:
                 break
-        out = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
-        out["dirty"] = out["dirty"].astype(bool)
-        return out
 
     def import_(self, keys, values, *, slots=None, last_step=None, counts=None) -> None:
         """Insert or overwrite whole rows (the inverse of export); imported rows are

@@ -141,22 +141,6 @@ static void test_segment_sum(void) {
     CHECK(nu == 1 && s[0] == 3.0f);
 }
 
-static void test_hash_strings(void) {
-    /* XXH64 reference values (seed 0), from the xxhash library */
-    const char *text = "a" "abc" "68fd1e64" "hello world, this is a longer string of 40+ bytes";
-    int64_t starts[5] = {0, 0, 1, 4, 12}, lens[5] = {0, 1, 3, 8, 49}, out[5];
-    const uint64_t want[5] = {0xef46db3751d8e999ULL, 0xd24ec4f1a98c6e5bULL, 0x44bc2cf5ad770999ULL,
-                              0x5d3ccd85c9c22fe4ULL, 0xe326d2c9a3358a9fULL};
-    CHECK_EQ_INT(kv_hash_strings((const uint8_t *)text, starts, lens, 5, 0, out), KV_OK);
-    for (int i = 0; i < 5; i++) CHECK((uint64_t)out[i] == want[i]);
-    CHECK_EQ_INT(kv_hash_strings(NULL, starts, lens, 1, 0, out), KV_OK); /* empty string */
-    CHECK((uint64_t)out[0] == want[0]);
-    CHECK_EQ_INT(kv_hash_strings(NULL, starts, lens, 2, 0, out), KV_EINVAL);
-    lens[0] = -1;
-    CHECK_EQ_INT(kv_hash_strings((const uint8_t *)text, starts, lens, 1, 0, out), KV_EINVAL);
-    CHECK_EQ_INT(kv_hash_strings((const uint8_t *)text, starts, lens, -1, 0, out), KV_EINVAL);
-}
-
 static void test_oom(void) {
     enum { N = 500 };
     int64_t keys[N], u[N], inv[N], cnt[4], nu;
@@ -193,7 +177,6 @@ int main(void) {
     test_hash_owner();
     test_unique_partition();
     test_segment_sum();
-    test_hash_strings();
     test_oom();
     return test_summary();
 }

@@ -1,4 +1,4 @@
-"""A reader of Criteo's click-log TSV format, sharded over ranks.
+"""Criteo's click-log TSV format, read with pyarrow, each rank reading its own part.
 
 Each line is 40 tab-separated columns: the label (0 or 1), 13 integer features and 26
 categorical features written as hexadecimal strings (32-bit hashes, e.g. "68fd1e64").
@@ -9,41 +9,41 @@ plain or .gz).
 Output, as from `kvcoll.data.SyntheticCTR`: a dict of numpy arrays
 - "categorical" int64 [n, 26]: the hex value v of field f becomes the id
   f * 2^33 + v (`criteo_id`), so fields never share an id; a missing value becomes
-  f * 2^33 + 2^32, one reserved "missing" id per field.
+  f * 2^33 + 2^32, one reserved "missing" id per field. (Column-major: each field's
+  ids are contiguous, as the per-field tables want them.)
 - "numeric" float32 [n, 13]: sign(x) * log1p(|x|) of each integer x (log1p for the
   usual non-negative counts; the few negative values, e.g. in I2, map symmetrically);
   a missing value is 0.
 - "label" float32 [n].
 
-Sharding: `read_criteo` cuts the file(s) into global batches of `batch_size` lines and
-yields rank r's `even_split` part of each. Every rank reads every line but parses only
-its own part; each rank checks every line's column count, so a malformed line stops
-all ranks at the same batch with the same error (file and line number). Value errors
-(a bad hex string, say) are found only by the rank that parses the line; kvcoll's
-abort hook then ends the job.
+How: pyarrow's CSV reader (multi-threaded C++, here one thread per rank) splits the
+lines and converts the label and the integers; the 26 hex columns come out as Arrow
+binary arrays and become ids in one C call per parsed block for all 26 columns
+(kv_hex_ids32, over the arrays' offsets and bytes). A block pyarrow refuses (a bad
+line) is parsed again by the vectorised numpy reference (`parse_criteo_lines`), which names the file, the
+line and the column, or drops the bad lines with on_bad_line="skip". How ranks split
+the data (split="global" or "part") and the rest of the reader's behaviour are
+described in kvcoll/data/_reader.py and in `read_criteo`.
 
-Parsing is vectorised over the bytes of a batch (no Python object per value): about
-300k lines/s on one core, so with many ranks the shared scan of every line (about 900k
-lines/s) is what bounds a rank.
-
-    >>> for batch in read_criteo("train.txt", batch_size=4096, rank=r, world=n):
+    >>> for batch in read_criteo("day_0.gz", batch_size=4096, rank=r, world=n):
     ...     train_step(batch)
 """
 
 from __future__ import annotations
 
-import bisect
-import gzip
 import os
 from collections.abc import Iterator
 
 import numpy as np
 
+from .._c import check, ffi, lib, ptr
 from ..errors import InvalidArgumentError
-from .shard import _check_rank, even_split
+from . import _files
+from ._reader import Reader, ReaderStats
+from .shard import even_split
 
-__all__ = ["MISSING", "NUM_CATEGORICAL", "NUM_INTEGER", "CriteoFormatError", "criteo_id",
-           "parse_criteo_lines", "read_criteo"]
+__all__ = ["MISSING", "NUM_CATEGORICAL", "NUM_INTEGER", "CriteoFormatError", "CriteoReader",
+           "criteo_dataset", "criteo_id", "parse_criteo_lines", "read_criteo"]
 
 NUM_INTEGER = 13
 NUM_CATEGORICAL = 26
@@ -77,23 +77,6 @@ def criteo_id(field: int, value: int | None) -> int:
     elif not 0 <= value < MISSING:
         raise InvalidArgumentError(f"value must be in [0, 2^32), got {value}")
     return (field << _FIELD_SHIFT) | value
-
-
-class _Where:
-    """Maps a line's index in a batch back to (file, line number), for error messages."""
-
-    def __init__(self):
-        self.starts: list[int] = []
-        self.origins: list[tuple[str, int]] = []
-
-    def add(self, index: int, source: str, lineno: int):
-        self.starts.append(index)
-        self.origins.append((source, lineno))
-
-    def __call__(self, index: int) -> str:
-        k = bisect.bisect_right(self.starts, index) - 1
-        source, lineno = self.origins[k]
-        return f"{source} line {lineno + index - self.starts[k]}"
 
 
 def _fail(where, index: int, what: str):
@@ -143,121 +126,466 @@ def _token(arr, starts, ends, i, c) -> str:
     return repr(arr[starts[i, c]:ends[i, c]].tobytes().decode(errors="replace"))
 
 
+def _scan(lines: list[bytes]) -> tuple[dict, np.ndarray, tuple[int, str] | None]:
+    """Parse lines of Criteo TSV (bytes, with or without their line ends) with numpy.
+
+    Returns (the batch of the good lines, their indices, (index, message) of the first
+    bad line or None). Vectorised over the bytes of all lines (no Python object per
+    value); one Python step per line strips line ends and counts columns.
+    """
+    n = len(lines)
+    lines = [ln.rstrip(b"\r\n") for ln in lines]
+    columns = np.fromiter((ln.count(b"\t") + 1 for ln in lines), np.int64, n)
+    broken = np.fromiter((b"\n" in ln for ln in lines), bool, n)
+    shape_ok = (columns == NUM_COLUMNS) & ~broken
+    idx = np.flatnonzero(shape_ok)
+    m = idx.size
+    label = np.zeros(m, np.float32)
+    numeric = np.zeros((m, NUM_INTEGER), np.float32)
+    value = np.zeros((m, NUM_CATEGORICAL), np.int64)
+    lab_ok = np.ones(m, bool)
+    int_bad = np.zeros((m, NUM_INTEGER), bool)
+    hex_bad = np.zeros((m, NUM_CATEGORICAL), bool)
+    if m:
+        arr = np.frombuffer(b"\n".join([lines[i] for i in idx]) + b"\n", np.uint8)
+        seps = np.flatnonzero((arr == _TAB) | (arr == _NEWLINE))   # 40 per line
+        if arr.size < 2**31:
+            seps = seps.astype(np.int32)     # halves the memory traffic of the gathers
+        ends = seps.reshape(m, NUM_COLUMNS)
+        starts = np.empty_like(seps)
+        starts[0] = 0
+        starts[1:] = seps[:-1] + 1
+        starts = starts.reshape(m, NUM_COLUMNS)
+        lab = arr[starts[:, 0]]
+        lab_ok = ((ends[:, 0] - starts[:, 0]) == 1) & ((lab == _ZERO) | (lab == _ONE))
+        label = (lab == _ONE).astype(np.float32)
+        ic = slice(1, 1 + NUM_INTEGER)
+        x = _parse_ints(arr, starts[:, ic], ends[:, ic], int_bad).astype(np.float64)
+        numeric = (np.sign(x) * np.log1p(np.abs(x))).astype(np.float32)
+        cc = slice(1 + NUM_INTEGER, NUM_COLUMNS)
+        value = _parse_hex(arr, starts[:, cc], ends[:, cc], hex_bad)
+        value[ends[:, cc] == starts[:, cc]] = MISSING
+        value |= _FIELD_BASE
+    row_bad = ~lab_ok | int_bad.any(axis=1) | hex_bad.any(axis=1)
+    ok = ~row_bad
+    batch = {"categorical": value[ok], "numeric": numeric[ok], "label": label[ok]}
+    bad_all = ~shape_ok
+    bad_all[idx[row_bad]] = True
+    first = None
+    if bad_all.any():
+        i = int(np.argmax(bad_all))
+        if broken[i]:
+            msg = "a line break inside a line"
+        elif not shape_ok[i]:
+            msg = (f"expected {NUM_COLUMNS} tab-separated columns (label, {NUM_INTEGER} "
+                   f"integers, {NUM_CATEGORICAL} categorical), got {int(columns[i])}")
+        else:
+            j = int(np.searchsorted(idx, i))
+            if not lab_ok[j]:
+                msg = f"column 1: the label must be 0 or 1, got {_token(arr, starts, ends, j, 0)}"
+            elif int_bad[j].any():
+                c = int(np.argmax(int_bad[j]))
+                msg = (f"column {2 + c}: {_token(arr, starts, ends, j, 1 + c)} is not an "
+                       f"integer of at most {_MAX_DIGITS} digits")
+            else:
+                c = int(np.argmax(hex_bad[j]))
+                msg = (f"column {2 + NUM_INTEGER + c}: "
+                       f"{_token(arr, starts, ends, j, 1 + NUM_INTEGER + c)} is not a hex "
+                       "string of at most 8 digits (32 bits)")
+        first = (i, msg)
+    return batch, idx[ok], first
+
+
 def parse_criteo_lines(lines: list[bytes], where=None) -> dict:
     """Parse lines of Criteo TSV (bytes, with or without their line ends) into a batch.
 
-    Vectorised over the bytes of the whole batch: no Python object per value.
-    `where(i)` names line i in error messages (default: "line i+1").
+    The numpy reference the readers fall back to for a block pyarrow refuses:
+    vectorised over the bytes of the whole batch, no Python object per value. Raises
+    CriteoFormatError naming the first bad line (`where(i)` names line i; default
+    "line i+1") and its column.
     """
     where = where or (lambda i: f"line {i + 1}")
-    n = len(lines)
-    lines = [ln.rstrip(b"\r\n") for ln in lines]
-    for i, ln in enumerate(lines):
-        columns = ln.count(b"\t") + 1
-        if columns != NUM_COLUMNS:
-            _fail(where, i, f"expected {NUM_COLUMNS} tab-separated columns (label, "
-                  f"{NUM_INTEGER} integers, {NUM_CATEGORICAL} categorical), got {columns}")
-        if b"\n" in ln:
-            _fail(where, i, "a line break inside a line")
-    if n == 0:
-        return {"categorical": np.zeros((0, NUM_CATEGORICAL), np.int64),
-                "numeric": np.zeros((0, NUM_INTEGER), np.float32),
-                "label": np.zeros(0, np.float32)}
-    arr = np.frombuffer(b"\n".join(lines) + b"\n", np.uint8)
-    seps = np.flatnonzero((arr == _TAB) | (arr == _NEWLINE))   # 40 per line, checked above
-    if arr.size < 2**31:
-        seps = seps.astype(np.int32)         # halves the memory traffic of the gathers
-    ends = seps.reshape(n, NUM_COLUMNS)
-    starts = np.empty_like(seps)
-    starts[0] = 0
-    starts[1:] = seps[:-1] + 1
-    starts = starts.reshape(n, NUM_COLUMNS)
+    batch, _, first = _scan(list(lines))
+    if first is not None:
+        _fail(where, *first)
+    return batch
 
-    lab_ok = (ends[:, 0] - starts[:, 0]) == 1
-    lab = arr[starts[:, 0]]
-    lab_ok &= (lab == _ZERO) | (lab == _ONE)
-    if not lab_ok.all():
-        i = int(np.argmin(lab_ok))
-        tok = _token(arr, starts, ends, i, 0)
-        _fail(where, i, f"column 1: the label must be 0 or 1, got {tok}")
-    label = (lab == _ONE).astype(np.float32)
 
-    ic = slice(1, 1 + NUM_INTEGER)
-    bad = np.zeros((n, NUM_INTEGER), bool)
-    x = _parse_ints(arr, starts[:, ic], ends[:, ic], bad)
-    if bad.any():
-        i, c = map(int, np.argwhere(bad)[0])
-        _fail(where, i, f"column {2 + c}: {_token(arr, starts, ends, i, 1 + c)} is not an "
-              f"integer of at most {_MAX_DIGITS} digits")
-    x = x.astype(np.float64)
+# -- pyarrow ---------------------------------------------------------------------------
+
+_COLUMN_NAMES = (["label"] + [f"I{j + 1}" for j in range(NUM_INTEGER)]
+                 + [f"C{j + 1}" for j in range(NUM_CATEGORICAL)])
+_ARROW = None
+
+
+def _arrow():
+    """pyarrow and the CSV options, loaded on first use."""
+    global _ARROW
+    if _ARROW is None:
+        import pyarrow as pa
+        import pyarrow.csv as pcsv
+
+        types = {"label": pa.int8()}
+        types.update({f"I{j + 1}": pa.int64() for j in range(NUM_INTEGER)})
+        types.update({f"C{j + 1}": pa.binary() for j in range(NUM_CATEGORICAL)})
+        parse = pcsv.ParseOptions(delimiter="\t", quote_char=False, escape_char=False,
+                                  double_quote=False, newlines_in_values=False,
+                                  ignore_empty_lines=False)
+        convert = pcsv.ConvertOptions(column_types=types, null_values=[""],
+                                      strings_can_be_null=False,
+                                      quoted_strings_can_be_null=False, check_utf8=False)
+        _ARROW = (pa, pcsv, parse, convert)
+    return _ARROW
+
+
+def _hex_ids(table, out: np.ndarray) -> bool:
+    """The 26 categorical columns of a parsed table (pyarrow binary arrays) as ids into
+    out [26, n]: one C call per record batch for all columns, over the arrays' own
+    offsets and bytes. False if any value is not a hex id."""
+    n = out.shape[1]
+    scratch = np.zeros(3, np.int64)
+    data = np.zeros(NUM_CATEGORICAL, np.uint64)
+    offsets = np.zeros(NUM_CATEGORICAL, np.uint64)
+    base = ffi.cast("int64_t *", ffi.from_buffer(out))
+    at = 0
+    for batch in table.to_batches():
+        m = batch.num_rows
+        for f, arr in enumerate(batch.columns[1 + NUM_INTEGER:]):
+            bufs = arr.buffers()
+            offsets[f] = bufs[1].address + 4 * arr.offset
+            data[f] = bufs[2].address if bufs[2] is not None else 0
+        check(lib.kv_hex_ids32(NUM_CATEGORICAL, m, ptr("uint8_t **", data),
+                               ptr("int32_t **", offsets), ptr("int64_t *", _FIELD_BASE),
+                               MISSING, base + at, n, ffi.NULL, ptr("int64_t *", scratch),
+                               ptr("int64_t *", scratch[1:])), "criteo: hex ids")
+        if scratch[0]:
+            return False
+        at += m
+    return True
+
+
+def _parse_arrow(data, n: int, block_size: int):
+    """(categorical [26, n], numeric [13, n], label [n]) of n whole lines, or None if
+    pyarrow refuses them or any value is bad (the caller then takes the reference path,
+    which says where)."""
+    pa, pcsv, parse, convert = _arrow()
+    read = pcsv.ReadOptions(column_names=_COLUMN_NAMES, use_threads=False,
+                            block_size=block_size)
+    try:
+        table = pcsv.read_csv(pa.py_buffer(data), read_options=read, parse_options=parse,
+                              convert_options=convert)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        return None
+    if table.num_rows != n:               # a lone \r ended a line: let the reference say
+        return None
+    lab = table.column(0)
+    if lab.null_count:
+        return None
+    label = lab.to_numpy()
+    if ((label != 0) & (label != 1)).any():
+        return None
+    x = np.empty((NUM_INTEGER, n), np.float64)
+    for j in range(NUM_INTEGER):
+        col = table.column(1 + j)
+        x[j] = (col.fill_null(0) if col.null_count else col).to_numpy()
+    if (np.abs(x) >= 1e18).any():       # the reference's limit: at most 18 digits
+        return None
     numeric = (np.sign(x) * np.log1p(np.abs(x))).astype(np.float32)
-
-    cc = slice(1 + NUM_INTEGER, NUM_COLUMNS)
-    bad = np.zeros((n, NUM_CATEGORICAL), bool)
-    value = _parse_hex(arr, starts[:, cc], ends[:, cc], bad)
-    if bad.any():
-        i, c = map(int, np.argwhere(bad)[0])
-        tok = _token(arr, starts, ends, i, 1 + NUM_INTEGER + c)
-        _fail(where, i, f"column {2 + NUM_INTEGER + c}: {tok} is not a hex string of at most "
-              "8 digits (32 bits)")
-    value[ends[:, cc] == starts[:, cc]] = MISSING
-    value |= _FIELD_BASE
-    return {"categorical": value, "numeric": numeric, "label": label}
+    categorical = np.empty((NUM_CATEGORICAL, n), np.int64)
+    if not _hex_ids(table, categorical):
+        return None
+    return categorical, numeric, label.astype(np.float32)
 
 
-def _open(path: str):
-    if str(path).endswith(".gz"):
-        return gzip.open(path, "rb")
-    return open(path, "rb")
+# -- the reader --------------------------------------------------------------------------
+
+class CriteoReader(Reader):
+    """Batches of Criteo TSV files for one rank: see `read_criteo`."""
+
+    kind = "criteo"
+
+    def __init__(self, paths, batch_size, rank, world, drop_remainder, split, on_bad_line,
+                 prefetch, block_bytes, parse_block_bytes, start_step):
+        super().__init__(batch_size, rank, world, split, on_bad_line, prefetch,
+                         drop_remainder, start_step)
+        self.paths = _files.expand(paths, "criteo")
+        self.block_bytes = _positive(block_bytes, "block_bytes")
+        self.parse_block_bytes = _positive(parse_block_bytes, "parse_block_bytes")
+        self.sizes = [os.path.getsize(p) for p in self.paths]
+        empty = [p for p, s in zip(self.paths, self.sizes) if s == 0]
+        self.empty_files = len(empty)
+        if empty and on_bad_line == "error":
+            raise CriteoFormatError(
+                f"criteo: {empty[0]} is empty (no lines); leave it out, or pass "
+                "on_bad_line='skip' to skip empty files and bad lines")
+        self.pieces = None       # split="part": this rank's (path, start, end)
+        self.note = ""
+        gz = any(_files.is_gzip(p) for p in self.paths)
+        if split == "part":
+            if not gz:
+                self.pieces = _files.byte_ranges(self.paths, self.sizes, self.rank, self.world)
+            elif len(self.paths) >= self.world:
+                lo, hi = even_split(len(self.paths), self.rank, self.world)
+                self.pieces = [(p, 0, None) for p in self.paths[lo:hi]]
+            else:
+                self.note = (f"{len(self.paths)} file(s) with .gz among them for {self.world} "
+                             "ranks: a .gz file cannot be split, so every rank decompresses "
+                             "every file and parses its even_split part of each global batch "
+                             "(as split='global')")
+
+    def __repr__(self):
+        return (f"CriteoReader({len(self.paths)} file(s), batch_size={self.batch_size}, "
+                f"rank={self.rank}, world={self.world}, split={self.split!r})")
+
+    def features(self, batch: dict) -> tuple[dict, np.ndarray]:
+        """A batch as model inputs: {"C1".."C26": int64 [n], "numeric": float32 [n, 13]}
+        and the label (each field's ids a contiguous column, no copy)."""
+        cat = batch["categorical"]
+        out = {f"C{f + 1}": cat[:, f] for f in range(NUM_CATEGORICAL)}
+        out["numeric"] = batch["numeric"]
+        return out, batch["label"]
+
+    def _signature(self, tf):
+        spec = {f"C{f + 1}": tf.TensorSpec([None], tf.int64) for f in range(NUM_CATEGORICAL)}
+        spec["numeric"] = tf.TensorSpec([None, NUM_INTEGER], tf.float32)
+        return spec, tf.TensorSpec([None], tf.float32)
+
+    # -- one pass ----------------------------------------------------------------------
+
+    def _batches(self, stats: ReaderStats) -> Iterator[dict]:
+        stats.empty_files += self.empty_files     # plain files of 0 bytes, seen at start
+        if self.pieces is None:
+            return self._global(stats)
+        return self._part(stats)
+
+    def _empty_file(self, path: str, stats: ReaderStats) -> None:
+        if self.on_bad_line == "error":
+            raise CriteoFormatError(f"criteo: {path} is empty (no lines); leave it out, or pass "
+                                    "on_bad_line='skip'")
+        stats.empty_files += 1
+
+    def _parse(self, data, n: int, where, stats: ReaderStats):
+        """(categorical [26, k], numeric [13, k], label [k], keep) of n lines: keep is
+        None when all k == n lines are good, else the mask of the lines kept."""
+        fast = _parse_arrow(data, n, self.parse_block_bytes)
+        if fast is not None:
+            return (*fast, None)
+        lines = bytes(data).split(b"\n")[:n]
+        batch, good, first = _scan(lines)
+        if first is not None:
+            i, msg = first
+            if self.on_bad_line == "error":
+                raise CriteoFormatError(f"criteo: {where(i)}: {msg}")
+            stats.skip(n - good.size, f"{where(i)}: {msg}")
+        keep = np.zeros(n, bool)
+        keep[good] = True
+        return batch["categorical"].T, batch["numeric"].T, batch["label"], keep
+
+    def _global(self, stats: ReaderStats) -> Iterator[dict]:
+        """split='global': every rank scans every line end, parses its slices. The
+        whole batches inside a block are sliced in place; only a batch that spans two
+        blocks (or files) is copied together."""
+        b = self.batch_size
+        pend: list[memoryview] = []           # the lines of the batch under way
+        pend_segs: list[tuple[int, str, int]] = []   # (its line, path, that line's number)
+        pend_lines = step = 0
+        for path in self.paths:
+            got = False
+            file_line = 1
+            for block in _files.text_blocks(path, block_bytes=self.block_bytes, what="criteo"):
+                got = True
+                data = block.data
+                nl = np.flatnonzero(np.frombuffer(data, np.uint8) == _NEWLINE)
+                n, at, start = nl.size, 0, 0
+                if pend_lines:                # complete the batch under way
+                    need = b - pend_lines
+                    if n < need:
+                        pend.append(data)
+                        pend_segs.append((pend_lines, path, file_line))
+                        pend_lines += n
+                        file_line += n
+                        continue
+                    start = int(nl[need - 1]) + 1
+                    head = memoryview(b"".join([*pend, data[:start]]))
+                    head_nl = np.flatnonzero(np.frombuffer(head, np.uint8) == _NEWLINE)
+                    yield from self._slices(head, head_nl, [*pend_segs, (pend_lines, path, file_line)],
+                                            [b], stats, skip=int(step < self.start_step))
+                    step += 1
+                    at = need
+                    pend, pend_segs, pend_lines = [], [], 0
+                k = (n - at) // b
+                if k:
+                    end = int(nl[at + k * b - 1]) + 1
+                    yield from self._slices(data[start:end], nl[at:at + k * b] - start,
+                                            [(0, path, file_line + at)], [b] * k, stats,
+                                            min(k, max(0, self.start_step - step)))
+                    step += k
+                    start = end
+                if n - at - k * b:
+                    pend = [data[start:]]
+                    pend_segs = [(0, path, file_line + at + k * b)]
+                    pend_lines = n - at - k * b
+                file_line += n
+            if not got and _files.is_gzip(path):
+                self._empty_file(path, stats)
+        if pend_lines and not self.drop_remainder and step >= self.start_step:
+            tail = memoryview(b"".join(pend))
+            nl = np.flatnonzero(np.frombuffer(tail, np.uint8) == _NEWLINE)
+            yield from self._slices(tail, nl, pend_segs, [pend_lines], stats)
+
+    def _slices(self, buf, nl, segs, sizes, stats, skip: int = 0) -> Iterator[dict]:
+        """This rank's even_split slice of each global batch (of the given sizes) that
+        starts at line 0 of buf, parsed in one go; the first `skip` batches are passed
+        over (before start_step), unparsed."""
+        first = sum(sizes[:skip])
+        sizes = sizes[skip:]
+        if not sizes:
+            return
+        starts = np.empty(nl.size + 1, np.int64)
+        starts[0] = 0
+        starts[1:] = nl + 1
+        ranges, counts, first_lines = [], [], []
+        at = first
+        for size in sizes:
+            lo, hi = even_split(size, self.rank, self.world)
+            a, z = int(starts[at + lo]), int(starts[at + hi])
+            if ranges and ranges[-1][1] == a:
+                ranges[-1][1] = z                  # adjacent: one slice, no copy
+            elif z > a:
+                ranges.append([a, z])
+            counts.append(hi - lo)
+            first_lines.append(at + lo)
+            at += size
+        n = sum(counts)
+        row_starts = np.cumsum([0] + counts[:-1])
+
+        def where(i):
+            j = int(np.searchsorted(row_starts, i, side="right")) - 1
+            line = first_lines[j] + i - int(row_starts[j])
+            s = max(k for k, seg in enumerate(segs) if seg[0] <= line)
+            return f"{segs[s][1]} line {segs[s][2] + line - segs[s][0]}"
+
+        if n:
+            data = buf[ranges[0][0]:ranges[0][1]] if len(ranges) == 1 else \
+                b"".join([buf[a:z] for a, z in ranges])
+            cat, num, lab, keep = self._parse(data, n, where, stats)
+            if keep is not None:
+                step = np.repeat(np.arange(len(sizes)), counts)
+                counts = np.bincount(step[keep], minlength=len(sizes)).tolist()
+        else:
+            cat = np.zeros((NUM_CATEGORICAL, 0), np.int64)
+            num = np.zeros((NUM_INTEGER, 0), np.float32)
+            lab = np.zeros(0, np.float32)
+        at = 0
+        for c in counts:
+            yield _batch(cat, num, lab, at, at + c, stats)
+            at += c
+
+    def _part(self, stats: ReaderStats) -> Iterator[dict]:
+        """split='part': this rank's byte ranges or files, in batches of its share."""
+        size = self.part_batch_size
+        acc: list[tuple] = []
+        held = 0
+        to_skip = self.start_step * size         # lines before start_step: not parsed
+        for path, start, end in self.pieces:
+            got = False
+            for block in _files.text_blocks(path, start, end, self.block_bytes, "criteo"):
+                got = True
+                nl = np.flatnonzero(np.frombuffer(block.data, np.uint8) == _NEWLINE)
+                n = nl.size
+                if to_skip >= n:
+                    to_skip -= n
+                    continue
+                if to_skip:
+                    cut = int(nl[to_skip - 1]) + 1
+                    block = _files.Block(block.data[cut:], block.path, block.offset + cut)
+                    n -= to_skip
+                    to_skip = 0
+
+                def where(i, block=block):  # the line number costs a scan: errors only
+                    return f"{block.path} line {_files.line_number(block.path, block.offset) + i}"
+
+                cat, num, lab, _ = self._parse(block.data, n, where, stats)
+                acc.append((cat, num, lab))
+                held += lab.size
+                while held >= size:
+                    acc, held, out = _take(acc, held, size)
+                    yield _batch(*out, 0, size, stats)
+            if not got and start == 0 and _files.is_gzip(path):
+                self._empty_file(path, stats)
+        if held and not self.drop_remainder:
+            acc, held, out = _take(acc, held, held)
+            yield _batch(*out, 0, out[2].size, stats)
 
 
-def read_criteo(paths, batch_size: int, rank: int = 0, world: int = 1,
-                drop_remainder: bool = False) -> Iterator[dict]:
-    """Yield this rank's slice of each global batch of `batch_size` lines.
+def _take(acc, held, size):
+    """The first `size` rows of the accumulated parsed blocks, and what remains."""
+    parts, got, rest = [], 0, []
+    for k, (cat, num, lab) in enumerate(acc):
+        if got == size:
+            rest.append((cat, num, lab))
+            continue
+        t = min(size - got, lab.size)
+        parts.append((cat[:, :t], num[:, :t], lab[:t]))
+        if t < lab.size:
+            rest.append((cat[:, t:], num[:, t:], lab[t:]))
+        got += t
+    out = tuple(p[0] if len(parts) == 1 else np.concatenate(p, axis=-1)
+                for p in zip(*parts))
+    return rest, held - size, out
 
-    paths: one file or a list of files (read in order, as one stream: a global batch
-        may span two files); names ending in .gz are read through gzip.
-    drop_remainder: skip the last global batch if it is short. Otherwise it is split
-        like the others, and a rank whose share is empty gets an empty batch, so every
-        rank yields the same number of batches (a synchronous loop stays in step).
+
+def _batch(cat, num, lab, a, z, stats: ReaderStats) -> dict:
+    stats.rows += z - a
+    stats.batches += 1
+    return {"categorical": np.ascontiguousarray(cat[:, a:z]).T,
+            "numeric": np.ascontiguousarray(num[:, a:z]).T,
+            "label": lab[a:z]}
+
+
+def _positive(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise InvalidArgumentError(f"criteo: {name} must be an int >= 1, got {value!r}")
+    return int(value)
+
+
+def read_criteo(paths, batch_size: int, rank: int | None = None, world: int | None = None,
+                drop_remainder: bool = False, *, split: str = "global",
+                on_bad_line: str = "error", prefetch: int = 2, block_bytes: int = 8 << 20,
+                parse_block_bytes: int = 1 << 20, start_step: int = 0) -> CriteoReader:
+    """This rank's batches of Criteo TSV files: an iterable of batch dicts (one pass per
+    iteration), also `.fit_batches()` and `.dataset()` for model.fit.
+
+    paths: a file, a glob pattern, or a list of them, read in order as one stream (a
+        global batch may span two files); names ending in .gz are read through gzip.
+        Every path is checked on every rank when the reader is made.
+    batch_size: the global batch B.
+    rank, world: this rank and the world size (default: kvcoll's after kvcoll.init(),
+        else 0 and 1).
+    split: "global" (default) — the global batch of step t is lines [t*B, (t+1)*B) and
+        rank r gets its even_split part: every rank scans every line end (a numpy scan
+        of the bytes, not parsing) and parses only its own lines; every rank yields
+        the same number of batches (a part of the short last batch may be empty).
+        "part" — rank r reads only its part: its 1/world of the plain files' bytes, cut
+        at line ends, or, with .gz files (which cannot be split), its even_split share
+        of the files, in batches of even_split(B, r, world) lines. With fewer files
+        than ranks and a .gz among them, "part" reads as "global" (`note` says so).
+    drop_remainder: split="global": skip the last global batch if it is short;
+        split="part": skip this rank's last short batch.
+    on_bad_line: "error" raises CriteoFormatError naming file, line and column (empty
+        files too); "skip" drops bad lines and empty files, counted in `stats`.
+    prefetch: batches prepared ahead by a background thread (0: none).
+    block_bytes: bytes read at a time; parse_block_bytes: pyarrow's parsing block.
+    start_step: begin at this step (resuming a run): earlier batches are passed over
+        without being parsed (in "part", this rank's first start_step batches).
     """
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
-    paths = [os.fspath(p) for p in paths]
-    if not paths:
-        raise InvalidArgumentError("read_criteo needs at least one file")
-    batch_size = int(batch_size)
-    if batch_size < 1:
-        raise InvalidArgumentError(f"batch_size must be >= 1, got {batch_size}")
-    rank, world = _check_rank(rank, world)
-    for p in paths:
-        if not os.path.isfile(p):
-            raise InvalidArgumentError(f"criteo: no such file: {p}")
-    return _read(paths, batch_size, rank, world, drop_remainder)
+    return CriteoReader(paths, batch_size, rank, world, drop_remainder, split, on_bad_line,
+                        prefetch, block_bytes, parse_block_bytes, start_step)
 
 
-def _read(paths: list[str], batch_size: int, rank: int, world: int,
-          drop_remainder: bool) -> Iterator[dict]:
-    tabs = NUM_COLUMNS - 1
-    lines: list[bytes] = []
-    where = _Where()
-    for path in paths:
-        with _open(path) as f:
-            where.add(len(lines), path, 1)
-            for lineno, line in enumerate(f, 1):
-                if line.count(b"\t") != tabs:      # checked on every rank: all stop here
-                    name = f"{path} line {lineno}"
-                    parse_criteo_lines([line], lambda _, name=name: name)
-                lines.append(line)
-                if len(lines) == batch_size:
-                    yield _slice(lines, rank, world, where)
-                    lines, where = [], _Where()
-                    where.add(0, path, lineno + 1)
-    if lines and not drop_remainder:
-        yield _slice(lines, rank, world, where)
-
-
-def _slice(lines: list[bytes], rank: int, world: int, where: _Where) -> dict:
-    lo, hi = even_split(len(lines), rank, world)
-    return parse_criteo_lines(lines[lo:hi], lambda i: where(lo + i))
-
+def criteo_dataset(paths, batch_size: int, rank: int | None = None,
+                   world: int | None = None, **options):
+    """A tf.data.Dataset of this rank's (features, label) batches of Criteo TSV files,
+    for model.fit: features {"C1".."C26": int64 [n], "numeric": float32 [n, 13]}, label
+    float32 [n]. Each iteration (epoch) is a new pass. Options as `read_criteo`."""
+    return read_criteo(paths, batch_size, rank, world, **options).dataset()

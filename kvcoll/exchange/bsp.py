@@ -223,6 +223,7 @@ class BspExchange:
         given = [np.ascontiguousarray(ids[n], np.int64) for n in self._names]
         plan = self._set.plan(given, world)
         send, counts = plan[0], plan[1]
+        self.comm.step = step  # named by a timeout error of this step's collectives
         handle = self.comm.alltoallv(send, counts, op="pull:ids", header=header)
         headers = None if header is None else handle.headers()
         if proceed is not None and not proceed(headers):

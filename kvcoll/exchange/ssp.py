@@ -235,7 +235,8 @@ class SspExchange:
         """Block (SSP) until `step` may start; returns this worker's lead over the slowest
         worker, step - 1 - (slowest clock seen here)."""
         deadline = time.monotonic() + self.comm.timeout
-        with self._cv:
+        behind = None
+        with self.comm.waiting(f"ssp:gate at step {step}"), self._cv:
             while True:
                 self._check()
                 slow = self._min_active()
@@ -244,16 +245,28 @@ class SspExchange:
                 if time.monotonic() > deadline:
                     behind = [r for r in range(self._world) if not self._done[r]
                               and self._clock[r] < step - self.staleness - 1]
-                    raise CommTimeoutError(
-                        f"rank {self._rank}/{self._world}: ssp step {step} waited "
-                        f"{self.comm.timeout:g}s for rank(s) {behind} to finish step "
-                        f"{step - self.staleness - 1}; a peer died or stopped "
-                        "(raise the limit with KVCOLL_COMM_TIMEOUT)")
+                    break
                 self._cv.wait(0.05)
+                self.comm.answer_liveness()
             lead = max(0, step - 1 - (slow if slow is not None else step - 1))
+        if behind is not None:
+            raise self._timed_out(f"ssp:gate at step {step} waited {self.comm.timeout:g}s "
+                                  f"for rank(s) {behind} to finish step "
+                                  f"{step - self.staleness - 1}")
         self.max_lead = max(self.max_lead, lead)
         self.trace.append(_Trace(step, lead, 0, time.time()))
         return lead
+
+    def _timed_out(self, what: str) -> CommTimeoutError:
+        """The error of a wait of this worker's that timed out (`what`: which, for whom),
+        naming who is lost: a rank the wait was for may itself wait for another. Call it
+        outside the lock: the service thread goes on serving the others meanwhile."""
+        with self.comm.waiting(what):
+            _, report = self.comm.liveness()
+        return CommTimeoutError(
+            f"rank {self._rank}/{self._world}: {what}; "
+            f"{report or f'they died, stopped or are cut off from rank {self._rank}'} "
+            "(raise the limit with KVCOLL_COMM_TIMEOUT)")
 
     def pull(self, ids: dict[str, np.ndarray], *, header=None, proceed=None,
              dense: bool = True, create: bool = True) -> Pull:
@@ -263,6 +276,7 @@ class SspExchange:
         come in the layout of a BSP pull (owner after owner, then table after table).
         header and proceed are BSP's agreement: here each rank decides alone."""
         step = self.step + 1
+        self.comm.step = step  # named by a timeout error
         self.wait_turn(step)
         world, me = self._world, self._rank
         if set(ids) != set(self._names):
@@ -280,7 +294,7 @@ class SspExchange:
                 continue
             msg = _pack([_PULL, step, flags if has_dense else flags & ~_F_DENSE, 0],
                         [counts[r], send[id_at[r]:id_at[r + 1]]])
-            self._send(self._req, msg, r, "ssp:pull")
+            self._send(self._req, msg, r, f"ssp:pull of step {step} to rank {r}")
             owners.append(r)
         payload = aligned_empty(int(fl_at[-1]), np.float32)
         flat = np.empty(self.dense_size, np.float32) if flags & _F_DENSE else None
@@ -301,8 +315,8 @@ class SspExchange:
             slow = self._min_active()
         stale = 0 if slow is None else step - 1 - slow
         for r in owners:
-            _, _, buf = self._rep.recv(r, _TAG_REPLY, op=f"ssp:pull from rank {r}",
-                                       poll=self._check, spin=SPIN)
+            _, _, buf = self._rep.recv(r, _TAG_REPLY, poll=self._check, spin=SPIN,
+                                       op=f"ssp:pull of step {step} from rank {r}")
             rd = _Reader(buf)
             slow = int(rd.ints(1)[0])
             stale = max(stale, step - 1 - slow)
@@ -381,7 +395,7 @@ class SspExchange:
                 continue
             msg = _pack([_PUSH, step, int(dg is not None), 0], [counts[r]],
                         [rates, rg, dg if dg is not None else np.zeros(0, np.float32)])
-            self._send(self._req, msg, r, "ssp:push")
+            self._send(self._req, msg, r, f"ssp:push of step {step} to rank {r}")
         self._last = None
         if self.trace and self.trace[-1].step == step:
             self.trace[-1].t_end = time.time()
@@ -408,11 +422,13 @@ class SspExchange:
         of any worker, from which every worker continues (self.step becomes it)."""
         step = self.step
         for r in range(self._world):
-            self._send(self._req, _pack([_DONE, step, 0, 0]), r, "ssp:done")
+            self._send(self._req, _pack([_DONE, step, 0, 0]), r,
+                       f"ssp:done at step {step} to rank {r}")
         self._drain_sends()
         limit = self.comm.timeout
         deadline = time.monotonic() + limit
-        with self._cv:
+        missing = None
+        with self.comm.waiting(f"ssp:finish at step {step}"), self._cv:
             seen = (self._clock.sum(), self._done.sum())
             while not self._done.all():
                 self._check()
@@ -421,11 +437,12 @@ class SspExchange:
                     seen, deadline = now, time.monotonic() + limit
                 if time.monotonic() > deadline:
                     missing = [r for r in range(self._world) if not self._done[r]]
-                    raise CommTimeoutError(
-                        f"rank {self._rank}/{self._world}: finish: rank(s) {missing} made no "
-                        f"progress for {limit:g}s and did not finish (raise the limit with "
-                        "KVCOLL_COMM_TIMEOUT)")
+                    break
                 self._cv.wait(0.05)
+                self.comm.answer_liveness()
+        if missing is not None:
+            raise self._timed_out(f"ssp:finish at step {step}: rank(s) {missing} made no "
+                                  f"progress for {limit:g}s and did not finish")
         self.comm.barrier("ssp:finish")
         top = int(self.comm.allreduce(np.array([step], np.int64), op="ssp:finish:clock",
                                       mpi_op="max")[0])
@@ -501,11 +518,12 @@ class SspExchange:
                 while replies and replies[0][0].done():
                     replies.popleft()
                 if replies and time.monotonic() - replies[0][1] > self._rep.timeout:
-                    handle, _, dest = replies[0]
+                    handle, _, dest, clock = replies[0]
                     raise CommTimeoutError(
-                        f"rank {self._rank}/{self._world}: ssp:reply to rank {dest} was not "
-                        f"taken within {self._rep.timeout:g}s; the peer died or stopped "
-                        "(raise the limit with KVCOLL_COMM_TIMEOUT)")
+                        f"rank {self._rank}/{self._world}: ssp:reply to rank {dest}'s pull of "
+                        f"step {clock} was not taken within {self._rep.timeout:g}s; rank "
+                        f"{dest} died, stopped or is cut off from rank {self._rank} (raise the "
+                        "limit with KVCOLL_COMM_TIMEOUT)")
         except BaseException as exc:  # noqa: BLE001 - reported to the training thread
             with self._cv:
                 self._error = exc
@@ -573,8 +591,8 @@ class SspExchange:
         if n_dense:
             with self._cv:
                 body[n_rows:] = self._master.reshape(-1)
-        replies.append((self._rep.isend(msg, src, _TAG_REPLY, "ssp:reply"), time.monotonic(),
-                        src))
+        replies.append((self._rep.isend(msg, src, _TAG_REPLY, f"ssp:reply of step {clock}"),
+                        time.monotonic(), src, clock))
 
     def _apply_push(self, src, clock, has_dense, rd) -> None:
         counts = rd.ints(len(self._names))

@@ -21,10 +21,11 @@ What changes with several ranks, as a Horovod user expects:
 - the progress bar prints on rank 0 only; TensorBoard, CSVLogger, ModelCheckpoint,
   BackupAndRestore and RemoteMonitor run on rank 0 only (they write files or talk to
   the outside; with kv.Embedding layers use kv.callbacks.Checkpoint for tables);
-- preemption: SIGTERM during fit (what Kubernetes and SLURM send before killing) makes
-  every rank finish its current step and stop after the same step (BSP; SSP/ASP: at the
-  epoch's sync point), end training as usual (so kv.callbacks.Checkpoint writes its
-  final checkpoint), print a message and exit 0; a restart restores from there.
+- preemption: SIGTERM during fit (what Kubernetes and SLURM send before killing; under
+  kvcollrun it reaches the ranks as SIGUSR2, which Open MPI passes on without killing
+  them) makes every rank finish its current step and stop after the same step (BSP;
+  SSP/ASP: at the epoch's sync point), end training as usual (so kv.callbacks.Checkpoint
+  writes its final checkpoint), print a message and exit 0; a restart restores from there.
 """
 
 from __future__ import annotations
@@ -168,7 +169,8 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
         cbs.on_train_end(logs=training_logs)
     if preempted:
         if engine.comm.rank == 0:
-            print(f"kvcoll: SIGTERM: stopped every rank after step {engine.step} (training "
+            print(f"kvcoll: preempted (SIGTERM): stopped every rank after step {engine.step} "
+                  "(training "
                   "ended as usual, so a kv.callbacks.Checkpoint wrote its checkpoint); "
                   "exiting 0", flush=True)
         raise SystemExit(0)
@@ -197,25 +199,28 @@ def _train_epoch(engine, model, feed, epoch, targets, cbs, preempt) -> dict:
 
 
 class _Preemption:
-    """SIGTERM while fit runs (in the main thread): noted, not fatal; fit stops every
-    rank after the same step. The previous handler comes back when fit returns."""
+    """SIGTERM (or SIGUSR2, kvcollrun's relay of it through mpirun) while fit runs, in
+    the main thread: noted, not fatal; fit stops every rank after the same step. The
+    previous handlers come back when fit returns."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
 
     def __init__(self):
         self.stop = False
-        self._prev = None
+        self._prev = {}
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self._prev = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._prev = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS}
         return self
 
-    def _on_sigterm(self, signum, frame):
+    def _on_signal(self, signum, frame):
         self.stop = True
         runtime.note_preempted()
 
     def __exit__(self, *exc):
-        if self._prev is not None:
-            signal.signal(signal.SIGTERM, self._prev)
+        for s, prev in self._prev.items():
+            signal.signal(s, prev)
         return False
 
 

@@ -1,12 +1,13 @@
 """Checkpoints across world sizes and crashes, as separate mpirun jobs in sequence.
 
-- A 2-rank job trains 10 BSP steps, saving a full checkpoint at step 4 and deltas at
+- A 3-rank job trains 10 BSP steps, saving a full checkpoint at step 4 and deltas at
   5, 6 and 7 (and, into another directory, a full checkpoint at step 7); it dumps the
   whole state at step 7 and records its loss curve.
-- Jobs on 1, 2 and 3 ranks restore the full checkpoint of step 7 and the chain
-  full(4) + 3 deltas: every row, slot, row header, dense and optimizer variable and the
-  step equal the dump bit for bit; training on continues along the uninterrupted loss
-  curve (exactly on 2 ranks, to 1e-5 on 1 and 3: the sums run in another order).
+- Jobs on 1, 2, 3 and 4 ranks restore the full checkpoint of step 7 and the chain
+  full(4) + 3 deltas (format 2: each rank reads the pages of its buckets only): every
+  row, slot, row header, dense and optimizer variable and the step equal the dump bit
+  for bit; training on continues along the uninterrupted loss curve (exactly on 3
+  ranks, to 1e-5 on 1, 2 and 4: the sums run in another order).
 - A 2-rank job saves at step 2 and is killed (SIGKILL on rank 1, after its first file)
   in the middle of the save at step 4: `latest` still names step 2, which restores.
 """
@@ -43,7 +44,7 @@ def assert_same_state(a: dict, b: dict) -> None:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     d = tmp_path_factory.mktemp("ckpt")
-    code, out = run_driver(2, ["train", "--steps", 10, "--dir", d / "chain", "--full-at", 4,
+    code, out = run_driver(3, ["train", "--steps", 10, "--dir", d / "chain", "--full-at", 4,
                                "--incremental-at", "5,6,7", "--full-dir", d / "full",
                                "--full-dir-at", 7, "--dump-at", 7, "--dump", d / "s7.npz",
                                "--losses", d / "losses.json"])
@@ -59,13 +60,13 @@ def test_chain_layout(trained):
     assert [m["kind"] for m in kinds] == ["full", "delta", "delta", "delta"]
     assert [m["parent"] for m in kinds] == [None, "ckpt-0000000004", "ckpt-0000000005",
                                             "ckpt-0000000006"]
-    assert all(m["world_size"] == 2 and m["version"] == 1 for m in kinds)
+    assert all(m["world_size"] == 3 and m["version"] == 2 for m in kinds)
     # a delta holds fewer rows than the full checkpoint it follows
     rows = [sum(t["rows"] for t in m["tables"].values()) for m in kinds]
     assert all(r < rows[0] for r in rows[1:]), rows
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_restore_on_any_world_size(trained, world):
     d = trained
     code, out = run_driver(world, ["resume", "--steps", 10, "--dir", d / "chain",
@@ -84,7 +85,7 @@ def test_restore_on_any_world_size(trained, world):
     assert sorted(cont, key=int) == ["8", "9", "10"]
     got = [cont[k] for k in ("8", "9", "10")]
     want = [base[k] for k in ("8", "9", "10")]
-    if world == 2:
+    if world == 3:
         assert got == want
     else:
         np.testing.assert_allclose(got, want, rtol=1e-5)

@@ -100,9 +100,68 @@ def test_sigterm_stops_every_rank_after_the_same_step_saves_and_exits_0(tmp_path
     ck = tmp_path / "ck"
     code, out = run(2, ["-c", PREEMPTED, ck], 180, "a preempted fit")
     assert code == 0, out[-3000:]
-    assert "kvcoll: SIGTERM: stopped every rank after step 5" in out, out[-3000:]
+    assert "kvcoll: preempted (SIGTERM): stopped every rank after step 5" in out, out[-3000:]
     assert "ran to the end" not in out
     assert (ck / "latest").read_text() == "ckpt-0000000005\n"
     code, out = run(2, ["-c", PREEMPTED, ck], 180, "the restart")
     assert code == 0, out[-3000:]
     assert "rank 0 ran to the end from step 5 to 55" in out, out[-3000:]
+
+
+LONG_FIT = """
+import os, sys, time
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+import keras, numpy as np, kvcoll as kv
+kv.init(argv=[])
+keras.utils.set_random_seed(0)
+u = keras.Input(shape=(), dtype="int64", name="u")
+m = keras.Model(u, keras.layers.Dense(1)(kv.Embedding("u", 2)(u)))
+m.compile(optimizer=kv.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+
+class Slow(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 3 and kv.rank() == 0:
+            print("training", flush=True)
+        time.sleep(0.05)
+
+x = np.arange(4000) + 4000 * kv.rank()
+m.fit(x, np.zeros(4000), batch_size=8, verbose=0,
+      callbacks=[kv.callbacks.Checkpoint(sys.argv[1], every_n_steps=10000), Slow()])
+print("ran to the end", flush=True)
+"""
+
+
+def test_sigterm_to_kvcollrun_preempts_the_job_which_saves_and_exits_0(tmp_path):
+    """What Kubernetes or SLURM do to the launcher: kvcollrun relays SIGTERM as SIGUSR2,
+    which mpirun passes on without killing the ranks; fit stops them after one step,
+    saves and exits 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent.parent
+    ck = tmp_path / "ck"
+    env = dict(os.environ, PYTHONPATH=str(root), TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.Popen([str(root / "launch" / "kvcollrun"), "-np", "2", sys.executable,
+                             "-c", LONG_FIT, str(ck)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "training" in line:
+                t0 = time.monotonic()
+                proc.send_signal(signal.SIGTERM)
+                break
+        out = "".join(lines) + proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-3000:]
+    assert "kvcoll: preempted (SIGTERM): stopped every rank after step" in out, out[-3000:]
+    assert "ran to the end" not in out and time.monotonic() - t0 < 60
+    saved = (ck / "latest").read_text().strip()
+    assert saved.startswith("ckpt-") and int(saved[5:]) >= 4

@@ -5,6 +5,8 @@
   on held-out samples, and --metrics-out holds every documented field;
 - --model wdl runs a few steps on 1 rank, writes its metrics and TensorBoard events;
 - (--step-mode ssp and asp: tests/launch/test_async_train.py);
+- Criteo TSV files (--data): a file smaller than the evaluation hold-out ends with an
+  error that says so and how to fix it; with a smaller hold-out the same file trains;
 - uneven data: a rank whose data ends first joins the others' steps with no samples, and
   the periodic evaluation, a collective, goes on.
 """
@@ -14,6 +16,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mpirun import run
@@ -137,3 +140,28 @@ def test_kvcollrun_launches_ranks():
     for r in range(3):
         assert f"size 3 rank {r}" in proc.stdout
     assert "[1," in proc.stdout  # --tag-output prefixes each line with its rank
+
+
+def criteo_file(path: Path, lines: int, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    with open(path, "w") as f:
+        for _ in range(lines):
+            nums = [str(v) for v in rng.integers(0, 50, 13)]
+            cats = [f"{v:08x}" for v in rng.integers(0, 2**32, 26) % 997]
+            f.write("\t".join([str(int(rng.integers(0, 2))), *nums, *cats]) + "\n")
+    return path
+
+
+def test_criteo_file_smaller_than_the_holdout(tmp_path):
+    data = criteo_file(tmp_path / "day.tsv", 300)
+    code, out = run_train(2, ["--data", data, "--batch-size", "64"], timeout=200)
+    assert code == 1, f"exit {code}:\n{out[-8000:]}"
+    assert ("error: no training data: the --data files hold 300 lines and the evaluation "
+            "hold-out takes the first 100,032 (--eval-samples 100,000") in out, out[-3000:]
+    assert "pass a smaller --eval-samples, or --eval-data PATH" in out
+    out_json = tmp_path / "m.json"
+    code, out = run_train(2, ["--data", data, "--batch-size", "64", "--eval-samples", "64",
+                              "--metrics-out", out_json], timeout=200)
+    assert code == 0, f"exit {code}:\n{out[-8000:]}"
+    m = json.loads(out_json.read_text())
+    assert m["steps"] == 4 and m["global_batch_size"] == 64   # 236 lines: 3 whole + 1 short

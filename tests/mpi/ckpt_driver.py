@@ -78,6 +78,51 @@ def assert_same_state(a: dict, b: dict) -> None:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
+SERVE = """
+import json, sys
+import numpy as np
+import tensorflow as tf
+m = tf.saved_model.load(sys.argv[1])
+feeds = {k: tf.constant(v) for k, v in np.load(sys.argv[2]).items()}
+out = m.signatures["serving_default"](**feeds)["prediction"].numpy()
+np.save(sys.argv[3], out)
+print(json.dumps(sorted(k for k in sys.modules if k.split(".")[0] in
+                        ("kvcoll", "mpi4py", "keras"))))
+"""
+
+
+def serving_features(step: int = 1) -> dict:
+    """Global batch `step` without its label, with ids never seen (and the reserved
+    extremes of int64) among them, and empty multi-hot rows."""
+    b = take(global_batch(step), 0, B)
+    b.pop("label")
+    b["user"] = np.concatenate([b["user"][:B - 3], [10**12, -(2**63), 2**63 - 1]])
+    b["item"][:2] = [777777, -5]
+    return b
+
+
+def serve_with_tensorflow_alone(saved_model: str, features: dict, workdir: str):
+    """Run a SavedModel on `features` in a fresh process that imports TensorFlow only:
+    (its predictions, the kvcoll/mpi4py/keras modules that process imported)."""
+    import subprocess
+
+    feeds = {}
+    for k, v in features.items():
+        if isinstance(v, tuple):
+            feeds[k] = v[0].astype(np.int64)
+            feeds[k + "_row_splits"] = np.asarray(v[1], np.int64)
+        else:
+            feeds[k] = v
+    feeds_path, out_path = os.path.join(workdir, "feeds.npz"), os.path.join(workdir, "out.npy")
+    np.savez(feeds_path, **feeds)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
+    proc = subprocess.run([sys.executable, "-c", SERVE, saved_model, feeds_path, out_path],
+                          capture_output=True, text=True, cwd=workdir, timeout=180,
+                          env=dict(env, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return np.load(out_path), json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def _ints(text):
     return [int(s) for s in text.split(",") if s] if text else []
 
@@ -128,11 +173,11 @@ def main(argv=None):
 
             real, written = ck._write_shard, []
 
-            def dying(path, arrays):
+            def dying(path, *rest):
                 if comm.rank == args.kill_rank and len(written) >= args.kill_after_files:
                     os.kill(os.getpid(), signal.SIGKILL)
                 written.append(path)
-                return real(path, arrays)
+                return real(path, *rest)
             ck._write_shard = dying
             kv.save(args.dir, trainer)
             raise AssertionError("the save should have been killed")

@@ -5,7 +5,9 @@ itself. A failure on any rank prints its report and aborts the whole job, so the
 other ranks never wait in a collective the failed rank will not reach.
 """
 
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -17,6 +19,17 @@ from kvcoll.runtime import comm as _comm
 def comm():
     kvcoll.init(argv=[], comm_timeout=60.0)
     yield _comm()
+
+
+@pytest.fixture()
+def shared_dir(comm):
+    """A fresh directory every rank of the test sees (rank 0 makes and removes it)."""
+    path = tempfile.mkdtemp(prefix="kvtest-") if comm.rank == 0 else None
+    path = comm.bcast_bytes(path.encode() if path else None).decode()
+    yield path
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_runtest_logreport(report):

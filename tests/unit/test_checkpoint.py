@@ -11,7 +11,6 @@
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -82,11 +81,11 @@ def test_failed_save_keeps_previous_and_next_save_is_full(tmp_path, monkeypatch)
     real = ck._write_shard
     calls = []
 
-    def failing(path, arrays):
+    def failing(path, *args):
         calls.append(path)
         if len(calls) == 2:
             raise OSError(28, "No space left on device")
-        return real(path, arrays)
+        return real(path, *args)
     monkeypatch.setattr(ck, "_write_shard", failing)
     with pytest.raises(kv.CheckpointError, match="No space left on device.*previous checkpoint"
                                                  " is intact"):
@@ -168,7 +167,7 @@ MISMATCHES = {
                       "dense.index fails its sha256 check"),
     "newer format": ({}, lambda d: _edit_manifest(d / "ckpt-0000000003" / "manifest.json",
                                                   version=ck.VERSION + 1),
-                     "format version 2, newer than this kvcoll's 1; upgrade kvcoll"),
+                     "format version 3, newer than this kvcoll's 2; upgrade kvcoll"),
     "corrupt manifest": ({}, lambda d: (d / "ckpt-0000000005" / "manifest.json")
                          .write_text("{not json"), "manifest.json is corrupt"),
     "missing parent": ({}, lambda d: (d / "ckpt-0000000004" / "manifest.json").unlink(),
@@ -199,59 +198,90 @@ def test_mismatch_raises_and_changes_nothing(saved, tmp_path, case):
     tr.close()
 
 
-SERVE = """
-import json, sys
-import numpy as np
-import tensorflow as tf
-m = tf.saved_model.load(sys.argv[1])
-feeds = {k: tf.constant(v) for k, v in np.load(sys.argv[2]).items()}
-out = m.signatures["serving_default"](**feeds)["prediction"].numpy()
-np.save(sys.argv[3], out)
-print(json.dumps(sorted(k for k in sys.modules if k.split(".")[0] in
-                        ("kvcoll", "mpi4py", "keras"))))
-"""
-
-
 def test_export_serves_with_tensorflow_alone(tmp_path):
     tr = trainer()
     train(tr, 3)
     info = kv.export(tmp_path / "export", tr)
-    assert info["tables"] == {n: len(t) for n, t in tr.tables.items()}
-    # seen ids, ids never seen (and the reserved extremes of int64), empty multi-hot rows
-    b = drv.take(drv.global_batch(1), 0, drv.B)
-    b.pop("label")
-    n = drv.B
-    b["user"] = np.concatenate([b["user"][:n - 3], [10**12, -(2**63), 2**63 - 1]])
-    b["item"][:2] = [777777, -5]
-    feats = {k: v for k, v in b.items()}
+    assert info["tables"] == {n: len(t) for n, t in tr.tables.items()} and info["parts"] == 1
+    feats = drv.serving_features()
     want = tr.predict(feats)
-    feeds = {}
-    for k, v in b.items():
-        if isinstance(v, tuple):
-            feeds[k] = v[0].astype(np.int64)
-            feeds[k + "_row_splits"] = np.asarray(v[1], np.int64)
-        else:
-            feeds[k] = v
-    np.savez(tmp_path / "feeds.npz", **feeds)
-    proc = subprocess.run(
-        [sys.executable, "-c", SERVE, str(tmp_path / "export" / "saved_model"),
-         str(tmp_path / "feeds.npz"), str(tmp_path / "out.npy")],
-        capture_output=True, text=True, cwd=tmp_path, timeout=120,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    imported = json.loads(proc.stdout.strip().splitlines()[-1])
+    got, imported = drv.serve_with_tensorflow_alone(
+        str(tmp_path / "export" / "saved_model"), feats, str(tmp_path))
     assert not [m for m in imported if m.split(".")[0] in ("kvcoll", "mpi4py")], imported
-    got = np.load(tmp_path / "out.npy")
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
-    # the embedding dictionary
+    # the embedding dictionary: one part per rank (here one), ids in storage order
     emb = tmp_path / "export" / "embeddings"
     index = json.loads((emb / "index.json").read_text())
+    assert index["version"] == 2 and index["world_size"] == 1
     for name, t in tr.tables.items():
         spec = index["tables"][name]
-        ids = np.load(emb / spec["ids"])
-        vecs = np.load(emb / spec["vectors"])
-        assert spec["dim"] == t.dim and spec["rows"] == len(t) == ids.size
-        assert (np.diff(ids) > 0).all()
+        (part,) = spec["parts"]
+        ids = np.load(emb / part["ids"])
+        vecs = np.load(emb / part["vectors"])
+        assert spec["dim"] == t.dim and spec["rows"] == part["rows"] == len(t) == ids.size
+        assert np.unique(ids).size == ids.size
         np.testing.assert_array_equal(vecs, t.find(ids))
+    tr.close()
+
+
+def test_export_too_large_to_serve_is_refused_before_anything_is_written(tmp_path):
+    """A SavedModel whose tables exceed max_serving_bytes is refused with the sizes;
+    the previous export stays; the dictionary alone is written whatever its size, and
+    dictionary=False leaves the SavedModel alone."""
+    from kvcoll.serving import serving_bytes
+
+    tr = trainer()
+    train(tr, 2)
+    kv.export(tmp_path / "ex", tr, dictionary=False)
+    assert sorted(p.name for p in (tmp_path / "ex").iterdir()) == ["saved_model"]
+    need = sum(serving_bytes(len(t), t.dim) for t in tr.tables.values())
+    biggest = max(tr.tables, key=lambda n: serving_bytes(len(tr.tables[n]), tr.tables[n].dim))
+    with pytest.raises(kv.InvalidArgumentError) as exc:
+        kv.export(tmp_path / "ex", tr, max_serving_bytes=need - 1)
+    msg = str(exc.value)
+    assert f"the SavedModel's tables need {need / 1e9:.2f} GB in one serving process " \
+           f"('{biggest}': {len(tr.tables[biggest]):,} rows = " in msg, msg
+    assert "above max_serving_bytes = " in msg and "saved_model=False" in msg, msg
+    assert sorted(p.name for p in (tmp_path / "ex").iterdir()) == ["saved_model"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".export-")]
+    info = kv.export(tmp_path / "ex", tr, saved_model=False, max_serving_bytes=1)
+    assert info["serving_bytes"] == 0
+    assert sorted(p.name for p in (tmp_path / "ex").iterdir()) == ["embeddings"]
+    with pytest.raises(kv.InvalidArgumentError, match="write nothing"):
+        kv.export(tmp_path / "ex", tr, saved_model=False, dictionary=False)
+    tr.close()
+
+
+@pytest.mark.parametrize("fails", ["dense model", "tables"])
+def test_a_restore_failing_after_verification_leaves_no_half_restored_model(saved, monkeypatch,
+                                                                             fails):
+    """Loading the dense model (or replaying the tables) fails after every check passed:
+    the error is agreed, the dense model is rolled back, and the tables are as before
+    (dense) or cleared (a replay cannot be undone), never half of each."""
+    from kvcoll import checkpoint
+
+    d, _, _ = saved
+    tr = trainer()
+    train(tr, 1)
+    weights = [w.copy() for w in tr.model.get_weights()]
+    rows = {n: t.export() for n, t in tr.tables.items()}
+
+    def broken(*args, **kwargs):
+        raise OSError("the disk went away")
+
+    if fails == "dense model":
+        monkeypatch.setattr(checkpoint._KerasDense, "read", broken)
+    else:
+        monkeypatch.setattr(checkpoint._Replay, "apply", broken)
+    with pytest.raises(kv.CheckpointError, match="the disk went away") as info:
+        kv.restore(d / "chain", tr)
+    assert "rolled back" in str(info.value)
+    for a, w in zip(tr.model.get_weights(), weights):
+        np.testing.assert_array_equal(a, w)
+    for n, t in tr.tables.items():
+        if fails == "dense model":
+            np.testing.assert_array_equal(np.sort(t.export()["keys"]), np.sort(rows[n]["keys"]))
+        else:
+            assert len(t) == 0
     tr.close()

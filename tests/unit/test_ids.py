@@ -1,9 +1,11 @@
-"""kvcoll.ids.as_keys, the one id validator: what it accepts, and what its refusals say."""
+"""kvcoll.ids: as_keys, the one id validator (what it accepts, what its refusals say), and
+hash_strings, whose keys are pinned (existing checkpoints hold them) in every layout."""
 
 import numpy as np
 import pytest
 
 import kvcoll as kv
+from kvcoll import InvalidArgumentError
 from kvcoll.ids import as_keys, hash_strings
 
 
@@ -47,3 +49,94 @@ def test_refusals_name_the_table_or_what():
         as_keys(np.array(["a", None], dtype=object), table="user")
     with pytest.raises(kv.InvalidArgumentError, match=r"^feature 'f' ids must be 1-D"):
         as_keys(np.zeros((1, 1), np.int32), "feature 'f' ids")
+
+
+# -- string ids: the keys are fixed forever (checkpoints hold them) ---------------------
+
+# XXH64, seed 0, of each id's UTF-8 bytes: the keys kvcoll.ids.hash_strings gave before
+# its C fast paths (one Python encode per id, then kv_hash_strings), and the published
+# xxHash64 values for "", "a" and "abc". Lengths cross every branch of XXH64 (the
+# 4- and 8-byte tails, the 32-byte stripes).
+PINNED = [
+    ("", 0xEF46DB3751D8E999),
+    ("a", 0xD24EC4F1A98C6E5B),
+    ("ab", 0x65F708CA92D04A61),
+    ("abc", 0x44BC2CF5AD770999),
+    ("abcd", 0xDE0327B0D25D92CC),
+    ("abcde", 0x07E3670C0C8DC7EB),
+    ("abcdefg", 0x1860940E2902822D),
+    ("abcdefgh", 0x3AD351775B4634B7),
+    ("abcdefghi", 0x27F1A34FDBB95E13),
+    ("0123456789abcdef0123456789abcde", 0x1FDFC63FEBACFDE7),
+    ("0123456789abcdef0123456789abcdef", 0x642A94958E71E6C5),
+    ("0123456789abcdef0123456789abcdef0", 0xE87684F08D6D0816),
+    ("68fd1e64", 0x5D3CCD85C9C22FE4),
+    ("user_12345", 0x071E7C883A565B2B),
+    ("ümlaut", 0x9B49FF9A3532FE3C),
+    ("日本語", 0x7179A19F3719F5E1),
+    ("🙂 emoji", 0x288B1989A726BA28),
+    ("x" * 100, 0x92F0DE5A88A3C094),
+    ("tab\there", 0x6C1B38A603EADA1A),
+    ("nul\x00inside", 0xD85A5C9C848258E8),
+]
+WORDS = [w for w, _ in PINNED]
+WANT = np.array([k for _, k in PINNED], np.uint64).view(np.int64)
+
+
+def _layouts():
+    """The same ids in every layout hash_strings takes."""
+    import pyarrow as pa
+
+    u = np.array(WORDS)
+    yield "list of str", WORDS
+    yield "numpy U", u
+    yield "numpy U, big-endian", u.astype(u.dtype.newbyteorder(">"))
+    yield "numpy U, strided", np.repeat(u, 2)[::2]
+    yield "numpy S (UTF-8)", np.array([w.encode() for w in WORDS], dtype=object).astype("S")
+    yield "object str", np.array(WORDS, dtype=object)
+    yield "object bytes", np.array([w.encode() for w in WORDS], dtype=object)
+    yield "object mixed", np.array([w.encode() if i % 2 else w for i, w in enumerate(WORDS)],
+                                   dtype=object)
+    for t in (pa.string(), pa.large_string(), pa.binary(), pa.large_binary(), pa.string_view()):
+        yield f"arrow {t}", pa.array([w.encode() for w in WORDS], t)
+    yield "arrow dictionary", pa.array(WORDS + WORDS[:5]).dictionary_encode()
+    yield "arrow sliced", pa.array(["pad", "pad2"] + WORDS).slice(2)
+    yield "arrow chunked", pa.chunked_array([pa.array(WORDS[:7]), pa.array(WORDS[7:])])
+
+
+@pytest.mark.parametrize("name,values", list(_layouts()), ids=lambda x: x if isinstance(x, str) else "")
+def test_string_keys_equal_the_pinned_values_in_every_layout(name, values):
+    got = hash_strings(values)
+    np.testing.assert_array_equal(got[:len(WORDS)], WANT, err_msg=name)
+    assert got.dtype == np.int64
+
+
+def test_fixed_width_strings_drop_trailing_nuls_only():
+    # numpy's own rule: 'S'/'U' items end at their trailing NULs; inner NULs count
+    s = np.array([b"ab", b"ab\x00c"], dtype="S6")
+    np.testing.assert_array_equal(hash_strings(s),
+                                  hash_strings(np.array([b"ab", b"ab\x00c"], dtype=object)))
+    assert hash_strings(np.array([""], "U0"))[0] == WANT[0]
+    assert hash_strings(np.zeros(3, "S4")).tolist() == [int(WANT[0])] * 3
+
+
+def test_arrow_nulls_and_bad_string_ids_are_named():
+    import pyarrow as pa
+
+    from kvcoll.ids import arrow_keys
+
+    keys, valid = arrow_keys(pa.array(["a", None, "abc"]))
+    assert valid.tolist() == [True, False, True]
+    assert keys[[0, 2]].tolist() == [int(WANT[1]), int(WANT[3])]
+    with pytest.raises(InvalidArgumentError, match="got a null at index 1"):
+        hash_strings(pa.array(["a", None]))
+    with pytest.raises(InvalidArgumentError, match="must all be str or bytes, got NoneType"):
+        hash_strings(np.array(["a", None], dtype=object))
+    with pytest.raises(InvalidArgumentError, match="must all be str or bytes, got int 1"):
+        hash_strings(np.array([1, "a"], dtype=object))
+    with pytest.raises(InvalidArgumentError, match=r"id 1 \('\\ud800'\).*lone surrogate"):
+        hash_strings(np.array(["a", "\ud800"]))
+    with pytest.raises(InvalidArgumentError, match="valid text"):
+        hash_strings(np.array(["\ud800"], dtype=object))
+    with pytest.raises(InvalidArgumentError, match="pyarrow string or binary array, got int64"):
+        hash_strings(pa.array([1, 2]))
