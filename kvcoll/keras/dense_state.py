@@ -6,20 +6,28 @@ tf.train.Checkpoint(model=..., optimizer=...) names variables by the path of Pyt
 attributes that lead to them, which differs between Keras 3 and Keras 2 (and between
 their optimizers). DenseState names them itself, the same on both:
 
-    model/<layer>/<weight>             every weight of model.weights ("model/hidden/kernel")
-    optimizer/iterations               the optimizer's step count
-    optimizer/learning_rate            its learning rate (unless it is a schedule)
-    optimizer/<slot>/<layer>/<weight>  per-parameter state: Adam m, v (vhat), Adagrad
-                                       accumulator, SGD momentum
-    optimizer/keras<N>/<i>             other optimizers' state, in their own order: it
-                                       restores on the same Keras major only
+    model/trainable/<i>          the i-th of model.trainable_weights ("model/trainable/0003")
+    model/non_trainable/<i>      the i-th of model.non_trainable_weights
+    optimizer/iterations         the optimizer's step count
+    optimizer/learning_rate      its learning rate (unless it is a schedule)
+    optimizer/<slot>/<i>         per-parameter state of the i-th trainable weight: Adam m,
+                                 v (vhat), Adagrad accumulator, SGD momentum
+    optimizer/keras<N>/<i>       other optimizers' state, in their own order: it restores
+                                 on the same Keras major only
 
 and writes them with tf.train.Checkpoint under those names. Its interface is the one
 kvcoll.checkpoint.Checkpointer takes for its `dense` part: write(dir) -> file names,
-check(dir) (raises CheckpointError naming what differs and why), read(dir).
+check(dir) (raises CheckpointError naming what differs and why), read(dir), and
+snapshot() / rollback(values) to undo a read when a restore fails later.
 
-Weights are matched by layer and weight name: give layers the same names in both
-versions (functional models built by the same code get the same automatic names).
+Checkpoints written before these names (tf.train.Checkpoint(model=..., optimizer=...),
+keyed by Python attribute paths) are read the old way, on the Keras that wrote them.
+
+Weights are matched by position, as tf.train.Checkpoint matches a model's layers: both
+Keras versions list a model's trainable (and non-trainable) weights layer by layer in
+the order the model uses its layers, so the same model code gives the same order, and
+layer names (which Keras numbers per process: "dense_3" in a second model) do not
+matter. Shapes are checked; an error names the weights that differ.
 """
 
 from __future__ import annotations
@@ -40,16 +48,12 @@ def dense_variables(model, optimizer=None) -> dict:
     """{name: variable} of the model's weights and the optimizer's state (see the
     module docstring for the names). The optimizer is built for the model's trainable
     variables if it was not yet."""
-    out = {}
-    keys = [_compat.weight_key(v) for v in model.weights]
-    repeated = {k for k in keys if keys.count(k) > 1}
-    for v, k in zip(model.weights, keys):
-        # two weights of one name (layers named alike): their full names, this Keras only
-        name = f"model/keras{_compat.KERAS_MAJOR}/{_full(v)}" if k in repeated else f"model/{k}"
-        out[name] = v
+    trainable = list(model.trainable_weights)
+    out = {f"model/trainable/{i:04d}": v for i, v in enumerate(trainable)}
+    out.update({f"model/non_trainable/{i:04d}": v
+                for i, v in enumerate(model.non_trainable_weights)})
     if optimizer is None:
         return out
-    trainable = list(model.trainable_variables)
     _compat.build_optimizer(optimizer, trainable)
     out["optimizer/iterations"] = optimizer.iterations
     lr = _compat.learning_rate_variable(optimizer)
@@ -57,8 +61,8 @@ def dense_variables(model, optimizer=None) -> dict:
         out["optimizer/learning_rate"] = lr
     named = {id(v) for v in out.values()}
     for slot, variables in _compat.optimizer_slot_lists(optimizer).items():
-        for var, state in zip(trainable, variables):
-            out[f"optimizer/{slot}/{_compat.weight_key(var)}"] = state
+        for i, state in enumerate(variables):
+            out[f"optimizer/{slot}/{i:04d}"] = state
             named.add(id(state))
     others = [v for v in optimizer.variables if id(v) not in named]
     for i, v in enumerate(others):
@@ -66,8 +70,10 @@ def dense_variables(model, optimizer=None) -> dict:
     return out
 
 
-def _full(v) -> str:
-    return getattr(v, "path", None) or v.name.split(":")[0]
+def _described(names, variables: dict) -> list[str]:
+    """Names as the error shows them: with the weight's own name where the model has it."""
+    return [f"{n} ({_compat.weight_key(variables[n])})" if n in variables else n
+            for n in names]
 
 
 class DenseState:
@@ -79,6 +85,16 @@ class DenseState:
 
     def _checkpoint(self) -> tf.train.Checkpoint:
         return tf.train.Checkpoint(**{PREFIX: dense_variables(self.model, self.optimizer)})
+
+    def _legacy(self) -> tf.train.Checkpoint:
+        """The layout kvcoll wrote before DenseState's names."""
+        if self.optimizer is None:
+            return tf.train.Checkpoint(model=self.model)
+        return tf.train.Checkpoint(model=self.model, optimizer=self.optimizer)
+
+    @staticmethod
+    def _is_legacy(listed) -> bool:
+        return not any(n.startswith(PREFIX + "/") for n, _ in listed)
 
     def write(self, directory: str) -> list[str]:
         self._checkpoint().write(os.path.join(directory, PREFIX))
@@ -92,10 +108,12 @@ class DenseState:
         except Exception as exc:  # noqa: BLE001 - TF raises several kinds
             raise CheckpointError(f"{directory}: the dense checkpoint cannot be read "
                                   f"({type(exc).__name__}: {exc})") from None
+        if self._is_legacy(listed):
+            return self._check_legacy(directory, listed)
         saved = {_readable(n): tuple(shape) for n, shape in listed
                  if n.startswith(PREFIX + "/")}
-        mine = {n: tuple(v.shape) for n, v in
-                dense_variables(self.model, self.optimizer).items()}
+        variables = dense_variables(self.model, self.optimizer)
+        mine = {n: tuple(v.shape) for n, v in variables.items()}
         if saved == mine:
             return
         only_saved, only_mine = sorted(set(saved) - set(mine)), sorted(set(mine) - set(saved))
@@ -108,17 +126,51 @@ class DenseState:
                    "only for Adam, Adagrad and SGD; restore on the Keras major that wrote it, "
                    "or train with one of those")
         elif any(n.startswith("model/") for n in differ + reshaped):
-            why = ("the model's weights are matched by layer and weight name: build the same "
-                   "model, with the same layer names, as the one that wrote it")
+            why = ("the model's weights are matched by their order in the model's trainable "
+                   "and non-trainable weights, and their shapes: build the same model, with "
+                   "the same layers trainable, as the one that wrote it")
         else:
             why = "build the same model and optimizer as the ones that wrote it"
         raise CheckpointError(
             f"{directory}: the dense model or optimizer differs from the checkpoint's (only "
-            f"in the checkpoint: {only_saved[:4]}, only in the model: {only_mine[:4]}, other "
-            f"shapes: {reshaped[:4]}): {why}")
+            f"in the checkpoint: {only_saved[:4]}, only in the model: "
+            f"{_described(only_mine[:4], variables)}, other shapes: "
+            f"{_described(reshaped[:4], variables)}): {why}")
+
+    def _check_legacy(self, directory: str, listed) -> None:
+        import tempfile
+
+        def names(entries):
+            return {n: tuple(s) for n, s in entries
+                    if not n.startswith("_CHECKPOINTABLE_OBJECT_GRAPH")}
+
+        with tempfile.TemporaryDirectory() as tmp:
+            mine = names(tf.train.list_variables(self._legacy().write(os.path.join(tmp, "p"))))
+        saved = names(listed)
+        if saved != mine:
+            raise CheckpointError(
+                f"{directory}: the dense model or optimizer differs from the checkpoint's, "
+                f"written before kvcoll named dense variables itself (only in the checkpoint: "
+                f"{sorted(set(saved) - set(mine))[:3]}, only in the model: "
+                f"{sorted(set(mine) - set(saved))[:3]}): restore it on the Keras version that "
+                "wrote it, with the same model and optimizer, and save again")
 
     def read(self, directory: str) -> None:
-        self._checkpoint().read(os.path.join(directory, PREFIX)).assert_existing_objects_matched()
+        prefix = os.path.join(directory, PREFIX)
+        legacy = self._is_legacy(tf.train.list_variables(prefix))
+        (self._legacy() if legacy else self._checkpoint()).read(
+            prefix).assert_existing_objects_matched()
+
+    def _variables(self) -> list:
+        return list(dense_variables(self.model, self.optimizer).values())
+
+    def snapshot(self) -> list:
+        """The values of every dense and optimizer variable (to roll a restore back)."""
+        return [v.numpy() for v in self._variables()]
+
+    def rollback(self, values: list) -> None:
+        for v, x in zip(self._variables(), values):
+            v.assign(x)
 
 
 def _readable(key: str) -> str:

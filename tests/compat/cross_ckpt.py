@@ -4,8 +4,8 @@ one lane's Python or another's (one process, no mpirun):
     python cross_ckpt.py write DIR [adam|rmsprop]   train, save, record what was saved
     python cross_ckpt.py read DIR [adam|rmsprop]    restore, compare with the record
 
-The checkpoint is kvcoll's (kvcoll.checkpoint.Checkpointer) with its dense part through
-kvcoll.keras.dense_state.DenseState. `read` prints "restored" when the tables are
+The checkpoint is kv.save's (its dense part through kvcoll.keras.dense_state, names
+both Keras versions read), restored by kv.restore. `read` prints "restored" when the tables are
 bit-exact and the dense weights and optimizer state are those saved, or
 "CheckpointError: ..." when the checkpoint cannot cross (and exits 3).
 """
@@ -20,10 +20,9 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import kvcoll as kv  # noqa: E402
-from kvcoll.checkpoint import Checkpointer  # noqa: E402
 from kvcoll.comm import Comm  # noqa: E402
 from kvcoll.keras import engine_of  # noqa: E402
-from kvcoll.keras.dense_state import DenseState, dense_variables  # noqa: E402
+from kvcoll.keras.dense_state import dense_variables  # noqa: E402
 
 from model import batch, batches, build, keras  # noqa: E402
 
@@ -55,23 +54,17 @@ def main(mode: str, directory: str, optimizer: str = "adam") -> int:
     if mode == "write":
         model = model_with(optimizer, seed=3)
         model.fit(batches(0, 5), epochs=1, steps_per_epoch=5, verbose=0)
-        eng = engine_of(model)
-        Checkpointer(eng.tables, eng.comm, DenseState(model, model.optimizer)).save(
-            directory, eng.step)
+        kv.save(directory, model)
         np.savez(os.path.join(directory, "expected.npz"), prediction=model.predict(x, verbose=0),
                  **state(model))
         print(f"written by TensorFlow {tf.__version__}, Keras {kv.keras._compat.keras.__version__}")
         return 0
     model = model_with(optimizer, seed=11)      # other initial weights: all must come back
-    eng = engine_of(model)
-    eng.setup_from_model()
     try:
-        info = Checkpointer(eng.tables, eng.comm, DenseState(model, model.optimizer)).restore(
-            directory)
+        kv.restore(directory, model)
     except kv.CheckpointError as exc:
         print(f"CheckpointError: {exc}")
         return 3
-    eng.set_step(info.step)
     want = np.load(os.path.join(directory, "expected.npz"))
     got = state(model)
     assert sorted(got) == sorted(k for k in want.files if k != "prediction"), \
