@@ -15,7 +15,7 @@ Layout of a checkpoint directory:
         manifest.json                format, version, kind, parent, step, world size,
                                      table specs, every file with its size and sha256 (a
                                      shard file: its index's, its rows and bucket count)
-        dense.index, dense.data-*    the Keras model and its optimizer (tf.train.Checkpoint)
+        dense.index, dense.data-*    the Keras model and its optimizer (kvcoll.keras.dense_state)
         000-user.r1-of-2.kvs         table "user", written by rank 1 of 2
     DIR/ckpt-0000000500.tmp-<hex>/   a save in progress, or one a crash abandoned
 
@@ -121,7 +121,6 @@ MIN_RESTORE_BUFFER = 4 * _shards.PAGE_BYTES
 LATEST = "latest"
 MANIFEST = "manifest.json"
 SHARD_ARRAYS = _shards.V1_ARRAYS
-_DENSE_PREFIX = "dense"
 _NAME_RE = re.compile(r"^ckpt-\d{10}(-\d+)?$")
 
 read_shard = _shards.read_shard
@@ -287,64 +286,6 @@ def _check_specs(manifest: dict, tables: dict, where: str) -> None:
 
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:64]
-
-
-# -- the dense part ----------------------------------------------------------------------
-
-class _KerasDense:
-    """The Keras model and its optimizer through tf.train.Checkpoint (rank 0 writes,
-    every rank reads)."""
-
-    def __init__(self, model, optimizer):
-        import tensorflow as tf
-
-        self._tf = tf
-        self._model, self._opt = model, optimizer
-        self._ckpt = tf.train.Checkpoint(model=model, optimizer=optimizer)
-
-    def write(self, directory: str) -> list[str]:
-        self._ckpt.write(os.path.join(directory, _DENSE_PREFIX))
-        return sorted(f for f in os.listdir(directory) if f.startswith(_DENSE_PREFIX + "."))
-
-    def _listing(self, prefix: str) -> dict:
-        return {n: tuple(s) for n, s in self._tf.train.list_variables(prefix)
-                if not n.startswith("_CHECKPOINTABLE_OBJECT_GRAPH")}
-
-    def check(self, directory: str) -> None:
-        """Raise CheckpointError unless the saved variables are exactly this model's
-        (same names, same shapes)."""
-        import tempfile
-
-        try:
-            saved = self._listing(os.path.join(directory, _DENSE_PREFIX))
-        except Exception as exc:  # noqa: BLE001 - TF raises several kinds
-            raise CheckpointError(f"{directory}: the dense checkpoint cannot be read "
-                                  f"({type(exc).__name__}: {exc})") from None
-        with tempfile.TemporaryDirectory() as tmp:
-            mine = self._listing(self._ckpt.write(os.path.join(tmp, "probe")))
-        if saved != mine:
-            extra = sorted(set(saved) - set(mine))[:3]
-            missing = sorted(set(mine) - set(saved))[:3]
-            shapes = sorted(n for n in set(saved) & set(mine) if saved[n] != mine[n])[:3]
-            raise CheckpointError(
-                f"{directory}: the dense model or optimizer differs from the checkpoint's "
-                f"(only in the checkpoint: {extra}, only in the model: {missing}, other "
-                f"shapes: {shapes}); build the same model and optimizer")
-
-    def read(self, directory: str) -> None:
-        self._ckpt.read(os.path.join(directory, _DENSE_PREFIX)).assert_existing_objects_matched()
-
-    def snapshot(self) -> list:
-        """The values of every dense and optimizer variable (to roll a restore back)."""
-        return [v.numpy() for v in self._variables()]
-
-    def rollback(self, values: list) -> None:
-        for v, x in zip(self._variables(), values):
-            v.assign(x)
-
-    def _variables(self) -> list:
-        opt = self._opt
-        return list(self._model.variables) + (list(opt.variables) if opt is not None else [])
 
 
 # -- the checkpointer ----------------------------------------------------------------------
@@ -928,7 +869,9 @@ def _engine(obj):
 def _checkpointer(eng) -> Checkpointer:
     ck = _checkpointers.get(eng)
     if ck is None:
-        ck = Checkpointer(eng.tables, eng.comm, dense=_KerasDense(eng.model, eng.optimizer))
+        from .keras.dense_state import DenseState
+
+        ck = Checkpointer(eng.tables, eng.comm, dense=DenseState(eng.model, eng.optimizer))
         _checkpointers[eng] = ck
     return ck
 

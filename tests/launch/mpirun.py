@@ -13,10 +13,12 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 MPIRUN = Path(sys.executable).parent / "mpirun"
 
 
-def run(world: int, argv: list, timeout: float, what: str, env_extra=None):
-    """Run `python argv...` on `world` ranks; return (exit code, combined output)."""
-    cmd = [str(MPIRUN), "--oversubscribe", "--bind-to", "none", "-np", str(world),
-           sys.executable, *map(str, argv)]
+def run(world: int, argv: list, timeout: float, what: str, env_extra=None, launcher=None):
+    """Run `python argv...` on `world` ranks; return (exit code, combined output).
+    launcher: the command before `-np world` (default: this venv's mpirun with the flags
+    a small shared host needs)."""
+    launcher = launcher or [str(MPIRUN), "--oversubscribe", "--bind-to", "none"]
+    cmd = [*map(str, launcher), "-np", str(world), sys.executable, *map(str, argv)]
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_rmaps_base_oversubscribe="1", TF_CPP_MIN_LOG_LEVEL="2",
                PYTHONPATH=str(ROOT))
