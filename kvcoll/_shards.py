@@ -469,7 +469,8 @@ def parse_records_v1(buf: np.ndarray, path: str) -> list[np.ndarray]:
         start = at + fp.tell()
         count = math.prod(shape)  # Python ints: a huge shape cannot wrap
         end = start + count * dtype.itemsize
-        if fortran or end > buf.size or dtype.hasobject or min(shape, default=0) < 0:
+        plain = dtype.kind in "biuf" and dtype.fields is None and dtype.subdtype is None
+        if fortran or end > buf.size or not plain or min(shape, default=0) < 0:
             raise CheckpointError(f"checkpoint file {path}: record {len(out)} is malformed "
                                   f"({dtype} {shape}, {buf.size - start} bytes left); the "
                                   "file is corrupt, restore an earlier checkpoint")

@@ -638,12 +638,18 @@ class Checkpointer:
             except FileNotFoundError:
                 raise CheckpointError(f"{directory} has no checkpoint (no '{LATEST}' file)") \
                     from None
-        chain = []
+        chain, seen = [], set()
         name = checkpoint
         while True:
-            if not _NAME_RE.match(name or "") or len(chain) > 100000:
+            if not isinstance(name, str) or not _NAME_RE.match(name) or len(chain) > 100000:
                 raise CheckpointError(f"{directory}: {name!r} is not a checkpoint name")
+            if name in seen:
+                raise CheckpointError(
+                    f"{os.path.join(directory, chain[0]['_name'], MANIFEST)}: its parent "
+                    f"{name!r} is already in the chain {[m['_name'] for m in chain]}: the "
+                    "chain loops (corrupt manifest); restore an earlier checkpoint")
             m = _read_manifest(directory, name)
+            seen.add(name)
             chain.insert(0, m)
             if m["kind"] == "full":
                 break

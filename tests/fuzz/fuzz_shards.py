@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Atheris (libFuzzer) target for the checkpoint shard-file readers (kvcoll._shards and
 how kvcoll.checkpoint's restore uses them).
 
