@@ -29,7 +29,7 @@ KeyError, TypeError) are allowed too.
     python tests/fuzz/fuzz_shards.py CRASH_FILE                       # replay one input
 
 `./dev test` runs it for FUZZ_SECONDS from the corpus in tests/fuzz/corpus/shards.tar.gz;
-`./dev fuzz-save` repacks that corpus, grown by the last run (tests/fuzz/run.sh).
+`./dev fuzz-save` repacks that corpus, grown by the last run.
 """
 
 from __future__ import annotations
