@@ -211,9 +211,7 @@ def _read_admission(directory: str, m: dict, tables: dict, comm) -> dict:
                 continue
             path = os.path.join(directory, m["_name"], fname)
             buf = _shards.read_verified(path, info["sha256"], info["bytes"])
-            recs = dict(zip(ADMISSION_ARRAYS, _shards.parse_records_v1(buf, path)))
-            if len(recs) != len(ADMISSION_ARRAYS):
-                raise CheckpointError(f"{path}: not an admission state file")
+            recs = _check_admission(path, _shards.parse_records_v1(buf, path), t)
             if not same:
                 keep = owner_of(recs["keys"], comm.size) == comm.rank
                 recs.update(keys=recs["keys"][keep], counts=recs["counts"][keep],
@@ -235,6 +233,44 @@ def _read_admission(directory: str, m: dict, tables: dict, comm) -> dict:
             state["bloom_adds"] = int(max(int(p["bloom_adds"][0]) for p in parts))
         out[name] = state
     return out
+
+
+def _check_admission(path: str, records: list, t: KvTable) -> dict:
+    """An admission state file's records by name, checked against table t: what
+    import_admission takes without an error (it runs after the rows were replayed)."""
+    if len(records) != len(ADMISSION_ARRAYS):
+        raise CheckpointError(f"checkpoint file {path}: {len(records)} arrays, expected "
+                              f"{len(ADMISSION_ARRAYS)} ({', '.join(ADMISSION_ARRAYS)}): not "
+                              "an admission state file")
+    recs = dict(zip(ADMISSION_ARRAYS, records))
+    n = recs["keys"].shape[0] if recs["keys"].ndim == 1 else -1
+    want = {"keys": ((n,), np.int64), "counts": ((n,), np.uint32),
+            "steps": ((n,), np.uint32), "bloom": (recs["bloom"].shape[:1], np.uint8),
+            "bloom_adds": ((1,), np.int64)}
+    for name, (shape, dtype) in want.items():
+        if recs[name].shape != shape or recs[name].dtype != dtype:
+            raise CheckpointError(
+                f"checkpoint file {path}: {name} is {recs[name].dtype} {recs[name].shape}, "
+                f"expected {np.dtype(dtype)} {shape}: the file is corrupt, restore an "
+                "earlier checkpoint")
+    counters, nbytes = t.bloom_counters_bytes
+    adds = int(recs["bloom_adds"][0])
+    problem = None
+    if n and (counters or t.admit_min_count < 2):
+        problem = f"{n} pending keys, but table {t.name!r} counts no sightings exactly"
+    elif n and not recs["counts"].all():
+        problem = "a pending key with a count of 0"
+    elif recs["bloom"].size and recs["bloom"].size != nbytes:
+        problem = (f"a Bloom filter of {recs['bloom'].size} bytes, table {t.name!r} has "
+                   f"{nbytes}")
+    elif recs["bloom"].size and not 0 <= adds <= counters:
+        problem = f"{adds} Bloom filter additions, the filter has {counters} counters"
+    if problem:
+        raise CheckpointError(f"checkpoint file {path}: the admission state holds {problem}; "
+                              "it was saved with other admission settings (restore with "
+                              "the table's admit, admit_min_count and bloom_counters of the "
+                              "run that saved it) or the file is corrupt")
+    return recs
 
 
 def _nibbles(packed: np.ndarray) -> np.ndarray:
@@ -543,12 +579,18 @@ class Checkpointer:
             except FileNotFoundError:
                 raise CheckpointError(f"{directory} has no checkpoint (no '{LATEST}' file)") \
                     from None
-        chain = []
+        chain, seen = [], set()
         name = checkpoint
         while True:
-            if not _NAME_RE.match(name or "") or len(chain) > 100000:
+            if not isinstance(name, str) or not _NAME_RE.match(name) or len(chain) > 100000:
                 raise CheckpointError(f"{directory}: {name!r} is not a checkpoint name")
+            if name in seen:
+                raise CheckpointError(
+                    f"{os.path.join(directory, chain[0]['_name'], MANIFEST)}: its parent "
+                    f"{name!r} is already in the chain {[m['_name'] for m in chain]}: the "
+                    "chain loops (corrupt manifest); restore an earlier checkpoint")
             m = _read_manifest(directory, name)
+            seen.add(name)
             chain.insert(0, m)
             if m["kind"] == "full":
                 break
@@ -705,6 +747,12 @@ class _Replay:
                             f"checkpoint file {plan.paths[int(pages['file'][i])]}: the page "
                             f"at byte {int(pages['offset'][i])} holds keys outside its "
                             f"bucket {int(pages['bucket'][i])} (not a shard file kvcoll wrote)")
+                    if pages["kind"][i] == _shards.ROWS:
+                        cols = _shards.split_page(view, _shards.ROWS, n, plan.table.dim,
+                                                  plan.table.slot_floats)
+                        _shards.check_finite(
+                            cols["values"], cols["slots"], plan.paths[int(pages["file"][i])],
+                            f"the rows of the page at byte {int(pages['offset'][i])}")
                     if keep:
                         views[i] = view
             plan.cached = views
