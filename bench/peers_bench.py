@@ -32,6 +32,7 @@ import contextlib
 import hashlib
 import json
 import os
+import resource
 import shutil
 import socket
 import statistics
@@ -55,6 +56,7 @@ REQUIREMENTS = {"tfra": ("requirements-tfra.txt", "requirements-tfra-build.txt")
 BUILD_ENV = {"HOROVOD_WITH_TENSORFLOW": "1", "HOROVOD_WITH_MPI": "1",
              "HOROVOD_WITHOUT_PYTORCH": "1", "HOROVOD_WITHOUT_MXNET": "1",
              "HOROVOD_WITHOUT_GLOO": "1", "TF_USE_LEGACY_KERAS": "1"}
+DISTURBED = 0.5      # CPUs used by other processes during a run that make it run again
 LABELS = {"kvcoll": "kvcoll", "tfra": "TFRA", "torchrec": "TorchRec",
           "torchrec-exact": "TorchRec, no collisions"}
 
@@ -70,8 +72,11 @@ def add_arguments(p) -> None:
                    help="TorchRec's rows per table (ids modulo this)")
     g.add_argument("--peers-only", default="",
                    help="comma-separated subset of kvcoll,tfra,torchrec,torchrec-exact")
-    g.add_argument("--peers-wait", type=float, default=45,
+    g.add_argument("--peers-wait", type=float, default=90,
                    help="seconds to wait at most for a quiet machine before each run")
+    g.add_argument("--peers-retries", type=int, default=1,
+                   help=f"runs again (at most this often) a run during which other processes "
+                        f"used more than {DISTURBED} CPUs")
     g.add_argument("--peers-setup-only", action="store_true",
                    help="build (or check) the peer venvs and stop")
 
@@ -241,6 +246,40 @@ def run_one(impl: str, world: int, threads: int, flags: list[str], out: str,
     return records, wall, error
 
 
+def _cpu_seconds() -> tuple[float, float]:
+    """CPU seconds so far: the whole machine's busy time, and this process's waited-for
+    descendants' (the runs)."""
+    with open("/proc/stat", encoding="ascii") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    busy = (sum(v[:8]) - v[3] - (v[4] if len(v) > 4 else 0)) / os.sysconf("SC_CLK_TCK")
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return busy, ru.ru_utime + ru.ru_stime
+
+
+def measure(impl: str, world: int, threads: int, rec: dict, labels: np.ndarray,
+            flags: list[str], out: str, wait: float, timeout: float) -> dict:
+    """One run, after waiting for a quiet machine: `rec` with its numbers (or its error),
+    the load before it and the CPUs other processes used while it ran."""
+    busy = common.wait_until_quiet(wait) if wait else common.busy_cores(0.5)
+    rec = dict(rec, others_busy_cores=round(busy, 2), loadavg_before=_loadavg())
+    print(f"[peers] round {rec['rep'] + 1}: {LABELS[impl]} on {world} x {threads} (others busy "
+          f"{busy:.2f} cores, load {rec['loadavg_before']})", flush=True)
+    machine0, runs0 = _cpu_seconds()
+    ranks, wall, error = run_one(impl, world, threads, flags, out, timeout)
+    machine1, runs1 = _cpu_seconds()
+    rec.update(wall_seconds=round(wall, 1), loadavg_after=_loadavg(),
+               others_busy_cores_during=round(
+                   max(0.0, (machine1 - machine0) - (runs1 - runs0)) / wall, 2))
+    if error:
+        print(f"[peers]   failed: {error}", flush=True)
+        return dict(rec, error=error)
+    rec.update(_summarise(ranks, labels, rec["steps"], rec["global_batch"]))
+    print(f"[peers]   {rec['samples_per_sec']:,.0f} samples/s, AUC {rec['eval_auc']:.4f}, "
+          f"peak RSS {rec['peak_rss_mb_max']:,.0f} MB (others used "
+          f"{rec['others_busy_cores_during']:.2f} cores meanwhile)", flush=True)
+    return rec
+
+
 def _loadavg() -> str:
     with open("/proc/loadavg", encoding="ascii") as f:
         return " ".join(f.read().split()[:3])
@@ -264,6 +303,7 @@ def run(args) -> None:
     evals = 4096 if quick else args.peers_eval
     reps = 1 if quick else args.peers_reps
     wait = 0 if quick else args.peers_wait
+    retries = 0 if quick else args.peers_retries
     out_dir = args.out or (tempfile.mkdtemp() if quick else common.RESULTS)
     only = [s.strip() for s in args.peers_only.split(",") if s.strip()]
 
@@ -298,24 +338,17 @@ def run(args) -> None:
                 if peer in venv_errors:
                     records.append(dict(rec, error=venv_errors[peer]))
                     continue
-                busy = common.wait_until_quiet(wait) if wait else common.busy_cores(0.5)
-                rec.update(others_busy_cores=round(busy, 2), loadavg_before=_loadavg())
-                print(f"[peers] round {rep + 1}/{reps}: {LABELS[impl]} on {world} x {threads} "
-                      f"(others busy {busy:.2f} cores, load {rec['loadavg_before']})",
-                      flush=True)
-                ranks, wall, error = run_one(impl, world, threads, _adapter_flags(impl, flags),
-                                             os.path.join(tmp, "out"),
-                                             timeout=300 + steps * 2.0)
-                rec["wall_seconds"] = round(wall, 1)
-                if error:
-                    print(f"[peers]   failed: {error}", flush=True)
-                    rec["error"] = error
-                else:
-                    rec.update(_summarise(ranks, labels, steps, batch))
-                    print(f"[peers]   {rec['samples_per_sec']:,.0f} samples/s, AUC "
-                          f"{rec['eval_auc']:.4f}, peak RSS {rec['peak_rss_mb_max']:,.0f} MB",
-                          flush=True)
-                records.append(rec)
+                for attempt in range(1 + retries):
+                    done = measure(impl, world, threads, dict(rec, attempt=attempt), labels,
+                                   _adapter_flags(impl, flags), os.path.join(tmp, "out"),
+                                   wait, timeout=300 + steps * 2.0)
+                    disturbed = done.get("others_busy_cores_during", 0) > DISTURBED
+                    if "error" in done or not disturbed or attempt == retries:
+                        break
+                    print(f"[peers]   others used {done['others_busy_cores_during']:.2f} "
+                          f"cores during the run: once more", flush=True)
+                    records.append(dict(done, superseded=True))
+                records.append(done)
     summary = summarise(records)
     result = [{"kind": "summary", "data": manifest, "configs": summary}] + \
         [dict(r, kind="run") for r in records]
@@ -359,7 +392,8 @@ def summarise(records: list[dict]) -> list[dict]:
     keys = list(dict.fromkeys((r["framework"], r["ranks"], r["threads_per_rank"])
                               for r in records))
     for impl, world, threads in keys:
-        rs = [r for r in records if (r["framework"], r["ranks"]) == (impl, world)]
+        rs = [r for r in records if (r["framework"], r["ranks"]) == (impl, world)
+              and not r.get("superseded")]
         ok = [r for r in rs if "error" not in r]
         s = {"framework": impl, "ranks": world, "threads_per_rank": threads,
              "runs": len(ok), "failed": len(rs) - len(ok),
@@ -375,6 +409,7 @@ def summarise(records: list[dict]) -> list[dict]:
                      peak_rss_mb=statistics.median(rss), peak_rss_mb_range=[min(rss), max(rss)],
                      rows=ok[0]["rows"], train_loss=statistics.median(r["train_loss"] for r in ok),
                      others_busy_cores_max=max(r["others_busy_cores"] for r in ok),
+                     others_busy_cores_during=[r["others_busy_cores_during"] for r in ok],
                      config=ok[0]["config"])
             for key in ("rows_touched", "distinct_ids", "table_rows"):
                 if key in ok[0]:
@@ -414,7 +449,10 @@ def markdown(summary, manifest, records, machine) -> str:
     steps, batch = records[0]["steps"], records[0]["global_batch"]
     warmup = records[0]["warmup"]
     reps = max(r["rep"] for r in records) + 1
-    busy = [r["others_busy_cores"] for r in records if "others_busy_cores" in r]
+    kept = [r for r in records if "others_busy_cores" in r and not r.get("superseded")]
+    busy = [r["others_busy_cores"] for r in kept]
+    during = [r["others_busy_cores_during"] for r in kept]
+    again = sum(1 for r in records if r.get("superseded"))
     lines = [
         "# kvcoll, TFRA and TorchRec side by side (DeepFM, synthetic CTR data)",
         "",
@@ -452,11 +490,15 @@ def markdown(summary, manifest, records, machine) -> str:
         lines.append(f"- kvcoll and TFRA grow a row per distinct id: {kv1['rows']:,} rows "
                      "after these steps.")
     if busy:
-        lines.append(f"- The machine is shared: before each run the bench waited (up to "
-                     f"{records[0]['max_wait_seconds']:.0f} s) for other processes to go quiet; they "
-                     f"used {statistics.median(busy):.2f} CPUs (median; at most {max(busy):.2f}) "
-                     f"when runs began. Per run: the `others_busy_cores` and `loadavg_before` "
-                     f"fields of peers.json.")
+        lines.append(
+            f"- The machine is shared: before each run the bench waited (up to "
+            f"{records[0]['max_wait_seconds']:.0f} s) for other processes to go quiet; they used "
+            f"{statistics.median(busy):.2f} CPUs (median; at most {max(busy):.2f}) when runs "
+            f"began, and {statistics.median(during):.2f} (median; at most {max(during):.2f}) "
+            f"while they ran (the machine's busy time less the runs' own). A run during which "
+            f"they used more than {DISTURBED} CPUs was run once more: {again} were. Per run: "
+            f"`others_busy_cores`, `others_busy_cores_during` and `loadavg_before` in "
+            f"peers.json.")
     lines += ["", "## How each framework is set up", ""]
     for s in summary:
         if not s.get("runs"):
