@@ -306,6 +306,7 @@ def run(args) -> None:
     retries = 0 if quick else args.peers_retries
     out_dir = args.out or (tempfile.mkdtemp() if quick else common.RESULTS)
     only = [s.strip() for s in args.peers_only.split(",") if s.strip()]
+    command_line = " ".join(["./dev bench", *sys.argv[1:]])
 
     venv_errors = {}
     for peer in ("tfra", "torchrec"):
@@ -334,7 +335,7 @@ def run(args) -> None:
                 peer = impl.split("-")[0]
                 rec = {"framework": impl, "ranks": world, "threads_per_rank": threads,
                        "rep": rep, "steps": steps, "warmup": warmup, "global_batch": batch,
-                       "max_wait_seconds": wait}
+                       "max_wait_seconds": wait, "command": command_line}
                 if peer in venv_errors:
                     records.append(dict(rec, error=venv_errors[peer]))
                     continue
@@ -456,7 +457,7 @@ def markdown(summary, manifest, records, machine) -> str:
     lines = [
         "# kvcoll, TFRA and TorchRec side by side (DeepFM, synthetic CTR data)",
         "",
-        f"`./dev bench peers` — the same DeepFM (26 fields, rows of 16 floats: a first-order "
+        f"`{records[0]['command']}` — the same DeepFM (26 fields, rows of 16 floats: a first-order "
         f"weight and a 15-wide FM vector, MLP 256-128) on the same data: {warmup} + {steps} "
         f"global batches of {batch} from kvcoll's SyntheticCTR ({manifest['generator']}), "
         f"written once to disk and read by every framework in the same way; eval AUC on the "
