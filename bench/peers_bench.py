@@ -79,6 +79,8 @@ def add_arguments(p) -> None:
                         f"used more than {DISTURBED} CPUs")
     g.add_argument("--peers-setup-only", action="store_true",
                    help="build (or check) the peer venvs and stop")
+    g.add_argument("--peers-from", metavar="JSON",
+                   help="run nothing: write peers.md and peers.png again from this peers.json")
 
 
 # -- the data ------------------------------------------------------------------------------
@@ -296,6 +298,8 @@ def plan(only: list[str]) -> list[tuple[str, int, int]]:
 
 
 def run(args) -> None:
+    if args.peers_from:
+        return rewrite(args.peers_from, args.out or common.RESULTS)
     quick = args.quick
     steps = 4 if quick else args.peers_steps
     warmup = 2 if quick else args.peers_warmup
@@ -359,6 +363,19 @@ def run(args) -> None:
     print(f"[peers] wrote {png}")
 
 
+def rewrite(path: str, out_dir: str) -> None:
+    """peers.md and peers.png again from a peers.json (its runs and machine as they were)."""
+    with open(path, encoding="utf-8") as f:
+        result = json.load(f)
+    head, records = result[0], [r for r in result[1:] if r.get("kind") == "run"]
+    summary = summarise(records)
+    head["configs"] = summary
+    md = markdown(summary, head["data"], records, head["machine"])
+    common.write_results(out_dir, "peers", [head, *records], md)
+    chart(summary, os.path.join(out_dir, "peers.png"))
+    print(md)
+
+
 def _adapter_flags(impl: str, flags: list[str]) -> list[str]:
     """--table-rows is TorchRec's alone."""
     if impl.startswith("torchrec"):
@@ -415,6 +432,10 @@ def summarise(records: list[dict]) -> list[dict]:
             for key in ("rows_touched", "distinct_ids", "table_rows"):
                 if key in ok[0]:
                     s[key] = ok[0][key]
+            quiet = [r["samples_per_sec"] for r in ok
+                     if r["others_busy_cores_during"] <= DISTURBED]
+            s.update(quiet_runs=len(quiet),
+                     quiet_samples_per_sec=statistics.median(quiet) if quiet else None)
         out.append(s)
     return out
 
@@ -427,22 +448,24 @@ def _get(summary, impl, world):
 
 def table(summary: list[dict]) -> list[str]:
     """The markdown table of the summary (the README opens its benchmark section with it)."""
-    lines = ["| framework | ranks x threads | samples/s (median, range) | eval AUC | "
-             "peak RSS per rank | embedding rows |",
-             "|---|---|---:|---:|---:|---:|"]
+    lines = ["| framework | ranks x threads | samples/s (median, range) | samples/s, quiet "
+             "runs (median, runs) | eval AUC | peak RSS per rank | embedding rows |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for s in summary:
         name = LABELS[s["framework"]]
         shape = f"{s['ranks']} x {s['threads_per_rank']}"
         if not s["runs"]:
-            lines.append(f"| {name} | {shape} | not run: {'; '.join(s['errors'])[:200]} | | | |")
+            lines.append(f"| {name} | {shape} | not run: {'; '.join(s['errors'])[:200]} | | | | |")
             continue
         lo, hi = s["samples_per_sec_range"]
         auc = "" if s["eval_auc"] is None else f"{s['eval_auc']:.4f}"
         rows = f"{s['rows']:,}"
         if "rows_touched" in s:
             rows = f"{s['rows']:,} allocated, {s['rows_touched']:,} used"
+        quiet = (f"{s['quiet_samples_per_sec']:,.0f} ({s['quiet_runs']})"
+                 if s.get("quiet_samples_per_sec") else "none")
         lines.append(f"| {name} | {shape} | {s['samples_per_sec']:,.0f} ({lo:,.0f}-{hi:,.0f}) | "
-                     f"{auc} | {s['peak_rss_mb']:,.0f} MB | {rows} |")
+                     f"{quiet} | {auc} | {s['peak_rss_mb']:,.0f} MB | {rows} |")
     return lines
 
 
@@ -497,7 +520,8 @@ def markdown(summary, manifest, records, machine) -> str:
             f"{statistics.median(busy):.2f} CPUs (median; at most {max(busy):.2f}) when runs "
             f"began, and {statistics.median(during):.2f} (median; at most {max(during):.2f}) "
             f"while they ran (the machine's busy time less the runs' own). A run during which "
-            f"they used more than {DISTURBED} CPUs was run once more: {again} were. Per run: "
+            f"they used more than {DISTURBED} CPUs is not quiet, and was run once more (at most "
+            f"--peers-retries times; the last attempt counts): {again} were. Per run: "
             f"`others_busy_cores`, `others_busy_cores_during` and `loadavg_before` in "
             f"peers.json.")
     lines += ["", "## How each framework is set up", ""]
