@@ -1,6 +1,7 @@
 """kvcoll beside its peers, TFRA and TorchRec: the same DeepFM on the same data.
 
-    python -m bench peers            # full: about 20 minutes (plus the venvs, once)
+    python -m bench peers            # full: 25 minutes on a quiet 2-core machine (more when
+                                     # others load it; the venvs once: about 10 minutes)
     python -m bench peers --quick    # a smoke run: tiny sizes, one repetition
 
 Each peer runs in a venv of its own, built on first use and reused while its
