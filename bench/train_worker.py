@@ -24,6 +24,11 @@
                  communication while timed): the per-process limit when N ranks share
                  the machine
 
+--dense-backend horovod   (with --impl kvcoll or fit) the dense gradients ride Horovod's
+                 allreduce (hvd.init() first; kv.DistributedOptimizer(dense_backend=
+                 "horovod")) instead of kvcoll's own fused MPI allreduce: the Horovod
+                 lane's comparison (python -m bench train --horovod, TensorFlow 2.15)
+
 Every implementation sees the same data (kvcoll.data.SyntheticCTR: the global batch of
 step t is the same at any world size; with --data, the same samples written as a
 Criteo TSV file and read back by kvcoll.data.read_criteo), the same model code
@@ -67,12 +72,30 @@ def parse(argv=None):
     p.add_argument("--eval-samples", type=int, default=50_000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab", type=int, default=10**7, help="synthetic ids per field")
+    p.add_argument("--dense-backend", choices=("kvcoll", "horovod"), default="kvcoll")
     p.add_argument("--data", metavar="PATH",
                    help="kvcoll: train on this Criteo TSV file (kvcoll.data.read_criteo, "
                         "split='global', read ahead in a thread) instead of generating batches")
     p.add_argument("--eval-data", metavar="PATH", help="with --data: the Criteo TSV to evaluate on")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
+
+
+def keras2_ops():
+    """Keras 3's keras.ops functions examples/models.py uses, as TensorFlow ops (Keras 2,
+    the Horovod lane's, has no keras.ops; its functional models take TensorFlow ops)."""
+    import types
+
+    import tensorflow as tf
+
+    def split(x, indices, axis=0):
+        cuts = [0, *indices, x.shape[axis]]
+        return tf.split(x, [b - a for a, b in zip(cuts, cuts[1:])], axis=axis)
+
+    return types.SimpleNamespace(
+        split=split, sum=lambda x, axis=None, keepdims=False: tf.reduce_sum(x, axis, keepdims),
+        concatenate=lambda xs, axis=0: tf.concat(xs, axis), stack=lambda xs, axis=0:
+        tf.stack(xs, axis), square=tf.square)
 
 
 def features(batch):
@@ -88,6 +111,10 @@ def main(argv=None):
     from kvcoll.comm import Comm
     from kvcoll.data import SyntheticCTR, auc
 
+    if args.dense_backend == "horovod":
+        import horovod.tensorflow as hvd
+
+        hvd.init()
     kv.init(argv=[])
     comm = Comm.local() if args.impl == "limit" else runtime.comm()
     world_comm = runtime.comm()
@@ -98,6 +125,8 @@ def main(argv=None):
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     tf.config.threading.set_inter_op_parallelism_threads(1)
     import keras
+    if not hasattr(keras, "ops"):
+        keras.ops = keras2_ops()
     from models import DEFAULT_HIDDEN, build_deepfm
     args.hidden = tuple(int(u) for u in args.hidden.split(",") if u.strip()) or DEFAULT_HIDDEN
     from train import DEFAULTS
@@ -116,7 +145,8 @@ def main(argv=None):
             f, w, initializer=("normal", 0.0, DEFAULTS["init_std"]), seed=args.seed),
             hidden=args.hidden)
         opt = kv.DistributedOptimizer(adam, sparse=kv.optimizers.Adagrad(
-            DEFAULTS["sparse_lr"], initial_accumulator_value=DEFAULTS["sparse_init_accum"]))
+            DEFAULTS["sparse_lr"], initial_accumulator_value=DEFAULTS["sparse_init_accum"]),
+            dense_backend=args.dense_backend)
         trainer = kv.Trainer(model, loss, opt, comm=comm)
         kv.broadcast_variables(model.variables, root_rank=0, comm=comm)
         if args.impl == "limit":
@@ -178,6 +208,7 @@ def main(argv=None):
         "planted_auc": data.planted_auc(args.eval_samples),
         "final_loss": float(last), "threads_per_rank": args.threads,
         "samples_trained": (args.warmup + args.steps) * args.batch_size,
+        "dense_backend": args.dense_backend,
         "data": "criteo-tsv" if args.data else "synthetic",
     }
     if timings is not None:

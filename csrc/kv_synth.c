@@ -82,7 +82,6 @@ static inline uint64_t as_u64(double d) {
 /* Exact conversions between integers below 2^52 and doubles through the 2^52 trick
  * (SSE2 and AVX2 have no 64-bit integer <-> double conversion to vectorise). */
 static inline double u52_to_f64(uint64_t v) { return as_f64(as_u64(TWO_52) | v) - TWO_52; }
-static inline uint64_t f64_to_u52(double d) { return as_u64(d + TWO_52) - as_u64(TWO_52); }
 
 /* (h >> 11) * 2^-53: the 53-bit integer in two exact halves. */
 static inline double unit53(uint64_t h) {

@@ -47,6 +47,7 @@ import collections
 import concurrent.futures
 import hashlib
 import io
+import math
 import os
 import struct
 
@@ -205,9 +206,12 @@ def _npy_header(fp, path: str, what: str) -> tuple:
         read = np.lib.format.read_array_header_1_0 if major == 1 \
             else np.lib.format.read_array_header_2_0
         return read(fp)
-    except ValueError as exc:
+    # numpy parses the header's dict with Python's tokenizer and literal_eval, which
+    # raise more than ValueError on garbage (TokenError, SyntaxError, MemoryError, ...)
+    except Exception as exc:  # noqa: BLE001 - any failure means: not a .npy record
         raise CheckpointError(f"checkpoint file {path}: {what} is not a .npy record "
-                              f"({exc})") from None
+                              f"({type(exc).__name__}: {exc}); the file is corrupt, "
+                              "restore an earlier checkpoint") from None
 
 
 def _entry(offset: int, count: int, bucket: int, kind: int, data) -> tuple:
@@ -262,10 +266,13 @@ def _parse_index(path, tail: bytes, offset: int, dim, slot_floats, buckets, info
         raise CheckpointError(f"checkpoint file {path}: the index has dtype {dtype} and "
                               f"shape {shape}, expected {INDEX_DTYPE} [pages]")
     index = np.frombuffer(tail, INDEX_DTYPE, shape[0], fp.tell())
-    length = page_length(index["kind"], index["count"], dim, slot_floats)
-    ends = index["offset"].astype(np.int64) + length
+    # offset and count are untrusted uint64: bound them before any arithmetic can wrap
+    unit = np.where(index["kind"] == ROWS, row_bytes(dim, slot_floats), 8).astype(np.uint64)
     bad = (index["kind"] > ROWS) | (index["count"] == 0) | (index["bucket"] >= buckets) | \
-        (index["offset"] % 8 != 0) | (ends > offset)
+        (index["offset"] % 8 != 0) | (index["offset"] > np.uint64(offset)) | \
+        (index["count"] > (np.uint64(offset) - np.minimum(index["offset"], offset)) // unit)
+    length = page_length(index["kind"], np.where(bad, 0, index["count"]), dim, slot_floats)
+    ends = np.where(bad, 0, index["offset"]).astype(np.int64) + length
     if index.size > 1:
         bad[1:] |= index["offset"][1:].astype(np.int64) < ends[:-1]
     if bad.any():
@@ -460,10 +467,13 @@ def parse_records_v1(buf: np.ndarray, path: str) -> list[np.ndarray]:
         fp = io.BytesIO(raw[at:at + 65536 + 16].tobytes())
         shape, fortran, dtype = _npy_header(fp, path, f"record {len(out)}")
         start = at + fp.tell()
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)  # Python ints: a huge shape cannot wrap
         end = start + count * dtype.itemsize
-        if fortran or end > buf.size or dtype.hasobject:
-            raise CheckpointError(f"checkpoint file {path}: record {len(out)} is malformed")
+        plain = dtype.kind in "biuf" and dtype.fields is None and dtype.subdtype is None
+        if fortran or end > buf.size or not plain or min(shape, default=0) < 0:
+            raise CheckpointError(f"checkpoint file {path}: record {len(out)} is malformed "
+                                  f"({dtype} {shape}, {buf.size - start} bytes left); the "
+                                  "file is corrupt, restore an earlier checkpoint")
         out.append(buf[start:end].view(dtype).reshape(shape))
         at = end
     return out
@@ -489,7 +499,18 @@ def check_records_v1(records: list, path: str, dim, slot_floats) -> dict:
                 f"expected {np.dtype(dtype)} {shape}")
     if a["removed"].ndim != 1 or a["removed"].dtype != np.int64:
         raise CheckpointError(f"checkpoint file {path}: removed must be int64 [m]")
+    check_finite(a["values"], a["slots"], path, "its rows")
     return a
+
+
+def check_finite(values: np.ndarray, slots: np.ndarray, path: str, where: str) -> None:
+    """CheckpointError if a value or slot is NaN or Inf: a table never holds one, so
+    the file is corrupt (and importing it would fail half-way through a restore)."""
+    for name, a in (("values", values), ("slots", slots)):
+        if a.size and not np.isfinite(a).all():
+            raise CheckpointError(f"checkpoint file {path}: {where} hold non-finite {name} "
+                                  "(NaN or Inf; kvcoll never writes them): the file is "
+                                  "corrupt, restore an earlier checkpoint")
 
 
 # -- either format, without a manifest --------------------------------------------------------
@@ -505,6 +526,9 @@ def read_shard(path: str) -> dict:
         buf = np.frombuffer(data, np.uint8)
         return check_records_v1(parse_records_v1(buf, path), path, None, None)
     _, offset, dim, sf = _TRAILER.unpack(data[-TRAILER_BYTES:])
+    if offset > len(data) - TRAILER_BYTES:
+        raise CheckpointError(f"checkpoint file {path}: its trailer puts the index at byte "
+                              f"{offset}, past the end of its {len(data)} bytes (corrupt)")
     index = _parse_index(path, data[offset:], offset, None, None, MAX_BUCKETS)
     buf = np.frombuffer(data, np.uint8)
     parts = {k: [] for k in V1_ARRAYS}

@@ -15,7 +15,7 @@ Layout of a checkpoint directory:
         manifest.json                format, version, kind, parent, step, world size,
                                      table specs, every file with its size and sha256 (a
                                      shard file: its index's, its rows and bucket count)
-        dense.index, dense.data-*    the Keras model and its optimizer (tf.train.Checkpoint)
+        dense.index, dense.data-*    the Keras model and its optimizer (kvcoll.keras.dense_state)
         000-user.r1-of-2.kvs         table "user", written by rank 1 of 2
     DIR/ckpt-0000000500.tmp-<hex>/   a save in progress, or one a crash abandoned
 
@@ -121,7 +121,6 @@ MIN_RESTORE_BUFFER = 4 * _shards.PAGE_BYTES
 LATEST = "latest"
 MANIFEST = "manifest.json"
 SHARD_ARRAYS = _shards.V1_ARRAYS
-_DENSE_PREFIX = "dense"
 _NAME_RE = re.compile(r"^ckpt-\d{10}(-\d+)?$")
 
 read_shard = _shards.read_shard
@@ -212,9 +211,7 @@ def _read_admission(directory: str, m: dict, tables: dict, comm) -> dict:
                 continue
             path = os.path.join(directory, m["_name"], fname)
             buf = _shards.read_verified(path, info["sha256"], info["bytes"])
-            recs = dict(zip(ADMISSION_ARRAYS, _shards.parse_records_v1(buf, path)))
-            if len(recs) != len(ADMISSION_ARRAYS):
-                raise CheckpointError(f"{path}: not an admission state file")
+            recs = _check_admission(path, _shards.parse_records_v1(buf, path), t)
             if not same:
                 keep = owner_of(recs["keys"], comm.size) == comm.rank
                 recs.update(keys=recs["keys"][keep], counts=recs["counts"][keep],
@@ -236,6 +233,44 @@ def _read_admission(directory: str, m: dict, tables: dict, comm) -> dict:
             state["bloom_adds"] = int(max(int(p["bloom_adds"][0]) for p in parts))
         out[name] = state
     return out
+
+
+def _check_admission(path: str, records: list, t: KvTable) -> dict:
+    """An admission state file's records by name, checked against table t: what
+    import_admission takes without an error (it runs after the rows were replayed)."""
+    if len(records) != len(ADMISSION_ARRAYS):
+        raise CheckpointError(f"checkpoint file {path}: {len(records)} arrays, expected "
+                              f"{len(ADMISSION_ARRAYS)} ({', '.join(ADMISSION_ARRAYS)}): not "
+                              "an admission state file")
+    recs = dict(zip(ADMISSION_ARRAYS, records))
+    n = recs["keys"].shape[0] if recs["keys"].ndim == 1 else -1
+    want = {"keys": ((n,), np.int64), "counts": ((n,), np.uint32),
+            "steps": ((n,), np.uint32), "bloom": (recs["bloom"].shape[:1], np.uint8),
+            "bloom_adds": ((1,), np.int64)}
+    for name, (shape, dtype) in want.items():
+        if recs[name].shape != shape or recs[name].dtype != dtype:
+            raise CheckpointError(
+                f"checkpoint file {path}: {name} is {recs[name].dtype} {recs[name].shape}, "
+                f"expected {np.dtype(dtype)} {shape}: the file is corrupt, restore an "
+                "earlier checkpoint")
+    counters, nbytes = t.bloom_counters_bytes
+    adds = int(recs["bloom_adds"][0])
+    problem = None
+    if n and (counters or t.admit_min_count < 2):
+        problem = f"{n} pending keys, but table {t.name!r} counts no sightings exactly"
+    elif n and not recs["counts"].all():
+        problem = "a pending key with a count of 0"
+    elif recs["bloom"].size and recs["bloom"].size != nbytes:
+        problem = (f"a Bloom filter of {recs['bloom'].size} bytes, table {t.name!r} has "
+                   f"{nbytes}")
+    elif recs["bloom"].size and not 0 <= adds <= counters:
+        problem = f"{adds} Bloom filter additions, the filter has {counters} counters"
+    if problem:
+        raise CheckpointError(f"checkpoint file {path}: the admission state holds {problem}; "
+                              "it was saved with other admission settings (restore with "
+                              "the table's admit, admit_min_count and bloom_counters of the "
+                              "run that saved it) or the file is corrupt")
+    return recs
 
 
 def _nibbles(packed: np.ndarray) -> np.ndarray:
@@ -287,64 +322,6 @@ def _check_specs(manifest: dict, tables: dict, where: str) -> None:
 
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:64]
-
-
-# -- the dense part ----------------------------------------------------------------------
-
-class _KerasDense:
-    """The Keras model and its optimizer through tf.train.Checkpoint (rank 0 writes,
-    every rank reads)."""
-
-    def __init__(self, model, optimizer):
-        import tensorflow as tf
-
-        self._tf = tf
-        self._model, self._opt = model, optimizer
-        self._ckpt = tf.train.Checkpoint(model=model, optimizer=optimizer)
-
-    def write(self, directory: str) -> list[str]:
-        self._ckpt.write(os.path.join(directory, _DENSE_PREFIX))
-        return sorted(f for f in os.listdir(directory) if f.startswith(_DENSE_PREFIX + "."))
-
-    def _listing(self, prefix: str) -> dict:
-        return {n: tuple(s) for n, s in self._tf.train.list_variables(prefix)
-                if not n.startswith("_CHECKPOINTABLE_OBJECT_GRAPH")}
-
-    def check(self, directory: str) -> None:
-        """Raise CheckpointError unless the saved variables are exactly this model's
-        (same names, same shapes)."""
-        import tempfile
-
-        try:
-            saved = self._listing(os.path.join(directory, _DENSE_PREFIX))
-        except Exception as exc:  # noqa: BLE001 - TF raises several kinds
-            raise CheckpointError(f"{directory}: the dense checkpoint cannot be read "
-                                  f"({type(exc).__name__}: {exc})") from None
-        with tempfile.TemporaryDirectory() as tmp:
-            mine = self._listing(self._ckpt.write(os.path.join(tmp, "probe")))
-        if saved != mine:
-            extra = sorted(set(saved) - set(mine))[:3]
-            missing = sorted(set(mine) - set(saved))[:3]
-            shapes = sorted(n for n in set(saved) & set(mine) if saved[n] != mine[n])[:3]
-            raise CheckpointError(
-                f"{directory}: the dense model or optimizer differs from the checkpoint's "
-                f"(only in the checkpoint: {extra}, only in the model: {missing}, other "
-                f"shapes: {shapes}); build the same model and optimizer")
-
-    def read(self, directory: str) -> None:
-        self._ckpt.read(os.path.join(directory, _DENSE_PREFIX)).assert_existing_objects_matched()
-
-    def snapshot(self) -> list:
-        """The values of every dense and optimizer variable (to roll a restore back)."""
-        return [v.numpy() for v in self._variables()]
-
-    def rollback(self, values: list) -> None:
-        for v, x in zip(self._variables(), values):
-            v.assign(x)
-
-    def _variables(self) -> list:
-        opt = self._opt
-        return list(self._model.variables) + (list(opt.variables) if opt is not None else [])
 
 
 # -- the checkpointer ----------------------------------------------------------------------
@@ -602,12 +579,18 @@ class Checkpointer:
             except FileNotFoundError:
                 raise CheckpointError(f"{directory} has no checkpoint (no '{LATEST}' file)") \
                     from None
-        chain = []
+        chain, seen = [], set()
         name = checkpoint
         while True:
-            if not _NAME_RE.match(name or "") or len(chain) > 100000:
+            if not isinstance(name, str) or not _NAME_RE.match(name) or len(chain) > 100000:
                 raise CheckpointError(f"{directory}: {name!r} is not a checkpoint name")
+            if name in seen:
+                raise CheckpointError(
+                    f"{os.path.join(directory, chain[0]['_name'], MANIFEST)}: its parent "
+                    f"{name!r} is already in the chain {[m['_name'] for m in chain]}: the "
+                    "chain loops (corrupt manifest); restore an earlier checkpoint")
             m = _read_manifest(directory, name)
+            seen.add(name)
             chain.insert(0, m)
             if m["kind"] == "full":
                 break
@@ -764,6 +747,12 @@ class _Replay:
                             f"checkpoint file {plan.paths[int(pages['file'][i])]}: the page "
                             f"at byte {int(pages['offset'][i])} holds keys outside its "
                             f"bucket {int(pages['bucket'][i])} (not a shard file kvcoll wrote)")
+                    if pages["kind"][i] == _shards.ROWS:
+                        cols = _shards.split_page(view, _shards.ROWS, n, plan.table.dim,
+                                                  plan.table.slot_floats)
+                        _shards.check_finite(
+                            cols["values"], cols["slots"], plan.paths[int(pages["file"][i])],
+                            f"the rows of the page at byte {int(pages['offset'][i])}")
                     if keep:
                         views[i] = view
             plan.cached = views
@@ -928,7 +917,9 @@ def _engine(obj):
 def _checkpointer(eng) -> Checkpointer:
     ck = _checkpointers.get(eng)
     if ck is None:
-        ck = Checkpointer(eng.tables, eng.comm, dense=_KerasDense(eng.model, eng.optimizer))
+        from .keras.dense_state import DenseState
+
+        ck = Checkpointer(eng.tables, eng.comm, dense=DenseState(eng.model, eng.optimizer))
         _checkpointers[eng] = ck
     return ck
 

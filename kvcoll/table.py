@@ -419,6 +419,14 @@ class KvTable:
             out["bloom"], out["bloom_adds"] = bloom, int(adds[0])
         return out
 
+    @property
+    def bloom_counters_bytes(self) -> tuple[int, int]:
+        """(counters, bytes) of the admission Bloom filter; (0, 0) without one."""
+        nb = int(lib.kv_table_bloom_bytes(self._handle()))
+        if not nb:
+            return 0, 0
+        return int(self._cfg.bloom_counters) or int(lib.KV_BLOOM_DEFAULT_COUNTERS), nb
+
     def import_admission(self, state: dict, *, merge: bool = False) -> None:
         """Restore admission state from export_admission (pending keys this rank does
         not own may be left out by the caller); merge=True keeps the larger of each

@@ -10,7 +10,13 @@ kv.callbacks.
     fit.py         Keras' fit / evaluate / predict loops on the engine
     trainer.py     kv.Trainer, a step loop of your own on the same engine
     callbacks.py   kv.callbacks: Checkpoint, Export, Evict, TableStats
-    _compat.py     what differs between Keras versions
+    dense_state.py a checkpoint's dense part (weights, optimizer state) in names every
+                   Keras version reads
+    _compat.py     what differs between Keras versions: _which.py picks the Keras
+                   (tf.keras's), _keras3.py and _keras2.py adapt Keras 3 and Keras 2,
+                   _keras_both.py holds what the two share
+    _horovod.py    inside a Horovod job: one MPI world, Horovod's allreduce for the
+                   dense gradients (dense_backend="horovod")
 """
 
 from .embedding import Embedding

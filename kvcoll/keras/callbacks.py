@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import os
 
-import keras
 import numpy as np
 
 from ..errors import InvalidArgumentError
+from ._compat import keras
 from .engine import engine_of
 
 __all__ = ["Checkpoint", "Export", "Evict", "TableStats"]

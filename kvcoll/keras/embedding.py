@@ -17,10 +17,11 @@ from __future__ import annotations
 import contextlib
 import threading
 
-import keras
 import tensorflow as tf
 
 from ..errors import InvalidArgumentError
+from . import _compat
+from ._compat import keras
 
 __all__ = ["Embedding", "rows_scope", "recording", "COMBINERS"]
 
@@ -103,18 +104,28 @@ class Embedding(keras.layers.Layer):
                               evict_after_steps=evict_after_steps, max_rows=max_rows,
                               evict_policy=evict_policy)
 
-    def compute_output_spec(self, ids):
-        shape = tuple(ids.shape[:1]) + (self.dim,) if self.combiner is not None \
-            else tuple(ids.shape) + (self.dim,)
-        return keras.KerasTensor(shape, dtype="float32")
+    def compute_output_shape(self, ids_shape):
+        ids_shape = tuple(ids_shape)
+        return (ids_shape[:1] if self.combiner is not None else ids_shape) + (self.dim,)
+
+    def compute_output_spec(self, ids):  # Keras 3: the output of a functional model's call
+        return keras.KerasTensor(self.compute_output_shape(ids.shape), dtype="float32")
+
+    def __call__(self, *args, **kwargs):
+        if args and _compat.symbolic_call(self, args[0]):  # Keras 2 builds a functional model
+            with _scoped("building", True):
+                return super().__call__(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
 
     def call(self, index):
         if index.dtype == tf.string:  # positions given to an Input declared as strings
             index = tf.strings.to_number(index, out_type=tf.int64)
         calls = getattr(_context, "calls", None)
-        if calls is not None:  # discovery: note the input, touch it only through its shape
+        building = getattr(_context, "building", False)
+        if calls is not None or building:  # touch the input only through its shape
             shape = tf.shape(index)
-            calls.append((self, index, shape.op.name))
+            if calls is not None:  # discovery: note the input
+                calls.append((self, index, shape.op.name))
             lead = shape[:1] if self.combiner is not None else shape
             return tf.zeros(tf.concat([lead, [self.dim]], 0), tf.float32)
         rows = getattr(_context, "rows", None)

@@ -26,7 +26,8 @@ mode's exchange (kvcoll.exchange). Then each training step is:
 
 In SSP/ASP the dense parameters come with the pull and go back with the push to their
 slice owners; per-step logs are this rank's and the epoch's are global (summed at
-the sync point that ends every epoch).
+the sync point that ends every epoch). Inside a Horovod job the dense gradients of step
+4 may ride Horovod's allreduce instead (dense_backend="horovod": kvcoll.keras._horovod).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ import json
 import time
 import weakref
 
-import keras
 import numpy as np
 import tensorflow as tf
 
@@ -47,11 +47,12 @@ from ..exchange import make_exchange
 from ..exchange.bsp import group_key
 from ..exchange.kernels import gather_grad
 from ..table import KvTable
-from . import _compat
+from . import _compat, _horovod
+from ._compat import keras
 from .batch import (Batch, DataError, Feature, Layout, _kind, leaves_of, pad_positions,
                     signature, unpack)
 from .embedding import Embedding, recording, rows_scope
-from .optimizer import dense_kernel, sparse_of
+from .optimizer import dense_backend_of, dense_kernel, sparse_of
 
 __all__ = ["Engine", "engine_of", "StepResult"]
 
@@ -116,7 +117,11 @@ class Engine:
 
     def __init__(self, model, *, comm=None, step_mode=None, staleness=None, jit: bool = True):
         if not isinstance(model, keras.Model):
-            raise InvalidArgumentError(f"kvcoll runs a keras.Model, got {type(model).__name__}")
+            raise InvalidArgumentError(
+                f"kvcoll runs a {keras.__name__}.Model (Keras {keras.__version__}, the Keras "
+                f"tf.keras names here), got {type(model).__module__}.{type(model).__name__}; "
+                "build the model with tf.keras (with TF_USE_LEGACY_KERAS=1 that is tf_keras, "
+                "Keras 2; otherwise the keras package)")
         custom = _compat.custom_step_methods(model)
         if custom:
             raise InvalidArgumentError(
@@ -276,8 +281,9 @@ class Engine:
         self._dense_vars = list(self.model.trainable_variables)
         self._n_dense = sum(int(np.prod(v.shape)) for v in self._dense_vars)
         opt = self.optimizer
-        if opt is not None and not getattr(opt, "built", True):
-            opt.build(self._dense_vars)  # its state exists (and checkpoints see it) from now
+        if opt is not None:  # its state exists (and checkpoints see it) from now
+            _compat.build_optimizer(opt, self._dense_vars)
+        self._check_dense_backend()
         kernel = None
         if not self.synchronous and self._n_dense and self.optimizer is not None:
             kernel = dense_kernel(self.optimizer)
@@ -384,9 +390,14 @@ class Engine:
         flags = np.zeros(self.comm.size, np.float32)
         flags[self.comm.rank] = code
         extra = np.concatenate([np.array([loss_w], np.float32), flags, state])
-        pushed = self.ex.push(pulled, row_np, dense_np, extra, lr=self._row_rates(pulled.step))
-        t3 = time.perf_counter()
-        total = pushed.reduced()
+        if self._dense_backend() == "horovod":  # the rows and [loss, flags, metrics]: kvcoll's
+            pushed = self.ex.push(pulled, row_np, None, extra, lr=self._row_rates(pulled.step))
+            t3 = time.perf_counter()
+            total = np.concatenate([_horovod.allreduce_sum(dense_np), pushed.reduced()])
+        else:
+            pushed = self.ex.push(pulled, row_np, dense_np, extra, lr=self._row_rates(pulled.step))
+            t3 = time.perf_counter()
+            total = pushed.reduced()
         t4 = time.perf_counter()
         nd = self._n_dense
         flags = total[nd + 1:nd + 1 + self.comm.size]
@@ -610,9 +621,9 @@ class Engine:
         self._dense_started = True
         flat = _flat(self._dense_vars)
         opt = self.optimizer
+        if opt is not None:
+            _compat.build_optimizer(opt, self._dense_vars)
         slots = _compat.optimizer_slots(opt) if opt is not None else []
-        if slots and not opt.built:
-            opt.build(self._dense_vars)
         state = np.stack([_flat(v) for v in slots]) if slots else None
         updates = int(opt.iterations.numpy()) if opt is not None else 0
         self.ex.start_dense(flat, state, updates, replace=replace)
@@ -734,14 +745,32 @@ class Engine:
 
     # -- the compiled functions ------------------------------------------------------------
 
+    def _dense_backend(self) -> str:
+        """Who sums this step's dense gradients: "kvcoll" or "horovod"."""
+        opt = self.optimizer
+        return dense_backend_of(opt) if opt is not None and self._n_dense else "kvcoll"
+
+    def _check_dense_backend(self) -> None:
+        """Inside a Horovod job (or with dense_backend="horovod"): one MPI world with
+        thread support; Horovod's allreduce only for BSP's dense gradients."""
+        backend = self._dense_backend()
+        if backend == "horovod" and not self.synchronous:
+            raise InvalidArgumentError(
+                f"dense_backend='horovod' sums the dense gradients of BSP steps; in "
+                f"{self.mode.name} the dense parameters live in slices on their owners: use "
+                "--step-mode bsp, or kv.DistributedOptimizer(..., dense_backend='kvcoll')")
+        _horovod.check(self.comm, backend, self.optimizer)
+
     def _fn(self, kind: str, targets=None):
         token = _compat.compile_token(self.model)
         if token is not self._compiled:  # compiled again: new loss, metrics, optimizer
             self._fns.clear()
             self._mvars, self._state, self._compiled, self._lr0 = None, None, token, None
             opt = self.optimizer
-            if opt is not None and not getattr(opt, "built", True):
-                opt.build(self._dense_vars)
+            if opt is not None:
+                _compat.build_optimizer(opt, self._dense_vars)
+            if self.ex is not None:
+                self._check_dense_backend()
         key = (kind, json.dumps(targets))
         fn = self._fns.get(key)
         if fn is None:

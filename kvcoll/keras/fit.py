@@ -35,12 +35,12 @@ import signal
 import threading
 import warnings
 
-import keras
 import numpy as np
 
 from .. import runtime
 from ..errors import InvalidArgumentError
 from . import _compat
+from ._compat import keras
 from .embedding import Embedding
 from .engine import engine_of
 from .batch import DataError
@@ -115,7 +115,7 @@ def _agree_any(engine, *flags) -> list:
 
 
 def _check_compiled(model, what: str) -> None:
-    if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None \
+    if not _compat.is_compiled(model) or getattr(model, "optimizer", None) is None \
             and what == "fit":
         raise InvalidArgumentError(
             f"call model.compile(optimizer=kv.DistributedOptimizer(...), loss=...) before "

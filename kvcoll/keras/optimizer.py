@@ -12,6 +12,11 @@ plain Keras class. kvcoll's step sums the dense gradients over ranks (one fused
 allreduce) before this optimizer applies them, and sends the row gradients to their
 owners, where `sparse` (a kvcoll.optimizers row optimizer, applied in C) updates them.
 
+Inside a Horovod job, wrap Horovod's optimizer the same way,
+`kv.DistributedOptimizer(hvd.DistributedOptimizer(opt), sparse=...)`: the dense gradients
+then ride Horovod's allreduce (dense_backend="horovod", see kvcoll.keras._horovod); the
+result stays an instance of Horovod's class, so Horovod's callbacks work on it.
+
 In SSP and ASP the dense parameters live in slices on their owners, updated by the C
 kernel that matches this optimizer (`dense_kernel`): SGD without momentum, Adagrad and
 Adam, with their hyperparameters and learning rate (a schedule is evaluated at the
@@ -20,50 +25,74 @@ worker's step).
 
 from __future__ import annotations
 
-import keras
-
 from .. import optimizers as row_optimizers
 from ..errors import InvalidArgumentError
-from . import _compat
+from . import _compat, _horovod
+from ._compat import keras
 
-__all__ = ["DistributedOptimizer", "is_distributed", "sparse_of", "dense_kernel",
-           "DEFAULT_SPARSE"]
+__all__ = ["DistributedOptimizer", "is_distributed", "sparse_of", "dense_backend_of",
+           "dense_kernel", "DEFAULT_SPARSE"]
 
 DEFAULT_SPARSE = row_optimizers.Adagrad(0.05)
 _CLASSES: dict = {}
 
 
-def DistributedOptimizer(optimizer, sparse=None):
+def DistributedOptimizer(optimizer, sparse=None, dense_backend=None):
     """The Keras optimizer `optimizer` (an instance, or a name such as "adam") as a
     kvcoll optimizer: dense gradients are summed over ranks before it applies them,
-    and `sparse` (default Adagrad(0.05)) updates the embedding rows in C."""
+    and `sparse` (default Adagrad(0.05)) updates the embedding rows in C.
+
+    dense_backend: who sums the dense gradients in a BSP step: "kvcoll" (one fused MPI
+    allreduce with the step's loss and metrics) or "horovod" (Horovod's allreduce; needs
+    hvd.init()). Default: "horovod" when `optimizer` is an hvd.DistributedOptimizer,
+    else "kvcoll". The rows always go through kvcoll's all-to-all."""
+    if dense_backend is None:
+        dense_backend = getattr(optimizer, "_kvcoll_dense_backend", None) or (
+            "horovod" if _horovod.is_horovod_optimizer(optimizer) else "kvcoll")
+    if dense_backend not in _horovod.BACKENDS:
+        raise InvalidArgumentError(
+            f"dense_backend must be one of {_horovod.BACKENDS}, got {dense_backend!r}")
     if isinstance(optimizer, str):
         optimizer = keras.optimizers.get(optimizer)
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise InvalidArgumentError(
-            f"DistributedOptimizer wraps a keras.optimizers.Optimizer, got {optimizer!r}")
+            f"DistributedOptimizer wraps a keras.optimizers.Optimizer, got {optimizer!r}"
+            + (" (Keras 2: one of keras.optimizers, not keras.optimizers.legacy)"
+               if _compat.KERAS_MAJOR < 3 else ""))
     sparse = sparse if sparse is not None else getattr(optimizer, "_kvcoll_sparse", DEFAULT_SPARSE)
     if not hasattr(sparse, "_c_fields"):
         raise InvalidArgumentError(
             f"sparse must be a kvcoll.optimizers row optimizer (e.g. kv.optimizers.Adagrad(0.05)),"
             f" got {sparse!r}")
-    base = type(optimizer)
-    if getattr(base, "_kvcoll_distributed", False):
-        base = base.__mro__[1]
-    cls = _CLASSES.get(base)
-    if cls is None:
-        # Same name and module as the Keras class: a saved model records the plain class.
-        cls = type(base.__name__, (base,), {"__module__": base.__module__,
-                                            "__qualname__": base.__qualname__,
-                                            "_kvcoll_distributed": True})
-        _CLASSES[base] = cls
-    out = cls.from_config(optimizer.get_config())
+    if _horovod.is_horovod_optimizer(optimizer):
+        # Horovod's class is already one made from the Keras class, and its methods call
+        # super(self.__class__, ...), so a subclass of it would recurse: a copy of it.
+        out = type(optimizer).from_config(optimizer.get_config())
+        out._kvcoll_distributed = True
+    else:
+        base = type(optimizer)
+        if getattr(base, "_kvcoll_distributed", False):
+            base = base.__mro__[1]
+        cls = _CLASSES.get(base)
+        if cls is None:
+            # Same name and module as the Keras class: a saved model records the plain class.
+            cls = type(base.__name__, (base,), {"__module__": base.__module__,
+                                                "__qualname__": base.__qualname__,
+                                                "_kvcoll_distributed": True})
+            _CLASSES[base] = cls
+        out = cls.from_config(optimizer.get_config())
     out._kvcoll_sparse = sparse
+    out._kvcoll_dense_backend = dense_backend
     return out
 
 
 def is_distributed(optimizer) -> bool:
-    return bool(getattr(type(optimizer), "_kvcoll_distributed", False))
+    return bool(getattr(optimizer, "_kvcoll_distributed", False))
+
+
+def dense_backend_of(optimizer) -> str:
+    """Who sums a (distributed) optimizer's dense gradients: "kvcoll" or "horovod"."""
+    return getattr(optimizer, "_kvcoll_dense_backend", "kvcoll")
 
 
 def sparse_of(optimizer):

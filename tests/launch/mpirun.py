@@ -13,10 +13,26 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 MPIRUN = Path(sys.executable).parent / "mpirun"
 
 
-def run(world: int, argv: list, timeout: float, what: str, env_extra=None):
-    """Run `python argv...` on `world` ranks; return (exit code, combined output)."""
-    cmd = [str(MPIRUN), "--oversubscribe", "--bind-to", "none", "-np", str(world),
-           sys.executable, *map(str, argv)]
+# What Open MPI's launcher prints when it could not start at all (seen on a loaded
+# machine running several suites at once); nothing of the program ran, so it is run again.
+LAUNCH_FAILED = ("The PMIx server's listener thread failed to start",)
+
+
+def run(world: int, argv: list, timeout: float, what: str, env_extra=None, launcher=None):
+    """Run `python argv...` on `world` ranks; return (exit code, combined output).
+    launcher: the command before `-np world` (default: this venv's mpirun with the flags
+    a small shared host needs). A launch that failed before any rank started (see
+    LAUNCH_FAILED) is tried once more."""
+    code, out = _run(world, argv, timeout, what, env_extra, launcher)
+    if code != 0 and any(m in out for m in LAUNCH_FAILED):
+        print(f"{what}: mpirun could not start ({out.strip()[:200]!r}); trying again")
+        code, out = _run(world, argv, timeout, what, env_extra, launcher)
+    return code, out
+
+
+def _run(world: int, argv: list, timeout: float, what: str, env_extra, launcher):
+    launcher = launcher or [str(MPIRUN), "--oversubscribe", "--bind-to", "none"]
+    cmd = [*map(str, launcher), "-np", str(world), sys.executable, *map(str, argv)]
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_rmaps_base_oversubscribe="1", TF_CPP_MIN_LOG_LEVEL="2",
                PYTHONPATH=str(ROOT))

@@ -49,8 +49,13 @@ def flags(tmp_path, argv: list, env_extra: dict | None = None, user: str | None 
            if not k.startswith(("KVCOLL", "SLURM_", "PBS_", "LSB_", "OMPI_", "PRTE_"))}
     env.update(MPIRUN=str(fake(tmp_path, ECHO)), **(env_extra or {}))
     cmd = [str(KVCOLLRUN), *argv]
-    if user:  # the system's python3: the venv's may live where the user cannot read
-        cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
+    if user:  # the system's python3 and a copy of kvcollrun (a standalone script): the
+        # venv and the checkout may live where the user cannot read (/root/...)
+        copy = tmp_path / "kvcollrun"
+        shutil.copy(KVCOLLRUN, copy)
+        copy.chmod(0o755)
+        cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", str(copy),
+               *argv]
         env["PATH"] = "/usr/bin:/bin"
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60,
                          check=True).stdout

@@ -8,10 +8,11 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
+
+keras = tf.keras  # the Keras TensorFlow names: Keras 3, or Keras 2 (./dev compat)
 
 import kvcoll as kv  # noqa: E402
 from kvcoll.comm import Comm  # noqa: E402

@@ -199,7 +199,7 @@ def test_asp_nobody_waits_for_a_slow_rank(comm):
 # -- through the Keras Trainer -------------------------------------------------------------
 
 def _trainer(mode, staleness=None, dense_opt=None):
-    import keras
+    from tensorflow import keras
 
     keras.utils.set_random_seed(3)
     u = keras.Input(shape=(), dtype="int64", name="user")
@@ -252,7 +252,7 @@ def test_trainer_uneven_data_and_consistent_final_model(comm, mode, staleness):
 
 
 def test_trainer_rejects_dense_optimizers_without_a_kernel(comm):
-    import keras
+    from tensorflow import keras
 
     with pytest.raises(kv.InvalidArgumentError, match="RMSprop.*SGD.*Adagrad and Adam"):
         _trainer("asp", dense_opt=keras.optimizers.RMSprop(0.01))
@@ -330,7 +330,7 @@ def test_save_past_the_staleness_restore_and_continue(comm, mode, staleness,
 def test_fit_in_ssp_with_a_checkpoint_callback_resumes(comm, tmp_path_factory):
     """model.fit in SSP with kv.callbacks.Checkpoint: saves at the epochs' sync points,
     and a new model resumes from them inside fit."""
-    import keras
+    from tensorflow import keras
 
     world, rank = comm.size, comm.rank
     d = _shared_dir(comm, tmp_path_factory)

@@ -6,10 +6,12 @@ features. Global batch `step` depends on the step alone, so runs at different wo
 sizes see the same global batches.
 """
 
-import keras
 import numpy as np
+import tensorflow as tf
 
 import kvcoll as kv
+
+keras = tf.keras  # the Keras TensorFlow names: Keras 3, or Keras 2 (./dev compat)
 
 B = 48  # global batch
 

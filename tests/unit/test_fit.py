@@ -5,10 +5,11 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
+
+keras = tf.keras  # the Keras TensorFlow names: Keras 3, or Keras 2 (./dev compat)
 
 import kvcoll as kv  # noqa: E402
 from kvcoll.comm import Comm  # noqa: E402
@@ -62,7 +63,7 @@ def test_distributed_optimizer_is_a_keras_optimizer():
 def test_add_loss_and_regularizers_are_part_of_the_loss():
     class AddsThree(keras.layers.Layer):
         def call(self, h):
-            self.add_loss(3.0 + 0.0 * keras.ops.sum(h))
+            self.add_loss(3.0 + 0.0 * tf.reduce_sum(h))
             return h
 
     x, y = data()
@@ -184,3 +185,46 @@ def test_a_custom_train_step_is_refused_with_the_fix():
 
     with pytest.raises(kv.InvalidArgumentError, match="override compute_loss"):
         engine_of(Custom(), comm=Comm.local())
+
+
+def test_dense_backend_setting_and_its_errors():
+    """dense_backend: "kvcoll" by default, "horovod" on request (or when wrapping Horovod's
+    optimizer); Horovod's needs hvd.init() and BSP, and says so."""
+    opt = kv.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    from kvcoll.keras.optimizer import dense_backend_of
+    assert dense_backend_of(opt) == "kvcoll"
+    assert dense_backend_of(kv.DistributedOptimizer(opt, dense_backend="horovod")) == "horovod"
+    assert dense_backend_of(kv.DistributedOptimizer(
+        kv.DistributedOptimizer(opt, dense_backend="horovod"))) == "horovod"   # kept on re-wrap
+    with pytest.raises(kv.InvalidArgumentError, match="dense_backend must be one of"):
+        kv.DistributedOptimizer(opt, dense_backend="nccl")
+    x, y = data()
+    model = build()
+    engine_of(model, comm=Comm.local())
+    model.compile(optimizer=kv.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                                    dense_backend="horovod"), loss=BCE)
+    from kvcoll.keras import _horovod
+    if not _horovod.initialized():
+        with pytest.raises(kv.InvalidArgumentError, match=r"call hvd.init\(\)"):
+            model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    ssp = build()
+    engine_of(ssp, comm=Comm.local(), step_mode="ssp", staleness=1)
+    ssp.compile(optimizer=kv.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                                  dense_backend="horovod"), loss=BCE)
+    with pytest.raises(kv.InvalidArgumentError, match="sums the dense gradients of BSP steps"):
+        ssp.fit(x, y, batch_size=32, epochs=1, verbose=0)
+
+
+def test_the_keras_kvcoll_runs_on_is_tf_keras():
+    """kvcoll picks the Keras tf.keras names (Keras 3, or Keras 2 with
+    TF_USE_LEGACY_KERAS / on TensorFlow 2.15), and a model of another Keras is refused
+    with the rule."""
+    from kvcoll.keras import _compat
+    assert _compat.keras.Model is keras.Model
+    assert _compat.KERAS_MAJOR == int(_compat.keras.__version__.split(".")[0])
+
+    class NotKeras:
+        pass
+
+    with pytest.raises(kv.InvalidArgumentError, match="TF_USE_LEGACY_KERAS"):
+        engine_of(NotKeras(), comm=Comm.local())

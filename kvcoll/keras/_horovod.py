@@ -1,0 +1,95 @@
+"""kvcoll inside a Horovod job: one MPI world, kvcoll's tables, and (optionally)
+Horovod's allreduce for the dense gradients.
+
+Horovod is never imported unless the user's script has imported it (or asks for its
+allreduce): kvcoll without Horovod is unchanged.
+
+- One world. `kv.init()` and `hvd.init()` may come in either order: whichever comes
+  first initialises MPI (kvcoll through mpi4py, with MPI_THREAD_MULTIPLE; Horovod with
+  MPI_THREAD_MULTIPLE unless HOROVOD_MPI_THREADS_DISABLE is set) and the other uses
+  it. kvcoll keeps its own duplicate of COMM_WORLD; Horovod keeps its own. Horovod's
+  background thread calls MPI while kvcoll's collectives run on the training thread,
+  so both need MPI_THREAD_MULTIPLE: `check` refuses to train otherwise, naming the
+  fix, and refuses a Horovod world that is not kvcoll's (hvd.init(comm=...) on a part
+  of it).
+- Dense gradients. `kv.DistributedOptimizer(opt, dense_backend="horovod")` (the
+  default when `opt` is an `hvd.DistributedOptimizer`) sends the step's flat dense
+  gradient through `hvd.allreduce(op=hvd.Sum)` instead of kvcoll's MPI allreduce;
+  every rank's gradient is already weighted by its share of the global batch, so the
+  sum is the global batch's gradient either way. The embedding rows go through
+  kvcoll's all-to-all as always, and the step's loss, failure flags and metric states
+  through kvcoll's own (small) allreduce. Horovod's allreduce has Horovod's own
+  deadline (its stall check), not kvcoll's.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from ..errors import CommError, InvalidArgumentError
+
+__all__ = ["BACKENDS", "imported", "initialized", "is_horovod_optimizer", "check",
+           "allreduce_sum"]
+
+BACKENDS = ("kvcoll", "horovod")
+_NAME = "kvcoll.dense_gradient"
+
+
+def imported() -> bool:
+    """Whether the program has imported Horovod's TensorFlow layer."""
+    return "horovod.tensorflow" in sys.modules
+
+
+def _hvd():
+    import horovod.tensorflow as hvd
+
+    return hvd
+
+
+def initialized() -> bool:
+    return imported() and bool(_hvd().is_initialized())
+
+
+def is_horovod_optimizer(opt) -> bool:
+    """Whether `opt` is an hvd.DistributedOptimizer (a class Horovod made from a Keras
+    optimizer's)."""
+    return any(c.__module__.startswith("horovod.") for c in type(opt).__mro__)
+
+
+def check(comm, backend: str, optimizer=None) -> None:
+    """Before training: with Horovod initialised, MPI must run with
+    MPI_THREAD_MULTIPLE and Horovod's world must be kvcoll's; the "horovod" backend
+    needs hvd.init(). Raises CommError or InvalidArgumentError naming the fix."""
+    if backend == "horovod" and not initialized():
+        raise InvalidArgumentError(
+            "dense_backend='horovod' sends the dense gradients through Horovod's allreduce: "
+            "call hvd.init() (import horovod.tensorflow.keras as hvd) before training, or "
+            "use dense_backend='kvcoll'")
+    if not initialized():
+        return
+    hvd = _hvd()
+    comm.require_threads("kvcoll next to Horovod (Horovod's background thread calls MPI "
+                         "while kvcoll's collectives run on the training thread)")
+    if (hvd.size(), hvd.rank()) != (comm.size, comm.rank):
+        raise CommError(
+            f"Horovod's world (rank {hvd.rank()} of {hvd.size()}) is not kvcoll's (rank "
+            f"{comm.rank} of {comm.size}): call hvd.init() without a communicator or process "
+            "sets, so both share MPI_COMM_WORLD")
+    if backend == "horovod" and optimizer is not None and \
+            getattr(optimizer, "_agg_helper", None) is not None:
+        raise InvalidArgumentError(
+            "hvd.DistributedOptimizer(backward_passes_per_step > 1) accumulates gradients "
+            "over steps, which kvcoll's step (rows applied every step) cannot follow; use "
+            "backward_passes_per_step=1")
+
+
+def allreduce_sum(flat: np.ndarray) -> np.ndarray:
+    """The elementwise sum over every rank of a float32 vector, by Horovod's allreduce
+    (a collective: every rank calls it once per step, in the same order)."""
+    import tensorflow as tf
+
+    hvd = _hvd()
+    out = hvd.allreduce(tf.constant(flat, tf.float32), op=hvd.Sum, name=_NAME)
+    return out.numpy()

@@ -1,0 +1,119 @@
+"""kvcoll inside a Horovod job, one case per run (tests/compat/test_horovod.py starts it
+on 2 ranks under horovodrun or mpirun):
+
+    kv-first / hvd-first   kv.init() and hvd.init() in that order share one world: the
+                           same ranks, kvcoll's communicator a duplicate of COMM_WORLD,
+                           MPI_THREAD_MULTIPLE, both allreduces work, and a fit whose
+                           dense gradients ride Horovod's allreduce
+    threads-disabled       Horovod initialised MPI without thread support
+                           (HOROVOD_MPI_THREADS_DISABLE=1): fit refuses with the fix
+    broadcast              hvd.callbacks.BroadcastGlobalVariablesCallback gives every rank
+                           rank 0's dense weights and leaves kvcoll's tables as they were
+
+Prints "CASE ok" on success (rank 0).
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi"))
+
+import numpy as np  # noqa: E402
+import horovod.tensorflow.keras as hvd  # noqa: E402
+
+import kvcoll as kv  # noqa: E402
+from kvcoll.keras import engine_of  # noqa: E402
+
+from model import batches, build, keras  # noqa: E402
+
+CASE = sys.argv[1]
+
+
+def compile_hvd(model):
+    opt = kv.DistributedOptimizer(hvd.DistributedOptimizer(keras.optimizers.Adam(0.02)),
+                                  sparse=kv.optimizers.Adagrad(0.2))
+    model.compile(optimizer=opt, loss=keras.losses.BinaryCrossentropy(from_logits=True))
+    return model
+
+
+def one_world():
+    from mpi4py import MPI
+
+    comm = kv.runtime.comm()
+    assert (hvd.size(), hvd.rank()) == (kv.size(), kv.rank()) == (MPI.COMM_WORLD.Get_size(),
+                                                                   MPI.COMM_WORLD.Get_rank())
+    assert MPI.Comm.Compare(comm._comm, MPI.COMM_WORLD) == MPI.CONGRUENT  # a duplicate
+    assert MPI.Query_thread() == MPI.THREAD_MULTIPLE and hvd.mpi_threads_supported()
+    assert float(hvd.allreduce(np.float32(kv.rank() + 1), op=hvd.Sum)) == \
+        kv.allreduce(float(kv.rank() + 1), op="sum") == kv.size() * (kv.size() + 1) / 2
+    model = compile_hvd(build())
+    hist = model.fit(batches(0, 3, kv.rank(), kv.size()), epochs=1, steps_per_epoch=3, verbose=0)
+    assert np.isfinite(hist.history["loss"]).all()
+
+
+def threads_disabled():
+    from mpi4py import MPI
+
+    assert MPI.Query_thread() < MPI.THREAD_MULTIPLE
+    model = compile_hvd(build())
+    try:
+        model.fit(batches(0, 2, kv.rank(), kv.size()), epochs=1, steps_per_epoch=2, verbose=0)
+    except kv.CommError as exc:
+        text = str(exc)
+        assert "MPI_THREAD_MULTIPLE" in text and "HOROVOD_MPI_THREADS_DISABLE" in text, text
+        return
+    raise AssertionError("fit ran next to Horovod without MPI thread support")
+
+
+def broadcast():
+    model = compile_hvd(build())
+    rank, world = kv.rank(), kv.size()
+    seen = {}
+
+    class Perturb(keras.callbacks.Callback):
+        """Before the broadcast (batch 0): rank 1's dense weights drift; note the tables."""
+
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 0:
+                if rank == 1:
+                    for w in self.model.trainable_weights:
+                        w.assign(w + 1.0)
+                seen["tables"] = {n: t.export() for n, t in engine_of(self.model).tables.items()}
+                seen["mine"] = np.concatenate([w.numpy().ravel() for w in self.model.weights])
+
+    class Check(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch != 0:
+                return
+            flat = np.concatenate([w.numpy().ravel() for w in self.model.weights])
+            every = kv.allgather(flat[None])
+            root = kv.broadcast(seen["mine"], root_rank=0)
+            for r in range(world):
+                np.testing.assert_array_equal(every[r], root)   # rank 0's, everywhere
+            if rank == 1 and world > 1:
+                assert not np.array_equal(seen["mine"], flat)   # rank 1's were replaced
+            for n, t in engine_of(self.model).tables.items():
+                now, before = t.export(), seen["tables"][n]
+                for k in ("keys", "values", "slots", "last_step", "counts"):
+                    np.testing.assert_array_equal(now[k], before[k], err_msg=f"{n}/{k}")
+            seen["checked"] = True
+
+    model.fit(batches(0, 3, rank, world), epochs=1, steps_per_epoch=3, verbose=0,
+              callbacks=[Perturb(), hvd.callbacks.BroadcastGlobalVariablesCallback(0), Check()])
+    assert seen.get("checked")
+
+
+if CASE == "kv-first":
+    kv.init(argv=[])
+    hvd.init()
+    one_world()
+elif CASE in ("hvd-first", "threads-disabled", "broadcast"):
+    hvd.init()
+    kv.init(argv=[])
+    {"hvd-first": one_world, "threads-disabled": threads_disabled, "broadcast": broadcast}[CASE]()
+else:
+    raise SystemExit(f"unknown case {CASE!r}")
+if kv.rank() == 0:
+    print(f"{CASE} ok", flush=True)
+kv.shutdown()
