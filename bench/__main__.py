@@ -1,5 +1,7 @@
-"""python -m bench [--quick] [--out DIR]                  every benchmark
+"""python -m bench [--quick] [--out DIR]                  every benchmark but the opt-in ones
 python -m bench BENCHMARK [--quick] [--out DIR] [flags]  one, with its own flags
+
+Opt-in (run only when named): peers, which builds a venv per peer framework first.
 
 --quick runs small sizes in seconds and, unless --out is given, writes its results to a
 temporary directory rather than bench/results/. `python -m bench BENCHMARK -h` lists a
@@ -10,11 +12,13 @@ import argparse
 import sys
 
 from . import (async_bench, checkpoint_bench, data_bench, fit_bench, lifecycle_bench,
-               soak_bench, table_bench, train_bench)
+               peers_bench, soak_bench, table_bench, train_bench)
 
 BENCHMARKS = {"table": table_bench, "train": train_bench, "fit": fit_bench,
               "checkpoint": checkpoint_bench, "async": async_bench,
-              "lifecycle": lifecycle_bench, "soak": soak_bench, "data": data_bench}
+              "lifecycle": lifecycle_bench, "soak": soak_bench, "data": data_bench,
+              "peers": peers_bench}
+OPT_IN = {"peers"}
 
 
 def _common(p: argparse.ArgumentParser, default=None) -> None:
@@ -41,6 +45,8 @@ def main(argv=None) -> None:
         BENCHMARKS[args.benchmark].run(args)
         return
     for name, mod in BENCHMARKS.items():  # every benchmark with its defaults
+        if name in OPT_IN:
+            continue
         own = subs[name].parse_args([])
         own.quick, own.out = args.quick, args.out
         mod.run(own)
