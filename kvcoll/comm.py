@@ -72,7 +72,9 @@ def _poll_until(ready, limit: float, message, spin: float = 0.0, idle=None) -> N
     yielding the core (and the GIL) between polls, so a peer that is a moment late
     costs microseconds, not a sleep; then it sleeps with back-off (20 us doubling to
     1 ms): a long wait never spins. idle(), if given, is called between the sleeps
-    (it answers the peers' liveness pings)."""
+    (it answers the peers' liveness pings). A gap of more than STALLED seconds between
+    two polls is time this process did not run (stopped with SIGSTOP and continued, a
+    paused VM): it moves the deadline on, since no peer can be blamed for it."""
     if ready():
         return
     now = time.monotonic()
@@ -82,8 +84,13 @@ def _poll_until(ready, limit: float, message, spin: float = 0.0, idle=None) -> N
         if ready():
             return
     pause = 20e-6
+    last = time.monotonic()
     while not ready():
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now - last > STALLED:
+            deadline += now - last
+        last = now
+        if now > deadline:
             raise CommTimeoutError(message())
         time.sleep(pause)
         pause = min(pause * 2, 1e-3)
@@ -103,6 +110,10 @@ SPIN = 5e-3
 # After a collective's deadline: how long a rank waits for its peers' sign of life
 # before naming the silent ones (a peer waiting in kvcoll answers within milliseconds).
 LIVENESS_GRACE = 2.0
+
+# A pause between two polls of a wait longer than this is this process's own (it was
+# stopped or descheduled), not a peer's silence: polls are at most 1 ms apart.
+STALLED = 1.0
 
 # After MPI_Abort: how long a rank waits for MPI to end it before it exits by itself.
 ABORT_EXIT_AFTER = 5.0
