@@ -967,43 +967,38 @@ int kv_table_update(kv_table_t *t, const int64_t *keys, int64_t n, const float *
     return rc;
 }
 
-int kv_table_delete(kv_table_t *t, const int64_t *keys, int64_t n, int64_t *n_deleted) {
+/* Remove the rows of `keys` that exist (only_new: only those created at `step` and
+ * never yet trained); their count goes to *n_removed. */
+static int erase_keys(kv_table_t *t, const int64_t *keys, int64_t n, int only_new,
+                      uint32_t step, int64_t *n_removed) {
     if (check_batch(t, keys, n) != KV_OK) return KV_EINVAL;
-    int64_t nd = 0;
+    int64_t nr = 0;
     pthread_rwlock_wrlock(&t->lock);
     int rc = log_reserve(t, (uint64_t)(n < (int64_t)t->live ? n : (int64_t)t->live));
     for (int64_t i = 0; rc == KV_OK && i < n; i++) {
         uint64_t slot;
         uint32_t c = lookup_one(t, keys[i], &slot);
         if (!c) continue;
+        if (only_new) {
+            unsigned char *r = row_at(t, c - 1);
+            if ((*row_meta(r) & META_COUNT) || *row_step(r) != step) continue; /* not new */
+        }
         index_erase_at(t, slot);
         free_row(t, c - 1);
-        nd++;
+        nr++;
     }
     pthread_rwlock_unlock(&t->lock);
-    if (n_deleted) *n_deleted = nd;
+    if (n_removed) *n_removed = nr;
     return rc;
+}
+
+int kv_table_delete(kv_table_t *t, const int64_t *keys, int64_t n, int64_t *n_deleted) {
+    return erase_keys(t, keys, n, 0, 0, n_deleted);
 }
 
 int kv_table_forget_new(kv_table_t *t, const int64_t *keys, int64_t n, uint32_t step,
                         int64_t *n_forgotten) {
-    if (check_batch(t, keys, n) != KV_OK) return KV_EINVAL;
-    int64_t nf = 0;
-    pthread_rwlock_wrlock(&t->lock);
-    int rc = log_reserve(t, (uint64_t)(n < (int64_t)t->live ? n : (int64_t)t->live));
-    for (int64_t i = 0; rc == KV_OK && i < n; i++) {
-        uint64_t slot;
-        uint32_t c = lookup_one(t, keys[i], &slot);
-        if (!c) continue;
-        unsigned char *r = row_at(t, c - 1);
-        if ((*row_meta(r) & META_COUNT) || *row_step(r) != step) continue; /* not new */
-        index_erase_at(t, slot);
-        free_row(t, c - 1);
-        nf++;
-    }
-    pthread_rwlock_unlock(&t->lock);
-    if (n_forgotten) *n_forgotten = nf;
-    return rc;
+    return erase_keys(t, keys, n, 1, step, n_forgotten);
 }
 
 int kv_table_clear(kv_table_t *t) {
