@@ -141,9 +141,9 @@ def main(argv=None):
                                     gather=args.impl == "baseline-gather")
         timings = None
     else:
-        model = build_deepfm(NUM_FIELDS, NUM_NUMERIC, args.dim, lambda f, w: kv.Embedding(
+        model = kv.distribute(build_deepfm(NUM_FIELDS, NUM_NUMERIC, args.dim, lambda f, w: kv.Embedding(
             f, w, initializer=("normal", 0.0, DEFAULTS["init_std"]), seed=args.seed),
-            hidden=args.hidden)
+            hidden=args.hidden))
         opt = kv.DistributedOptimizer(adam, sparse=kv.optimizers.Adagrad(
             DEFAULTS["sparse_lr"], initial_accumulator_value=DEFAULTS["sparse_init_accum"]),
             dense_backend=args.dense_backend)
@@ -297,7 +297,6 @@ def limit(args, trainer, data, tf, world_comm):
     optimizer) alone; with N processes, all N at once (each its own, no communication
     while timed)."""
     import kvcoll as kv
-    from kvcoll.exchange.kernels import gather_grad
 
     n = args.limit_batch or args.batch_size
     eng = trainer.engine
@@ -305,24 +304,15 @@ def limit(args, trainer, data, tf, world_comm):
     for step in range(8):
         b = data.batch(step, n)
         trainer.train_step(features(b), b["label"])  # compiles, grows the tables
-        targets = trainer._targets
-        prepared, _ = eng._prepare((features(b), b["label"]), targets, eng.layout)
-        pulled = eng.ex.lookup(eng._ids(prepared))
-        inputs, rows = eng._inputs(prepared, pulled)
-        batches.append((inputs, rows, eng._targets(prepared, targets)))
-    flat = np.zeros(sum(int(np.prod(v.shape)) for v in trainer.model.trainable_variables),
-                    np.float32)
-    train_fn, apply_fn = eng._fn("train", targets), eng._fn("apply")
-    state = tf.constant(eng._local_state(targets))
-    weight = tf.constant(1.0, tf.float32)
+        compute = eng.compute
+        batch = compute.prepare((features(b), b["label"]))
+        batches.append((batch, eng.loop.ex.lookup(compute.ids(batch))))
+    flat = np.zeros(compute.n_dense, np.float32)
 
     def one(i):
-        inputs, rows, (ys, sws) = batches[i % len(batches)]
-        loss, dense_flat, row_grads, _ = train_fn(inputs, rows, ys, sws, weight)
-        dense_flat.numpy()
-        for g, (v, ix) in row_grads.items():
-            gather_grad(v.numpy(), ix.numpy(), rows[g].shape[0])
-        apply_fn(tf.constant(flat), state)
+        batch, pulled = batches[i % len(batches)]
+        grads = compute.train(batch, pulled, 1.0)      # forward, backward, rows' gradient
+        compute.apply(flat, grads.state, 1)            # the dense optimizer
 
     for i in range(5):
         one(i)
@@ -352,13 +342,12 @@ def exchange_only(args, trainer, data, comm):
     rank, world = comm.rank, comm.size
     eng = trainer.engine
     b = data.batch(0, args.batch_size, rank, world)
-    trainer._begin((features(b), b["label"]))          # the engine set up, no step
-    ex = eng.ex
+    eng.begin((features(b), b["label"]))               # the engine set up, no step
+    ex = eng.loop.ex
 
     def one(step):
         b = data.batch(step, args.batch_size, rank, world)
-        prepared, _ = eng._prepare((features(b), b["label"]), trainer._targets, eng.layout)
-        ids = eng._ids(prepared)
+        ids = eng.compute.ids(eng.compute.prepare((features(b), b["label"])))
         t0 = time.perf_counter()
         pulled = ex.pull(ids)
         ex.push(pulled, {g: np.full_like(m, 1e-4) for g, m in pulled.rows.items()}).commit()

@@ -237,7 +237,7 @@ class DemoRun(keras.callbacks.Callback):
                 max(1e-9, self.train_time - self._last_log[1])
             self._last_log = (step, self.train_time)
             self.progress.line(f"step {step:5d}  loss {recent:.4f}  {sps:,.0f} samples/s on "
-                               f"rank 0  staleness <= {eng.ex.staleness_observed}")
+                               f"rank 0  staleness <= {eng.loop.ex.staleness_observed}")
             return
         te = time.perf_counter()
         quick = evaluate(self.model, self.data, min(args.eval_samples, 16384), self.features)

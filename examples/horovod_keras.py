@@ -62,7 +62,7 @@ ids = [keras.Input(shape=(), dtype="int64", name=f) for f in FIELDS]
 numeric = keras.Input(shape=(ctr.num_numeric,), name="numeric")
 vectors = [kv.Embedding(t.name, 8)(t) for t in ids]  # kvcoll: a growable table per field
 hidden = keras.layers.Dense(64, activation="relu")(keras.layers.Concatenate()([*vectors, numeric]))
-model = keras.Model({t.name: t for t in [*ids, numeric]}, keras.layers.Dense(1)(hidden))
+model = kv.Model({t.name: t for t in [*ids, numeric]}, keras.layers.Dense(1)(hidden))
 
 # Horovod: adjust learning rate based on number of workers.
 scaled_lr = 0.002 * hvd.size()

@@ -40,7 +40,7 @@ vectors = [kv.Embedding(f"c{i}", DIM)(inputs[f"c{i}"])  # kvcoll: instead of ker
            for i in range(FIELDS)]
 h = keras.layers.Concatenate()(vectors + [inputs["numeric"]])
 h = keras.layers.Dense(64, activation="relu")(h)
-model = keras.Model(inputs, keras.layers.Dense(1)(h))
+model = kv.Model(inputs, keras.layers.Dense(1)(h))
 
 model.compile(
     optimizer=kv.DistributedOptimizer(keras.optimizers.Adam(2e-3),  # kvcoll: dense + rows

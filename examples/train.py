@@ -261,7 +261,8 @@ def main(argv=None):
                             admit=args.admit, evict_after_steps=args.evict_after_steps,
                             max_rows=args.max_rows_per_table)
 
-    model = build(NUM_FIELDS, NUM_NUMERIC, args.dim, embed, hidden=args.hidden)
+    model = kv.distribute(build(NUM_FIELDS, NUM_NUMERIC, args.dim, embed,  # kvcoll: fit runs
+                                hidden=args.hidden))                       # kvcoll's steps
     model.compile(
         optimizer=kv.DistributedOptimizer(  # kvcoll: dense: allreduce + Adam; rows: Adagrad in C
             keras.optimizers.Adam(args.lr),
@@ -300,10 +301,13 @@ def main(argv=None):
                               incremental_every=args.incremental_every or None)
         ck._last = start if args.restore else None
         callbacks.append(ck)
-    model.fit(demo.timed((features(b), b["label"]) for b in data.train(start)),  # kvcoll: mine
-              epochs=1, verbose=0, callbacks=callbacks)
+    history = model.fit(demo.timed((features(b), b["label"]) for b in data.train(start)),
+                        epochs=1, verbose=0, callbacks=callbacks)  # kvcoll: my part of it
     progress.close()
     eng = engine_of(model)
+    if history.preempted:  # kvcoll: SIGTERM: every rank stopped after one step and saved
+        kv.shutdown()
+        return 0
     steps = eng.step
     if steps == 0:
         why = data.why_empty() if hasattr(data, "why_empty") else "--steps is 0"
@@ -322,7 +326,7 @@ def main(argv=None):
     stats = {name: dict(s) for name, s in lifecycle["tables"].items()}
     own_steps = max(0, len(demo.losses) - 1)  # the first (tracing) step is not timed
     # kvcoll: every rank's own rate and staleness, gathered once at the end
-    ex = eng.ex
+    ex = eng.loop.ex
     rates = kv.allgather(np.array([[own_steps / demo.own_time if demo.own_time > 0 else 0.0,
                                     demo.own_samples / demo.own_time if demo.own_time > 0
                                     else 0.0, len(demo.losses),

@@ -1,8 +1,8 @@
 """kvcoll: growable, sharded embedding tables for TensorFlow, trained over plain MPI.
 
-The engine (tables, routing, exchange) imports no TensorFlow; `Embedding`,
-`DistributedOptimizer`, `Trainer`, `broadcast_variables`, `callbacks`, `save`,
-`restore` and `export` load it on first use.
+The engine (tables, routing, exchange, the step loop, checkpoints) imports no
+TensorFlow; `Model`, `distribute`, `Embedding`, `DistributedOptimizer`, `Trainer`,
+`broadcast_variables`, `callbacks`, `save`, `restore` and `export` load it on first use.
 """
 
 from . import data, errors, optimizers
@@ -19,8 +19,9 @@ __version__ = "0.1.0"
 # Public names that load TensorFlow, and the module each comes from. (The export
 # function lives in serving.py: a submodule named `export` would shadow it.)
 _LAZY = {
+    "Model": "keras", "distribute": "keras",
     "Embedding": "keras", "DistributedOptimizer": "keras", "Trainer": "keras",
-    "broadcast_variables": "keras", "save": "checkpoint", "restore": "checkpoint",
+    "broadcast_variables": "keras", "save": "keras.saving", "restore": "keras.saving",
     "export": "serving",
 }
 _LAZY_MODULES = {"callbacks": "kvcoll.keras.callbacks"}
@@ -36,6 +37,10 @@ __all__ = [
     "CapacityError", "TableFullError", "ClosedError", "CommError", "CommTimeoutError",
     "CheckpointError",
 ]
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
 
 
 def __getattr__(name):

@@ -1,12 +1,14 @@
 """Checkpoints: full and incremental saves that restore on any world size, streaming.
 
+`Checkpointer(tables, comm, dense=...)` saves and restores this rank's table shards
+(and, through `dense`, any object that writes and reads the dense part: the Keras
+package's DenseState); no TensorFlow here. What a user calls is in kvcoll.keras.saving:
+
     kv.save(ckpt_dir, model)                       # full: every row, the dense model
     kv.save(ckpt_dir, model, incremental=True)     # only rows changed since the last save
     kv.restore(ckpt_dir, model)                    # latest, on any number of ranks
 
-(model: a Keras model with kv.Embedding layers, or a kv.Trainer.)
-
-All three are collectives: every rank calls them with the same arguments.
+All are collectives: every rank calls them with the same arguments.
 
 Layout of a checkpoint directory:
 
@@ -102,7 +104,6 @@ import re
 import secrets
 import shutil
 import time
-import weakref
 
 import numpy as np
 
@@ -111,7 +112,7 @@ from .errors import CheckpointError, InvalidArgumentError
 from .routing import owner_of
 from .table import KvTable
 
-__all__ = ["save", "restore", "latest", "Checkpointer", "SaveInfo", "RestoreInfo",
+__all__ = ["latest", "Checkpointer", "SaveInfo", "RestoreInfo",
            "read_shard", "FORMAT", "VERSION", "RESTORE_BUFFER", "MIN_RESTORE_BUFFER"]
 
 FORMAT = "kvcoll-checkpoint"
@@ -897,33 +898,6 @@ def _read_manifest(directory: str, name: str) -> dict:
     return m
 
 
-# -- kv.save / kv.restore ----------------------------------------------------------------
-
-_checkpointers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _engine(obj):
-    """The step engine behind a Keras model, a kv.Trainer, or an engine, set up."""
-    from .keras.engine import Engine, engine_of
-
-    eng = obj if isinstance(obj, Engine) else getattr(obj, "engine", None)
-    if eng is None:
-        eng = engine_of(obj)
-    if eng.tables is None:
-        eng.setup_from_model()
-    return eng
-
-
-def _checkpointer(eng) -> Checkpointer:
-    ck = _checkpointers.get(eng)
-    if ck is None:
-        from .keras.dense_state import DenseState
-
-        ck = Checkpointer(eng.tables, eng.comm, dense=DenseState(eng.model, eng.optimizer))
-        _checkpointers[eng] = ck
-    return ck
-
-
 def latest(directory) -> str | None:
     """The name of the newest complete checkpoint in `directory`, or None."""
     try:
@@ -931,37 +905,3 @@ def latest(directory) -> str | None:
             return f.read().strip() or None
     except (FileNotFoundError, NotADirectoryError):
         return None
-
-
-def save(directory, model, *, incremental: bool = False) -> SaveInfo:
-    """Checkpoint a model with kv.Embedding layers (or a kv.Trainer) at its current
-    step (a collective).
-
-    Full by default: every row of every table (values, optimizer slots, row headers),
-    the Keras model and its optimizer, the step. incremental=True writes only the rows
-    changed since this model's previous save (or restore) in the same directory;
-    without one it writes a full checkpoint. In SSP/ASP every rank first waits until
-    every update is applied (a sync point), so the checkpoint is consistent. Returns a
-    SaveInfo. Its collectives wait up to the I/O deadline (KVCOLL_IO_TIMEOUT)."""
-    eng = _engine(model)
-    eng.sync()
-    with eng.comm.deadline("io"):
-        return _checkpointer(eng).save(directory, eng.step, incremental=incremental)
-
-
-def restore(directory, model, *, checkpoint: str | None = None,
-            buffer_bytes: int | None = None) -> RestoreInfo:
-    """Restore a model with kv.Embedding layers (or a kv.Trainer) from `directory`'s
-    latest checkpoint (or `checkpoint`, a name such as "ckpt-0000000400"), on any number
-    of ranks (a collective). Tables, dense model, optimizer and step become the saved
-    ones, bit for bit, and training continues from that step in every step mode; any
-    mismatch or corruption raises CheckpointError on every rank before anything
-    changes. Each rank reads only the parts of the checkpoint that hold its keys, and
-    uses at most `buffer_bytes` (default RESTORE_BUFFER, 256 MiB) beyond its tables.
-    Its collectives wait up to the I/O deadline (KVCOLL_IO_TIMEOUT)."""
-    eng = _engine(model)
-    eng.sync()
-    with eng.comm.deadline("io"):
-        info = _checkpointer(eng).restore(directory, checkpoint, buffer_bytes=buffer_bytes)
-    eng.set_step(info.step)
-    return info

@@ -16,9 +16,12 @@ import os
 
 from .errors import InvalidArgumentError
 
-__all__ = ["Config", "StepMode", "BSP", "ASP", "ssp"]
+__all__ = ["Config", "StepMode", "BSP", "ASP", "ssp", "DEFAULT_STALENESS"]
 
 STEP_MODES = ("bsp", "ssp", "asp")
+
+
+DEFAULT_STALENESS = 4   # SSP's bound when none is given: the one place it is written
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,29 +29,50 @@ class StepMode:
     """How far a worker may run ahead of the slowest one.
 
     BSP: every step waits for all (staleness 0). SSP: at most `staleness` steps
-    ahead. ASP: unbounded.
+    ahead. ASP: unbounded (staleness None).
     """
 
     name: str
-    staleness: int = 0
+    staleness: int | None = 0
 
     def __post_init__(self):
         if self.name not in STEP_MODES:
             raise InvalidArgumentError(
                 f"step mode {self.name!r} is unknown; use one of {', '.join(STEP_MODES)}")
-        if not isinstance(self.staleness, int) or self.staleness < 0:
+        if self.name == "asp":
+            if self.staleness not in (None, 0):
+                raise InvalidArgumentError(
+                    f"asp has no staleness bound, got staleness={self.staleness!r}; use "
+                    "--step-mode ssp for a bound")
+            object.__setattr__(self, "staleness", None)
+            return
+        if isinstance(self.staleness, bool) or not isinstance(self.staleness, int) \
+                or self.staleness < 0:
             raise InvalidArgumentError(
                 f"staleness must be an integer >= 0, got {self.staleness!r}")
         if self.name == "bsp" and self.staleness != 0:
             raise InvalidArgumentError(
                 f"bsp has staleness 0, got {self.staleness}; use --step-mode ssp for staleness")
 
+    @classmethod
+    def of(cls, step_mode, staleness: int | None = None) -> "StepMode":
+        """A step mode given as a StepMode or a name ("bsp", "ssp", "asp"); `staleness`
+        is SSP's bound (default DEFAULT_STALENESS)."""
+        if isinstance(step_mode, StepMode):
+            if staleness is not None and staleness != step_mode.staleness:
+                raise InvalidArgumentError(
+                    f"step_mode {step_mode} already sets staleness; got staleness={staleness}")
+            return step_mode
+        if step_mode == "ssp":
+            return cls("ssp", DEFAULT_STALENESS if staleness is None else staleness)
+        return cls(step_mode)  # bsp, asp, or an error naming the choices
+
 
 BSP = StepMode("bsp")
 ASP = StepMode("asp")
 
 
-def ssp(staleness: int = 4) -> StepMode:
+def ssp(staleness: int = DEFAULT_STALENESS) -> StepMode:
     """SSP with a staleness bound (staleness 0 behaves like BSP)."""
     return StepMode("ssp", staleness)
 
@@ -69,7 +93,7 @@ class Config:
     """
 
     step_mode: str = "bsp"
-    staleness: int = 4
+    staleness: int = DEFAULT_STALENESS
     comm_timeout: float = 120.0
     io_timeout: float = 1800.0
     startup_timeout: float = 600.0
@@ -93,7 +117,7 @@ class Config:
 
     @property
     def mode(self) -> StepMode:
-        return StepMode(self.step_mode, 0 if self.step_mode == "bsp" else self.staleness)
+        return StepMode.of(self.step_mode, self.staleness if self.step_mode == "ssp" else None)
 
     @classmethod
     def resolve(cls, argv: list[str] | None = None, environ=None, **overrides) -> "Config":

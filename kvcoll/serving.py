@@ -127,9 +127,9 @@ def export(directory, model, *, dictionary: bool = True, saved_model: bool = Tru
            max_serving_bytes: int | None = None) -> dict:
     """Write a model with kv.Embedding layers (or a kv.Trainer) for serving: see
     _export; its collectives wait up to the I/O deadline (KVCOLL_IO_TIMEOUT)."""
-    from .checkpoint import _engine
+    from .keras.saving import engine_for
 
-    with _engine(model).comm.deadline("io"):
+    with engine_for(model).comm.deadline("io"):
         return _export(directory, model, dictionary=dictionary, saved_model=saved_model,
                        max_serving_bytes=max_serving_bytes)
 
@@ -144,13 +144,13 @@ def _export(directory, model, *, dictionary: bool = True, saved_model: bool = Tr
     max_serving_bytes (default: half of rank 0's physical memory) refuses a SavedModel
     whose tables one serving process could not hold. Returns {"path", "tables": {name:
     rows}, "parts", "serving_bytes", "seconds"}."""
-    from .checkpoint import _engine
+    from .keras.saving import engine_for
 
     if not (dictionary or saved_model):
         raise InvalidArgumentError("export: dictionary=False and saved_model=False write "
                                    "nothing; keep at least one")
     t0 = time.perf_counter()
-    eng = _engine(model)
+    eng = engine_for(model)
     eng.sync()
     comm = eng.comm
     directory = os.path.abspath(os.fspath(directory))
@@ -251,7 +251,7 @@ def _write_saved_model(path: str, eng, parts: dict) -> None:
     import tensorflow as tf
 
     from .keras.embedding import rows_scope
-    from .keras.engine import _as_input
+    from .keras.compute import as_input
 
     model, layout = eng.model, eng.layout
     module = tf.Module()
@@ -320,7 +320,7 @@ def _write_saved_model(path: str, eng, parts: dict) -> None:
             if feat.multi_hot:
                 idx = tf.RaggedTensor.from_row_splits(
                     idx, feeds[arg[name] + "_row_splits"]).to_tensor(default_value=-1)
-            leaves[name] = _as_input(idx, eng._input_dtypes[name])
+            leaves[name] = as_input(idx, eng.input_dtypes[name])
         rows = {t: tf.convert_to_tensor(v) for t, v in module.values.items()}
         with rows_scope(rows):
             out = model(layout.rebuild(leaves), training=False)

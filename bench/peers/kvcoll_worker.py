@@ -47,8 +47,8 @@ def main(argv=None) -> None:
     data = common.Data(args.data)
     nf = data.num_fields
     keras.utils.set_random_seed(args.seed)
-    model = build_deepfm(nf, data.num_numeric, args.dim, lambda f, w: kv.Embedding(
-        f, w, initializer=("normal", 0.0, args.init_std), seed=args.seed), hidden=args.hidden)
+    model = kv.distribute(build_deepfm(nf, data.num_numeric, args.dim, lambda f, w: kv.Embedding(
+        f, w, initializer=("normal", 0.0, args.init_std), seed=args.seed), hidden=args.hidden))
     model.compile(
         optimizer=kv.DistributedOptimizer(                 # kvcoll: dense allreduce, rows in C
             keras.optimizers.Adam(args.lr),

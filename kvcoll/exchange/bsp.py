@@ -33,6 +33,7 @@ from .._buffers import aligned_empty
 from ..comm import Comm
 from ..errors import InvalidArgumentError
 from ..table import KvTable
+from .agreement import Agreement
 from .kernels import TableSet
 
 
@@ -169,8 +170,19 @@ class Pull(Mapping):
         return [mats[g] for g in self._gkeys]
 
 
+class IdsInFlight:
+    """A pull whose ids are on their way (BspExchange.send_ids): the first half of a pull,
+    which the prefetch stage runs ahead; BspExchange.fetch completes it."""
+
+    __slots__ = ("step", "create", "agreement", "given", "plan", "handle")
+
+    def __init__(self, step, create, agreement, given, plan, handle):
+        self.step, self.create, self.agreement = step, create, agreement
+        self.given, self.plan, self.handle = given, plan, handle
+
+
 class BspExchange:
-    """BSP: every step is a collective of all ranks (see kvcoll.exchange for the
+    """BSP: every step is a collective of all ranks (see kvcoll.exchange.Exchange for the
     interface). Every rank must call pull() and push() in the same order; an empty id
     array is fine (the rank still answers its peers).
 
@@ -192,104 +204,175 @@ class BspExchange:
         """Continue from `step` (a restore): the next pull is step + 1."""
         self.step = int(step)
 
-    def pull(self, ids: dict[str, np.ndarray], *, header=None, proceed=None,
+    # -- pull ---------------------------------------------------------------------------------
+
+    def pull(self, ids: dict[str, np.ndarray], agreement: Agreement | None = None, *,
              dense: bool = False) -> Pull | None:
         """Start step self.step + 1: the rows of every table's ids (absent ids are
-        created, admission permitting).
+        created, admission permitting), once every rank's `agreement` vote is in and the
+        step proceeds; None (nothing served anywhere) when it does not. Without an
+        agreement the step always happens. `dense` is for the asynchronous modes (BSP's
+        dense parameters are every rank's own)."""
+        return self.fetch(self.send_ids(ids, agreement))
 
-        header: a few int64 this rank sends every rank with its id counts (e.g. "I have
-        data", "my batch is valid"); the Pull's `headers` holds every rank's, (world,
-        m). proceed(headers), called on every rank as soon as they are in, may raise
-        (then nothing was served anywhere) or return False: then the pull stops there
-        on every rank and returns None (the step did not happen). `dense` is for the
-        asynchronous modes (BSP's dense parameters are every rank's own)."""
-        out = self._pull(ids, self.step + 1, True, header, proceed)
-        if out is not None:
-            self.step += 1
-        return out
-
-    def lookup(self, ids: dict[str, np.ndarray], *, header=None, proceed=None) -> Pull | None:
+    def lookup(self, ids: dict[str, np.ndarray], agreement: Agreement | None = None
+               ) -> Pull | None:
         """The rows of every table's ids for evaluation: absent ids read zeros and no
-        table changes. A collective, like pull (same header and proceed)."""
-        return self._pull(ids, self.step, False, header, proceed)
+        table changes. A collective, like pull."""
+        return self.fetch(self.send_ids(ids, agreement, create=False))
 
-    def _pull(self, ids, step, create, header, proceed):
-        world = self.comm.size
+    def send_ids(self, ids: dict[str, np.ndarray], agreement: Agreement | None = None,
+                 create: bool = True) -> IdsInFlight:
+        """The first half of a pull: plan it (unique + partition, one C call) and post
+        the id all-to-all, whose counts phase carries the agreement's vote. Nothing is
+        served: a step's lookups must wait until the previous step's update is applied
+        (fetch). The prefetch stage runs this for the next step while this one computes."""
         if set(ids) != set(self._names):
             unknown = sorted(set(ids) - set(self._names))
             missing = sorted(set(self._names) - set(ids))
             raise InvalidArgumentError(f"pull: ids must name every table exactly; unknown "
                                        f"{unknown}, missing {missing}")
         given = [np.ascontiguousarray(ids[n], np.int64) for n in self._names]
-        plan = self._set.plan(given, world)
-        send, counts = plan[0], plan[1]
+        plan = self._set.plan(given, self.comm.size)
+        step = self.step + 1 if create else self.step
         self.comm.step = step  # named by a timeout error of this step's collectives
-        handle = self.comm.alltoallv(send, counts, op="pull:ids", header=header)
-        headers = None if header is None else handle.headers()
-        if proceed is not None and not proceed(headers):
-            return None
-        recv_ids, recv_counts = handle.wait()
+        handle = self.comm.alltoallv(plan[0], plan[1], op="pull:ids",
+                                     header=None if agreement is None else agreement.header())
+        return IdsInFlight(step, create, agreement, given, plan, handle)
+
+    def fetch(self, pending: IdsInFlight) -> Pull | None:
+        """The second half of a pull: settle the agreement; when the step proceeds, the
+        owners serve the ids and the rows come back (and a training pull's step
+        becomes this rank's step)."""
+        agreement = pending.agreement
+        if agreement is not None and not agreement.settle(pending.handle.headers()).proceeds:
+            return None  # every rank decides the same: nobody posts the payload
+        recv_ids, recv_counts = pending.handle.wait()
         dims = self._dims
         reply = aligned_empty(int((recv_counts * dims).sum()), np.float32)
         t0 = time.perf_counter()
-        served = self._set.serve(recv_ids, recv_counts, step, create, reply)
+        served = self._set.serve(recv_ids, recv_counts, pending.step, pending.create, reply)
         self.table_seconds += time.perf_counter() - t0
+        counts = pending.plan[1]
         got, _ = self.comm.alltoallv(reply, (recv_counts * dims).sum(axis=1), op="pull:rows",
                                      recv_counts=(counts * dims).sum(axis=1)).wait()
-        out = Pull(self._set, self._names, [a.size for a in given], got, plan)
-        out.headers, out.step, out.served = headers, step, served
+        out = Pull(self._set, self._names, [a.size for a in pending.given], got, pending.plan)
+        out.step, out.served = pending.step, served
+        if pending.create:
+            self.step = pending.step
         return out
 
+    # -- push ---------------------------------------------------------------------------------
+
     def push(self, pull: Pull, grads: dict, dense_grad: np.ndarray | None = None,
-             extra: np.ndarray | None = None, lr: dict | None = None,
-             dense_lr: float | None = None) -> "Pushed":
+             extra: np.ndarray | None = None, agreement: Agreement | None = None,
+             lr: dict | None = None, dense_lr: float | None = None) -> "Pushed":
         """Post the gradient of pull's rows to their owners and start one fused
-        allreduce of [dense_grad, extra] (float32, either may be None); return at once.
-        The handle's reduced() is that sum over ranks; commit() waits for the rows'
-        gradients and applies them with each table's row optimizer (lr: table name ->
-        its learning rate for this step; absent: unchanged).
+        allreduce of [every rank's outcome code, dense_grad, extra] (float32; dense_grad
+        and extra may be None); return at once. The handle's reduced() waits for that sum
+        (and settles the agreement's outcome); commit() then waits for the rows'
+        gradients and applies them with each table's row optimizer (lr: table name -> its
+        learning rate for this step; absent: unchanged). A step whose outcome failed on
+        any rank is given up with abandon(pushed) instead.
 
         grads: per group, a matrix shaped like pull.rows[group]; or per table,
-        (len(uniq), dim) as its Pulled rows."""
+        (len(uniq), dim) as its Pulled rows. dense_lr: unused (BSP's dense parameters are
+        updated by the Keras optimizer of every rank)."""
         if pull is None or getattr(pull, "served", None) is None:
             raise InvalidArgumentError("push() needs the Pull of this step's pull()")
+        agreement = agreement if agreement is not None else Agreement(1).settle(None)
         send = pull.payload_of(grads)
-        state, pull.served = pull.served, None
+        state = pull.served
         recv_counts = state[0]
         dims = self._dims
         rows = self.comm.alltoallv(send, (pull.counts * dims).sum(axis=1), op="push:grads",
                                    recv_counts=(recv_counts * dims).sum(axis=1))
-        parts = [np.asarray(p, np.float32).reshape(-1) for p in (dense_grad, extra)
-                 if p is not None]
-        reduce = self.comm.iallreduce(np.concatenate(parts) if len(parts) > 1 else parts[0],
-                                      op="allreduce:dense") if parts else None
-        return Pushed(self, pull.step, rows, state, reduce, lr)
+        world = self.comm.size
+        parts = [agreement.outcome_codes(world, self.comm.rank)]
+        parts += [np.asarray(p, np.float32).reshape(-1) for p in (dense_grad, extra)
+                  if p is not None]
+        reduce = self.comm.iallreduce(np.concatenate(parts), op="allreduce:dense")
+        n_dense = 0 if dense_grad is None else int(np.size(dense_grad))
+        return Pushed(self, pull, rows, reduce, lr, agreement, n_dense)
+
+    def abandon(self, step) -> None:
+        """Give the step in flight up, on every rank alike (a Pull not yet pushed, or a
+        Pushed not committed): its exchanges are completed, no row is updated, the rows
+        its lookups created are removed, and the step counter goes back, so every table
+        is as before the step."""
+        if isinstance(step, Pushed):
+            step._abandon()
+            return
+        if isinstance(step, Pull) and step.served is not None:
+            state, step.served = step.served, None
+            self._set.forget_new(state, step.step)
+            if self.step == step.step:
+                self.step -= 1
+
+    def finish(self) -> int:
+        """This rank's data has run out: nothing is in flight between BSP steps (the step
+        loop keeps the rank in the others' steps until all are out). Returns the step."""
+        return self.step
+
+    def set_dense(self, flat, state=None, updates: int = 0, replace: bool = False) -> None:
+        """Nothing: BSP's dense parameters are every rank's own."""
+
+    def dense(self):
+        """None: every rank holds the dense parameters (SSP/ASP return them gathered)."""
+        return None
+
+    def replan(self, comm: Comm) -> None:
+        """Continue on another communicator (a new world): the next step is planned for
+        its ranks. The rows each rank holds stay; moving the rows whose owner changed is
+        the caller's (the elastic runtime's)."""
+        self.comm = comm
+
+    def close(self) -> None:
+        """Nothing to release: BSP holds no thread and no communicator of its own."""
 
 
 class Pushed:
     """A push in flight (BspExchange.push): reduced() and commit() complete it."""
 
-    def __init__(self, exchange: BspExchange, step: int, rows, state, reduce, lr):
-        self._ex, self._step, self._rows, self._state = exchange, step, rows, state
-        self._reduce, self._lr, self._total = reduce, lr, None
+    def __init__(self, exchange: BspExchange, pull: Pull, rows, reduce, lr, agreement,
+                 n_dense):
+        self._ex, self._pull, self._rows, self._reduce = exchange, pull, rows, reduce
+        self._lr, self.agreement, self._n_dense = lr, agreement, n_dense
+        self._total = None
 
-    def reduced(self) -> np.ndarray | None:
-        """The fused allreduce's result: [dense_grad, extra] summed over ranks."""
-        if self._total is None and self._reduce is not None:
+    def _wait_reduce(self) -> np.ndarray:
+        if self._total is None:
+            world = self._ex.comm.size
             self._total = self._reduce.wait()
+            self.agreement.settle_outcome(self._total[:world])
         return self._total
 
-    def commit(self, apply: bool = True) -> None:
-        """Wait for the gradients this rank owns and apply them (apply=False: the step is
-        rejected, e.g. a rank's gradient was NaN: complete the exchange, apply nothing,
-        and remove the rows this step's lookups created, so the tables are as before)."""
+    def reduced(self) -> tuple[np.ndarray | None, np.ndarray]:
+        """(the dense gradient summed over ranks, or None if none was pushed; extra
+        summed over ranks). Settles the agreement's outcome."""
+        total = self._wait_reduce()
+        at = self._ex.comm.size
+        dense = total[at:at + self._n_dense] if self._n_dense else None
+        return dense, total[at + self._n_dense:]
+
+    def commit(self) -> None:
+        """Wait for the gradients this rank owns and apply them. Only for a step whose
+        outcome succeeded on every rank."""
+        self._wait_reduce()
+        if self.agreement.outcome_failed:
+            raise AssertionError("commit() of a step that failed on ranks "
+                                 f"{self.agreement.outcome_failed}: abandon it")
         got, _ = self._rows.wait()
-        if not apply:
-            self._ex._set.forget_new(self._state, self._step)
-        if apply:
-            ex = self._ex
-            t0 = time.perf_counter()
-            for name, rate in (self._lr or {}).items():
-                ex.tables[name].set_learning_rate(rate)
-            ex._set.apply(self._state, np.ascontiguousarray(got, np.float32), self._step)
-            ex.table_seconds += time.perf_counter() - t0
+        state, self._pull.served = self._pull.served, None
+        ex = self._ex
+        t0 = time.perf_counter()
+        for name, rate in (self._lr or {}).items():
+            ex.tables[name].set_learning_rate(rate)
+        ex._set.apply(state, np.ascontiguousarray(got, np.float32), self._pull.step)
+        ex.table_seconds += time.perf_counter() - t0
+
+    def _abandon(self) -> None:
+        """Complete the exchanges, apply nothing (BspExchange.abandon)."""
+        self._wait_reduce()
+        self._rows.wait()
+        self._ex.abandon(self._pull)

@@ -63,6 +63,7 @@ from ..table import KvTable
 from .._buffers import aligned_empty
 from .bsp import BspExchange, Pull
 from .dense import apply_rows, init_slots
+from .agreement import Agreement
 from .kernels import TableSet
 
 __all__ = ["SspExchange", "close_all"]
@@ -76,7 +77,7 @@ def close_all() -> None:
         ex.close()
 
 
-_PULL, _PUSH, _DONE = 1, 2, 3
+_PULL, _PUSH, _DONE, _ABANDON = 1, 2, 3, 4
 _TAG_REQ, _TAG_REPLY = 11, 12
 _HEADER = 4  # int64 words: kind, clock, flags, reserved
 _F_CREATE, _F_DENSE = 1, 2
@@ -170,6 +171,7 @@ class SspExchange:
         self.trace: list[_Trace] = []
         self.staleness_observed = 0
         self.max_lead = 0
+        self.last_wait = 0.0     # seconds the last step waited at the staleness gate
         self.pushes_applied = 0   # service side: pushes applied here (rows or dense)
         # Owner side: what each served pull found (TableSet.serve's state: the rows, to
         # apply that push at without a lookup), by (worker, step), until the push.
@@ -234,6 +236,7 @@ class SspExchange:
     def wait_turn(self, step: int) -> int:
         """Block (SSP) until `step` may start; returns this worker's lead over the slowest
         worker, step - 1 - (slowest clock seen here)."""
+        t_wait = time.perf_counter()
         deadline = time.monotonic() + self.comm.timeout
         behind = None
         with self.comm.waiting(f"ssp:gate at step {step}"), self._cv:
@@ -253,6 +256,7 @@ class SspExchange:
             raise self._timed_out(f"ssp:gate at step {step} waited {self.comm.timeout:g}s "
                                   f"for rank(s) {behind} to finish step "
                                   f"{step - self.staleness - 1}")
+        self.last_wait = time.perf_counter() - t_wait
         self.max_lead = max(self.max_lead, lead)
         self.trace.append(_Trace(step, lead, 0, time.time()))
         return lead
@@ -268,13 +272,17 @@ class SspExchange:
             f"{report or f'they died, stopped or are cut off from rank {self._rank}'} "
             "(raise the limit with KVCOLL_COMM_TIMEOUT)")
 
-    def pull(self, ids: dict[str, np.ndarray], *, header=None, proceed=None,
-             dense: bool = True, create: bool = True) -> Pull:
+    def pull(self, ids: dict[str, np.ndarray], agreement: Agreement | None = None, *,
+             dense: bool = True, create: bool = True) -> Pull | None:
         """Start step self.step + 1: wait for its turn (SSP), then the rows of every
         table's ids (created if new, with create) and, with dense, the whole dense
         vector (Pull.dense), as served by the owners under the staleness rule. The rows
         come in the layout of a BSP pull (owner after owner, then table after table).
-        header and proceed are BSP's agreement: here each rank decides alone."""
+        The agreement is this rank's alone here (ranks step on their own): None, with
+        nothing pulled, when its own vote does not let the step proceed (a bad batch, no
+        samples, a stop)."""
+        if agreement is not None and not agreement.settle(None, self._rank).proceeds:
+            return None
         step = self.step + 1
         self.comm.step = step  # named by a timeout error
         self.wait_turn(step)
@@ -334,14 +342,14 @@ class SspExchange:
         self.step = step
         return out
 
-    def lookup(self, ids: dict[str, np.ndarray], *, header=None, proceed=None) -> Pull | None:
+    def lookup(self, ids: dict[str, np.ndarray], agreement: Agreement) -> Pull | None:
         """Rows for evaluation (absent ids read zeros, nothing changes): a BSP collective
-        on the trainer's communicator, so call it when no rank is stepping (after
-        finish())."""
+        on the trainer's communicator, with BSP's agreement, so call it when no rank is
+        stepping (after finish())."""
         if self._lookups is None:
             self._lookups = BspExchange(self.comm, self.tables)
         self._lookups.set_step(self.step)
-        return self._lookups.lookup(ids, header=header, proceed=proceed)
+        return self._lookups.lookup(ids, agreement)
 
     def _offsets(self, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Where each owner's ids and rows start in a pull's payloads (counts: (world,
@@ -353,16 +361,21 @@ class SspExchange:
         return id_at, fl_at
 
     def push(self, pull: Pull | None, grads: dict, dense_grad: np.ndarray | None = None,
-             extra: np.ndarray | None = None, lr: dict | None = None,
-             dense_lr: float | None = None) -> "Posted":
+             extra: np.ndarray | None = None, agreement: Agreement | None = None,
+             lr: dict | None = None, dense_lr: float | None = None) -> "Posted":
         """Send the gradients of pull's rows (and of the dense vector) to their owners,
         and announce that this worker finished that step. Does not wait for them to be
         applied. grads: per group or per table, as for a BSP push (see
         Pull.payload_of); the owners apply them as they are, with lr (table name ->
         learning rate for this step; absent: the table's own) and dense_lr (the dense
         kernel's). Returns a handle like BSP's, whose reduced() is [dense_grad, extra]
-        of this rank alone (nothing is summed over ranks here)."""
+        of this rank alone (nothing is summed over ranks here). With an agreement whose
+        outcome is not OK nothing is sent: give the step up with abandon()."""
         world = self._world
+        if agreement is not None:
+            agreement.settle_outcome(agreement.outcome_codes(world, self._rank))
+            if agreement.outcome_failed:
+                return Posted(None, pull, 0)
         last = pull if pull is not None and pull is self._last else None
         step = pull.step if pull is not None else self.step
         if last is None:
@@ -401,7 +414,47 @@ class SspExchange:
             self.trace[-1].t_end = time.time()
         parts = [np.asarray(p, np.float32).reshape(-1) for p in (dense_grad, extra)
                  if p is not None]
-        return Posted(np.concatenate(parts) if parts else None)
+        return Posted(np.concatenate(parts) if parts else None, None,
+                      0 if dense_grad is None else dense_grad.size)
+
+    def abandon(self, step) -> None:
+        """Give up this worker's step in flight (its Pull, or the Posted of a push that
+        sent nothing because the step failed): the rows its pull created are removed,
+        here and (one ABANDON message each) on the owners it pulled from, which also
+        drop what they kept for its push; the step counter goes back. Other workers'
+        steps are not touched (they step on their own)."""
+        pull = step._pull if isinstance(step, Posted) else step
+        if pull is None or pull is not self._last:
+            return
+        self._last = None
+        n = pull.step
+        state = self._served.pop((self._rank, n), None)
+        if state is not None:
+            self._set.forget_new(state, n)
+        for r in range(self._world):
+            if r != self._rank and pull.counts[r].any():
+                self._send(self._req, _pack([_ABANDON, n, 0, 0]), r,
+                           f"ssp:abandon of step {n} to rank {r}")
+        if self.step == n:
+            self.step -= 1
+        if self.trace and self.trace[-1].step == n:
+            self.trace.pop()
+
+    def set_dense(self, flat, state=None, updates: int = 0, replace: bool = False) -> None:
+        """The dense vector's initial values (see start_dense)."""
+        self.start_dense(flat, state, updates, replace=replace)
+
+    def replan(self, comm: Comm) -> None:
+        """Continue on another communicator (a new world), between steps: the service
+        thread and its communicators are rebuilt for it, every worker's clock restarts at
+        this rank's step, and the dense slices are cut anew: give the dense vector again
+        with set_dense before the next step. Moving rows whose owner changed is the
+        caller's (the elastic runtime's)."""
+        step = self.step
+        self.close()
+        self.__init__(comm, self.tables, self.staleness, self.dense_size, self._dense_opt,
+                      self._inflight_limit // max(1, self._world))
+        self.set_step(step)
 
     def _send(self, comm: Comm, msg: np.ndarray, dest: int, op: str) -> None:
         sends = self._sends
@@ -537,6 +590,11 @@ class SspExchange:
             self._serve_ready(deferred, replies)
         elif kind == _PUSH:
             self._apply_push(src, clock, flags, rd)
+        elif kind == _ABANDON:
+            state = self._served.pop((src, clock), None)
+            if state is not None:
+                with self._apply_lock:
+                    self._set.forget_new(state, clock)
         elif kind == _DONE:
             with self._cv:
                 self._done[src] = True
@@ -650,12 +708,15 @@ class Posted:
     """An SSP/ASP push, already sent: the same handle as a BSP push (reduced(),
     commit()), with nothing left to wait for."""
 
-    def __init__(self, local: np.ndarray | None):
-        self._local = local
+    def __init__(self, local: np.ndarray | None, pull, n_dense: int):
+        self._local, self._pull, self._n_dense = local, pull, n_dense
 
-    def reduced(self) -> np.ndarray | None:
-        """This rank's own [dense_grad, extra] (no sum over ranks in SSP/ASP)."""
-        return self._local
+    def reduced(self) -> tuple[np.ndarray | None, np.ndarray]:
+        """This rank's own (dense_grad, extra): nothing is summed over ranks in SSP/ASP,
+        and the dense gradient has gone to the slices' owners (None: nothing to apply
+        here)."""
+        local = self._local if self._local is not None else np.zeros(0, np.float32)
+        return None, local[self._n_dense:]
 
-    def commit(self, apply: bool = True) -> None:
+    def commit(self) -> None:
         """Nothing to do: the owners apply SSP/ASP pushes as they arrive."""

@@ -13,7 +13,9 @@ same names and meanings, those that differ; _keras_both.py those the two share:
     build_optimizer, optimizer_slots, lr_is_schedule,            the optimizer
         learning_rate, set_learning_rate, learning_rate_variable,
         ADAGRAD_EPSILON_INSIDE
-    symbolic_call                                                building a functional model
+    symbolic_call                                                building a model's shapes
+    steps_per_execution                                          steps per step-function call
+    functional_class                                             what keras.Model(i, o) makes
     weight_key, optimizer_slot_lists                             names that cross versions
 """
 

@@ -23,7 +23,7 @@ from ._which import keras
 
 __all__ = ["sublayers", "is_compiled", "compile_token", "compute_loss",
            "update_loss_tracker", "flatten_logs", "build_optimizer", "symbolic_call",
-           "weight_key"]
+           "weight_key", "steps_per_execution", "functional_class"]
 
 
 def sublayers(model) -> list:
@@ -73,3 +73,21 @@ def symbolic_call(layer, inputs) -> bool:
 def weight_key(variable) -> str:
     """A variable's name as both Keras versions spell it ("hidden/kernel")."""
     return "/".join(variable.name.split(":")[0].split("/")[-2:])
+
+
+def steps_per_execution(model) -> int:
+    """How many steps one call of the model's step function runs (Keras 2 lowers it
+    for an epoch's last, partial execution)."""
+    return int(model._steps_per_execution.numpy())
+
+
+def functional_class():
+    """The class keras.Model(inputs, outputs) makes (a functional model's): tf_keras's,
+    or TensorFlow <= 2.15's keras's."""
+    try:
+        from tf_keras.src.engine.functional import Functional
+    except ImportError:
+        from keras.src.engine.functional import Functional
+    if not issubclass(Functional, keras.Model):
+        from keras.src.engine.functional import Functional
+    return Functional

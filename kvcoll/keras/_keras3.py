@@ -12,7 +12,7 @@ from ._which import keras
 
 __all__ = ["sublayers", "is_compiled", "compile_token", "compute_loss",
            "update_loss_tracker", "flatten_logs", "build_optimizer", "symbolic_call",
-           "weight_key"]
+           "weight_key", "steps_per_execution", "functional_class"]
 
 
 def sublayers(model) -> list:
@@ -56,12 +56,27 @@ def build_optimizer(opt, variables) -> None:
 
 
 def symbolic_call(layer, inputs) -> bool:
-    """Whether a layer call builds a functional model. Keras 3 never runs `call` for
-    that (it asks compute_output_spec), so: never."""
-    return False
+    """Whether a layer call only works out shapes: Keras 3 runs `call` on placeholders
+    when it computes a subclassed model's output spec (fit's symbolic build); a
+    functional model's layers it asks compute_output_spec."""
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+
+    return in_symbolic_scope()
+
+
+def steps_per_execution(model) -> int:
+    """How many steps one call of the model's step function runs."""
+    return int(model.steps_per_execution)
 
 
 def weight_key(variable) -> str:
     """A variable's name as both Keras versions spell it: its layer's name and its own
     ("hidden/kernel"; Keras 3's path names every enclosing layer, Keras 2's only some)."""
     return "/".join(variable.path.split("/")[-2:])
+
+
+def functional_class():
+    """The class keras.Model(inputs, outputs) makes (a functional model's)."""
+    from keras.src.models.functional import Functional
+
+    return Functional

@@ -61,8 +61,10 @@ class DataError:
 
 def unpack(data):
     """(x, y, sample_weight) of one element of a data set, as Keras reads it: a tuple of
-    1 to 3 items, or x alone."""
-    if isinstance(data, tuple) and not _is_ragged_pair(data):
+    1 to 3 items is always (x,), (x, y) or (x, y, sample_weight); anything else is x
+    alone. (A multi-hot feature is a tf.RaggedTensor, or a (values, row_splits) pair as
+    the value of one feature inside x, never the top-level tuple.)"""
+    if isinstance(data, tuple):
         if not 1 <= len(data) <= 3:
             raise InvalidArgumentError(
                 f"a data element must be x, (x,), (x, y) or (x, y, sample_weight); got a "
@@ -89,7 +91,7 @@ def leaves_of(x) -> tuple[str, dict]:
         if bad:
             raise InvalidArgumentError(f"input names must be strings, got {bad[0]!r}")
         return "dict", dict(x)
-    if isinstance(x, (list, tuple)) and not _is_ragged_pair(x):
+    if isinstance(x, (list, tuple)):
         return type(x).__name__, {str(i): v for i, v in enumerate(x)}
     return "single", {"": x}
 
@@ -305,6 +307,12 @@ class Layout:
             return leaves[names[0]]
         seq = [leaves[n] for n in names]
         return seq if kind == "list" else tuple(seq)
+
+    @staticmethod
+    def targets_of(sig: str) -> tuple:
+        """The (labels, sample weights) structures of a batch signature."""
+        d = json.loads(sig)
+        return d["y"], d["sw"]
 
     def rebuild_targets(self, flat, struct):
         """Labels or sample weights from their flat list (struct: the layout's)."""

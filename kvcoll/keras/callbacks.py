@@ -61,8 +61,18 @@ class Checkpoint(keras.callbacks.Callback):
         return engine_of(self.model)
 
     def on_train_begin(self, logs=None):
-        from ..checkpoint import latest, restore
-        if self.restore and latest(self.directory) is not None:
+        if not self.restore:
+            return
+        eng = self._engine()
+        if eng.tables is None and eng.declared.kind is None:
+            eng.after_setup(self._restore)   # a subclassed model: set up by its first step
+        else:
+            self._restore()
+
+    def _restore(self) -> None:
+        from ..checkpoint import latest
+        from .saving import restore
+        if latest(self.directory) is not None:
             self.restored = restore(self.directory, self.model)
             self._last = self.restored.step
 
@@ -74,7 +84,7 @@ class Checkpoint(keras.callbacks.Callback):
         return None
 
     def _save(self, kind: str) -> None:
-        from ..checkpoint import save
+        from .saving import save
         eng = self._engine()
         if self._last == eng.step:
             return

@@ -15,6 +15,7 @@ shape, so the rest of the model traces.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 
 import tensorflow as tf
@@ -78,8 +79,7 @@ class Embedding(keras.layers.Layer):
                  admit_min_count: int = 0, admit: str = "exact",
                  evict_after_steps: int | None = None, max_rows: int | None = None,
                  evict_policy: str = "lru", padding_id: int | None = None, **kwargs):
-        kwargs.setdefault("name", f"kv_embedding_{table}")
-        super().__init__(**kwargs)
+        super().__init__(**kwargs)  # the default name is Keras' own: two layers may share a table
         if not isinstance(table, str) or not table:
             raise InvalidArgumentError(f"Embedding: table must be a non-empty name, got {table!r}")
         if combiner not in COMBINERS:
@@ -131,9 +131,11 @@ class Embedding(keras.layers.Layer):
         rows = getattr(_context, "rows", None)
         if rows is None or self.table not in rows:
             raise InvalidArgumentError(
-                f"kv.Embedding {self.name!r} (table {self.table!r}) has no rows here: run the "
-                "model through model.fit / evaluate / predict (collectives that pull the "
-                "rows), or kv.Trainer")
+                f"kv.Embedding {self.name!r} (table {self.table!r}) has no rows here: the "
+                "model runs outside kvcoll's steps, which pull the rows. Build the model as "
+                "kv.Model(inputs, outputs) (or subclass kv.Model), or opt it in once with "
+                "`model = kv.distribute(model)`; then use model.fit / evaluate / predict (or "
+                "kv.Trainer)")
         rows = rows[self.table]
         if self.combiner is None:
             return tf.gather(rows, index)
@@ -155,5 +157,51 @@ class Embedding(keras.layers.Layer):
     def get_config(self):
         cfg = super().get_config()
         cfg.update(table=self.table, dim=self.dim, combiner=self.combiner, seed=self.seed,
-                   initializer=self.initializer, padding_id=self.padding_id, **self.lifecycle)
+                   initializer=self.initializer, padding_id=self.padding_id,
+                   optimizer=_optimizer_config(self.row_optimizer, self.table),
+                   **self.lifecycle)
         return cfg
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["optimizer"] = _optimizer_from_config(config.get("optimizer"))
+        if isinstance(config.get("initializer"), list):
+            config["initializer"] = tuple(config["initializer"])
+        return cls(**config)
+
+
+Embedding = keras.saving.register_keras_serializable(package="kvcoll",
+                                                     name="Embedding")(Embedding)
+
+
+def _optimizer_config(opt, table: str) -> dict | None:
+    """A row optimizer as a config a saved model keeps (None: the DistributedOptimizer's
+    `sparse` applies). A learning-rate schedule must be a Keras LearningRateSchedule."""
+    if opt is None:
+        return None
+    config = {f.name: getattr(opt, f.name) for f in dataclasses.fields(opt)}
+    lr = config.get("learning_rate")
+    if callable(lr):
+        if not isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
+            raise InvalidArgumentError(
+                f"Embedding {table!r}: its row optimizer's learning rate is a plain callable "
+                f"({lr!r}), which a saved model cannot keep; use a "
+                "keras.optimizers.schedules.LearningRateSchedule")
+        config["learning_rate"] = {"schedule": keras.optimizers.schedules.serialize(lr)}
+    return {"class_name": type(opt).__name__, "config": config}
+
+
+def _optimizer_from_config(config):
+    if config is None or hasattr(config, "_c_fields"):
+        return config
+    from .. import optimizers
+
+    cls = getattr(optimizers, config.get("class_name", ""), None)
+    if cls is None or not hasattr(cls, "_c_fields"):
+        raise InvalidArgumentError(f"Embedding: unknown row optimizer in the config: {config!r}")
+    kwargs = dict(config["config"])
+    lr = kwargs.get("learning_rate")
+    if isinstance(lr, dict) and "schedule" in lr:
+        kwargs["learning_rate"] = keras.optimizers.schedules.deserialize(lr["schedule"])
+    return cls(**kwargs)

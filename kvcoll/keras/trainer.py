@@ -7,11 +7,11 @@
         loss = trainer.train_step(features, labels)
     trainer.finish()                               # uneven data: keep the others company
 
-It compiles the model with the loss and optimizer and runs the engine's steps
-(kvcoll.keras.engine) one at a time: the same exchange, the same agreement on bad
-batches, the same results as fit. BSP: train_step returns the global mean loss and every
-rank must call it (or be in finish()); SSP/ASP: each rank steps on its own and gets its
-own loss, and finish() is the collective that ends the run.
+It compiles the model with the loss and optimizer and runs kvcoll's step loop
+(kvcoll.step) one step at a time: the same exchange, the same agreement on bad batches,
+the same results as fit. BSP: train_step returns the global mean loss and every rank
+must call it (or be in finish()); SSP/ASP: each rank steps on its own and gets its own
+loss, and finish() is the collective that ends the run.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import time
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from .engine import Engine, _ENGINES
-from .optimizer import is_distributed
+from ..step import END, StepResult
+from .engine import Engine, replace_engine
 
 __all__ = ["Trainer"]
 
@@ -30,26 +30,21 @@ __all__ = ["Trainer"]
 class Trainer:
     """Runs training and evaluation of a Keras model with kv.Embedding layers, step by
     step. loss: a Keras loss (or a callable (labels, outputs) -> per-sample loss);
-    optimizer: kv.DistributedOptimizer(...); step_mode: "bsp", "ssp", "asp" or a
+    optimizer: kv.DistributedOptimizer(...) (a plain Keras optimizer gives the rows the
+    default row optimizer, and says so); step_mode: "bsp", "ssp", "asp" or a
     kv.StepMode (default: the run's --step-mode); staleness: SSP's bound."""
 
     def __init__(self, model, loss, optimizer, *, jit: bool = True, comm=None, step_mode=None,
-                 staleness: int | None = None):
-        if not is_distributed(optimizer):
-            raise InvalidArgumentError(
-                "optimizer must be kv.DistributedOptimizer(keras_optimizer, sparse=...), "
-                f"got {optimizer!r}")
+                 staleness: int | None = None, prefetch: bool = False):
         model.compile(optimizer=optimizer, loss=loss)
-        old = _ENGINES.get(model)
-        if old is not None:
-            old.close()
-        self.engine = Engine(model, comm=comm, step_mode=step_mode, staleness=staleness, jit=jit)
-        _ENGINES[model] = self.engine
+        self.engine = Engine(model, comm=comm, step_mode=step_mode, staleness=staleness,
+                             jit=jit, prefetch=prefetch)
+        replace_engine(model, self.engine)
         self.model = model
-        self.opt = optimizer
+        self.opt = model.optimizer
         self.comm = self.engine.comm
         self.step_mode = self.engine.mode
-        self._targets = None
+        self._began = False
         if getattr(model, "inputs", None):  # a functional model: its tables exist at once
             self.engine.setup_from_model()
 
@@ -82,40 +77,43 @@ class Trainer:
     @property
     def staleness_observed(self) -> int:
         """The most steps any data this rank read was behind (0 in BSP)."""
-        return getattr(self.engine.ex, "staleness_observed", 0)
+        return getattr(self._loop().ex, "staleness_observed", 0)
 
     @property
     def max_lead(self) -> int:
         """The most steps this rank ran ahead of the slowest rank it knew of (0 in BSP)."""
-        return getattr(self.engine.ex, "max_lead", 0)
+        return getattr(self._loop().ex, "max_lead", 0)
+
+    def _loop(self):
+        if self.engine.loop is None:
+            raise InvalidArgumentError("the trainer has not stepped yet: call train_step first")
+        return self.engine.loop
 
     # -- steps ------------------------------------------------------------------------------
 
-    def _begin(self, element, x_only=False):
-        if self.engine.layout is None or (self._targets is None and not x_only):
-            got = self.engine.begin(element, x_only=x_only)
-            if not x_only:
-                self._targets = got
-        return self._targets
+    def _begin(self, element, x_only=False) -> None:
+        if not self._began or x_only:
+            first = None if element is END else element
+            self.engine.begin(first, x_only=x_only)
+            self._began = self._began or not x_only
 
     def train_step(self, features: dict, labels) -> float:
         """One step on this rank's slice of the global batch. BSP: returns the global
         mean loss; every rank must call it (or be inside finish()). SSP/ASP: returns this
         rank's mean loss; ranks step independently."""
         element = (features, labels)
-        targets = self._begin(element)
-        out = self.engine.train_step(element, targets=targets)
-        return out.loss
+        self._begin(element)
+        out = self.engine.loop.train(element)
+        return out.loss if isinstance(out, StepResult) else float("nan")
 
     def finish(self) -> int:
         """This rank's data has run out: keeps answering the other ranks' steps (BSP)
         or waits for every rank (SSP/ASP) until everyone is done; afterwards every update
         is applied and (SSP/ASP) every rank holds the same dense model. Returns the
         steps this rank served with no data of its own (BSP)."""
-        if self.engine.layout is None:
-            self._begin(None)
+        self._begin(END)
         before = self.engine.step
-        self.engine.finish()
+        self.engine.loop.finish()
         return self.engine.step - before if self.engine.synchronous else 0
 
     def predict(self, features: dict) -> np.ndarray:
@@ -123,11 +121,7 @@ class Trainer:
         possibly with zero samples). Unknown ids read zeros; tables are unchanged."""
         self.engine.sync()
         self._begin(features, x_only=True)
-        _, out = self.engine.predict_step(features)
-        err = self.engine._pending_error
-        if err is not None:
-            self.engine._pending_error = None
-            raise err
+        _, out = self.engine.loop.predict(features)
         return out
 
     def table_stats(self) -> dict:

@@ -59,7 +59,7 @@ def build():
              kv.Embedding("bag", 4, combiner="mean", initializer=("uniform", -0.1, 0.1),
                           seed=2)(bag), x]
     z = keras.layers.Dense(6, activation="tanh")(keras.layers.Concatenate()(parts))
-    model = keras.Model({"user": user, "bag": bag, "x": x}, keras.layers.Dense(1)(z))
+    model = kv.Model({"user": user, "bag": bag, "x": x}, keras.layers.Dense(1)(z))
     opt = kv.DistributedOptimizer(keras.optimizers.Adam(0.01), sparse=kv.optimizers.Adagrad(0.2))
     return kv.Trainer(model, keras.losses.BinaryCrossentropy(from_logits=True), opt)
 

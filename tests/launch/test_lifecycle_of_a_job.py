@@ -34,7 +34,7 @@ os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
 import keras, numpy as np, kvcoll as kv
 kv.init(argv=[], step_mode="ssp", staleness=1)
 u = keras.Input(shape=(), dtype="int64", name="u")
-m = keras.Model(u, keras.layers.Dense(1)(kv.Embedding("u", 2)(u)))
+m = kv.Model(u, keras.layers.Dense(1)(kv.Embedding("u", 2)(u)))
 m.compile(optimizer=kv.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
 m.fit(np.arange(8) + 8 * kv.rank(), np.zeros(8), batch_size=4, verbose=0)
 print("rank", kv.rank(), "done", flush=True)
@@ -80,7 +80,7 @@ kv.init(argv=[])
 ck_dir = sys.argv[1]
 keras.utils.set_random_seed(0)
 u = keras.Input(shape=(), dtype="int64", name="u")
-m = keras.Model(u, keras.layers.Dense(1)(kv.Embedding("u", 2)(u)))
+m = kv.Model(u, keras.layers.Dense(1)(kv.Embedding("u", 2)(u)))
 m.compile(optimizer=kv.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
 ck = kv.callbacks.Checkpoint(ck_dir, every_n_steps=100, restore=True)
 
@@ -90,7 +90,10 @@ class Sigterm(keras.callbacks.Callback):   # the last rank alone is told to stop
             os.kill(os.getpid(), signal.SIGTERM)
 
 x = np.arange(400) + 400 * kv.rank()
-m.fit(x, np.zeros(400), batch_size=8, verbose=0, callbacks=[ck, Sigterm()])
+h = m.fit(x, np.zeros(400), batch_size=8, verbose=0, callbacks=[ck, Sigterm()])
+if h.preempted:        # fit returned: the script decides what a preempted job does
+    print("rank", kv.rank(), "preempted at step", kv.keras.engine_of(m).step, flush=True)
+    sys.exit(0)
 print("rank", kv.rank(), "ran to the end from step", ck.restored.step if ck.restored else 0,
       "to", kv.keras.engine_of(m).step, flush=True)
 """
@@ -100,7 +103,8 @@ def test_sigterm_stops_every_rank_after_the_same_step_saves_and_exits_0(tmp_path
     ck = tmp_path / "ck"
     code, out = run(2, ["-c", PREEMPTED, ck], 180, "a preempted fit")
     assert code == 0, out[-3000:]
-    assert "kvcoll: preempted (SIGTERM): stopped every rank after step 5" in out, out[-3000:]
+    assert "kvcoll: preempted (SIGTERM): every rank stopped after step 5" in out, out[-3000:]
+    assert "rank 0 preempted at step 5" in out and "rank 1 preempted at step 5" in out
     assert "ran to the end" not in out
     assert (ck / "latest").read_text() == "ckpt-0000000005\n"
     code, out = run(2, ["-c", PREEMPTED, ck], 180, "the restart")
@@ -115,7 +119,7 @@ import keras, numpy as np, kvcoll as kv
 kv.init(argv=[])
 keras.utils.set_random_seed(0)
 u = keras.Input(shape=(), dtype="int64", name="u")
-m = keras.Model(u, keras.layers.Dense(1)(kv.Embedding("u", 2)(u)))
+m = kv.Model(u, keras.layers.Dense(1)(kv.Embedding("u", 2)(u)))
 m.compile(optimizer=kv.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
 
 class Slow(keras.callbacks.Callback):
@@ -125,9 +129,9 @@ class Slow(keras.callbacks.Callback):
         time.sleep(0.05)
 
 x = np.arange(4000) + 4000 * kv.rank()
-m.fit(x, np.zeros(4000), batch_size=8, verbose=0,
-      callbacks=[kv.callbacks.Checkpoint(sys.argv[1], every_n_steps=10000), Slow()])
-print("ran to the end", flush=True)
+h = m.fit(x, np.zeros(4000), batch_size=8, verbose=0,
+          callbacks=[kv.callbacks.Checkpoint(sys.argv[1], every_n_steps=10000), Slow()])
+print("preempted" if h.preempted else "ran to the end", flush=True)
 """
 
 
@@ -161,7 +165,7 @@ def test_sigterm_to_kvcollrun_preempts_the_job_which_saves_and_exits_0(tmp_path)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out[-3000:]
-    assert "kvcoll: preempted (SIGTERM): stopped every rank after step" in out, out[-3000:]
+    assert "kvcoll: preempted (SIGTERM): every rank stopped after step" in out, out[-3000:]
     assert "ran to the end" not in out and time.monotonic() - t0 < 60
     saved = (ck / "latest").read_text().strip()
     assert saved.startswith("ckpt-") and int(saved[5:]) >= 4

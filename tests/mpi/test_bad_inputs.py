@@ -36,7 +36,7 @@ def build():
         kv.Embedding("user", 3, initializer=("normal", 0, 0.1))(u),
         kv.Embedding("item", 3, combiner="mean", padding_id=-1,
                      initializer=("normal", 0, 0.1))(h), x])
-    model = keras.Model({"user": u, "history": h, "x": x}, keras.layers.Dense(1)(z))
+    model = kv.Model({"user": u, "history": h, "x": x}, keras.layers.Dense(1)(z))
     model.compile(optimizer=kv.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss=BCE,
                   metrics=[keras.metrics.AUC(name="auc", from_logits=True)])
     return model
@@ -202,20 +202,20 @@ def test_bad_api_arguments(comm, case):
 def test_models_kvcoll_cannot_run_are_refused_with_the_fix(comm):
     u = keras.Input(shape=(), dtype="int64", name="user")
     cast = keras.ops.cast(u, "int32")
-    m = keras.Model(u, keras.layers.Dense(1)(kv.Embedding("u", 2)(cast)))
+    m = kv.Model(u, keras.layers.Dense(1)(kv.Embedding("u", 2)(cast)))
     m.compile(optimizer=kv.DistributedOptimizer("sgd"), loss="mse")
     with pytest.raises(kv.InvalidArgumentError, match="must be called directly on a model input"):
         m.fit(np.arange(4), np.zeros(4), verbose=0)
     both = keras.layers.Concatenate()([kv.Embedding("v", 2)(u),
                                        keras.ops.expand_dims(keras.ops.cast(u, "float32"), 1)])
-    m2 = keras.Model(u, keras.layers.Dense(1)(both))
+    m2 = kv.Model(u, keras.layers.Dense(1)(both))
     m2.compile(optimizer=kv.DistributedOptimizer("sgd"), loss="mse")
     with pytest.raises(kv.InvalidArgumentError, match="feeds a kv.Embedding and other"):
         m2.fit(np.arange(4), np.zeros(4), verbose=0)
     m3 = build()
     with pytest.raises(kv.InvalidArgumentError, match="class_weight has no weight for"):
         m3.fit(*good(comm.rank), class_weight={0: 1.0}, verbose=0)
-    uncompiled = keras.Model(u, keras.layers.Dense(1)(kv.Embedding("w", 2)(u)))
+    uncompiled = kv.Model(u, keras.layers.Dense(1)(kv.Embedding("w", 2)(u)))
     with pytest.raises(kv.InvalidArgumentError, match="call model.compile"):
         uncompiled.fit(np.arange(4), np.zeros(4), verbose=0)
     _in_step(comm)

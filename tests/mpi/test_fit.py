@@ -53,7 +53,8 @@ def build(embed, seed=3):
     h = keras.layers.Concatenate()([embed("user")(u), embed("item")(i), x])
     h = keras.layers.Dense(5, activation="tanh", name="hidden",
                            kernel_regularizer=keras.regularizers.L2(1e-2))(h)
-    return keras.Model({"user": u, "item": i, "x": x}, keras.layers.Dense(1, name="out")(h))
+    cls = kv.Model if embed is kv_embed else keras.Model  # a reference: Keras alone
+    return cls({"user": u, "item": i, "x": x}, keras.layers.Dense(1, name="out")(h))
 
 
 def kv_embed(name):
@@ -191,7 +192,7 @@ def test_multi_output_model_with_per_output_losses_and_metrics(comm):
     h = keras.layers.Concatenate()([kv_embed("user")(u), kv_embed("item")(i)])
     ctr = keras.layers.Dense(1, name="ctr")(h)
     cvr = keras.layers.Dense(1, name="cvr")(keras.layers.Dense(4, activation="relu")(h))
-    model = keras.Model({"user": u, "item": i}, {"ctr": ctr, "cvr": cvr})
+    model = kv.Model({"user": u, "item": i}, {"ctr": ctr, "cvr": cvr})
     model.compile(optimizer=kv.DistributedOptimizer(keras.optimizers.Adam(0.02)),
                   loss={"ctr": BCE, "cvr": BCE}, loss_weights={"ctr": 1.0, "cvr": 0.5},
                   metrics={"ctr": [keras.metrics.AUC(name="auc")],
@@ -209,7 +210,7 @@ def test_multi_output_model_with_per_output_losses_and_metrics(comm):
     assert set(out) == {"ctr", "cvr"} and out["ctr"].shape == (mine.size, 1)
 
 
-class TwoTower(keras.Model):
+class TwoTower(kv.Model):
     """A subclassed model: ragged history ids, string city ids, one-hot user ids."""
 
     def __init__(self):

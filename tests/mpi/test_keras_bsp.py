@@ -91,8 +91,7 @@ def test_bsp_equals_one_rank_step_by_step(comm):
     # rides on the id all-to-all's counts
     assert sum(calls.values()) == 4 * steps, calls
     # the unique count changes every step; the compiled step was traced once
-    (train_fn,) = [f for k, f in dist.engine._fns.items() if k[0] == "train"]
-    assert train_fn.experimental_get_tracing_count() == 1
+    assert dist.engine.compute.tracing_count("train") == 1
     for t in (ref, dist):
         t.close()
 
@@ -147,7 +146,9 @@ def test_bad_input_errors_on_every_rank(comm, case):
     tr.train_step(b, label)
     before = {n: t.export() for n, t in tr.tables.items()}
     weights = tr.model.get_weights()
-    bad_rank = world - 1
+    # the bad rank: the last with samples (every rank works it out alike, so no rank
+    # skips a collective test alone)
+    bad_rank = max(r for r in range(world) if split(world, r)[1] > split(world, r)[0])
     if rank == bad_rank:
         if case == "float ids":
             b["user"] = b["user"].astype(np.float32)
@@ -157,19 +158,16 @@ def test_bad_input_errors_on_every_rank(comm, case):
             b["colour"] = b["user"]
         elif case == "nan loss":
             b["x"] = np.full_like(b["x"], np.nan) if len(b["x"]) else b["x"]
-    if case == "nan loss" and len(b["x"]) == 0:
-        pytest.skip("the bad rank has no samples")
     expected = kv.NonFiniteError if case == "nan loss" else kv.InvalidArgumentError
-    match = {"float ids": "int64 or int32|rejected their batch",
-             "batch sizes": "different batch sizes|rejected their batch",
-             "unknown feature": "unknown \\['colour'\\]|rejected their batch",
+    match = {"float ids": "could not use their batch.*int64 or int32",
+             "batch sizes": "could not use their batch.*different batch sizes",
+             "unknown feature": "could not use their batch.*unknown \\['colour'\\]",
              "nan loss": rf"NaN/Inf on rank\(s\) \[{bad_rank}\]"}[case]
     with pytest.raises(expected, match=match):
         tr.train_step(b, label)
     for n, t in tr.tables.items():
         after = t.export()
-        np.testing.assert_array_equal(np.sort(after["keys"]), np.sort(before[n]["keys"])) \
-            if case != "nan loss" else None
+        np.testing.assert_array_equal(np.sort(after["keys"]), np.sort(before[n]["keys"]))
         common = np.intersect1d(before[n]["keys"], after["keys"])
         np.testing.assert_array_equal(t.find(common), _rows_of(before[n], common))
     for a, w in zip(tr.model.get_weights(), weights):

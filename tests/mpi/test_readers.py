@@ -107,7 +107,7 @@ def criteo_model():
     inputs["numeric"] = keras.Input(shape=(13,), name="numeric")
     parts = [kv.Embedding("ids", 2, name=f"emb{i}")(inputs[f"C{i + 1}"]) for i in range(26)]
     out = keras.layers.Dense(1)(keras.layers.Concatenate()([*parts, inputs["numeric"]]))
-    model = keras.Model(inputs, out)
+    model = kv.Model(inputs, out)
     model.compile(optimizer=kv.DistributedOptimizer(keras.optimizers.Adam(1e-3),
                                                     sparse=kv.optimizers.Adagrad(0.05)),
                   loss=keras.losses.BinaryCrossentropy(from_logits=True))

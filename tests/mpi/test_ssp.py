@@ -208,7 +208,7 @@ def _trainer(mode, staleness=None, dense_opt=None):
     parts = [kv.Embedding("user", 4, initializer=("normal", 0, 0.1), seed=1)(u),
              kv.Embedding("item", 3, combiner="mean")(h), x]
     z = keras.layers.Dense(5, activation="tanh")(keras.layers.Concatenate()(parts))
-    model = keras.Model({"user": u, "history": h, "x": x}, keras.layers.Dense(1)(z))
+    model = kv.Model({"user": u, "history": h, "x": x}, keras.layers.Dense(1)(z))
     opt = kv.DistributedOptimizer(dense_opt or keras.optimizers.Adam(0.02),
                                   sparse=kv.optimizers.Adagrad(0.2))
     return kv.Trainer(model, keras.losses.BinaryCrossentropy(from_logits=True), opt,
@@ -271,7 +271,9 @@ def test_trainer_dense_optimizer_state_round_trips(comm):
         tr.train_step(*_batch(rank, s))
     tr.finish()
     opt = tr.opt
-    assert int(opt.iterations.numpy()) == 3 * world          # one update per push with data
+    # the optimizer counts steps (what learning-rate schedules and checkpoints read), not
+    # the pushes the slice owners applied (one per rank per step)
+    assert int(opt.iterations.numpy()) == 3
     m = np.concatenate([np.asarray(v).reshape(-1) for v in opt._momentums])
     assert np.abs(m).sum() > 0
     every = comm.allgather(m)
@@ -280,7 +282,7 @@ def test_trainer_dense_optimizer_state_round_trips(comm):
     # a second round continues from that state (no reset of the moments)
     tr.train_step(*_batch(rank, 7))
     tr.finish()
-    assert int(opt.iterations.numpy()) == 4 * world
+    assert int(opt.iterations.numpy()) == 4
     tr.close()
 
 

@@ -32,7 +32,7 @@ def build(item_dtype: str = "int64"):
         x,
     ]
     z = keras.layers.Dense(6, activation="tanh")(keras.layers.Concatenate()(parts))
-    return keras.Model({"user": u, "item": i, "history": h, "tags": t, "x": x},
+    return kv.Model({"user": u, "item": i, "history": h, "tags": t, "x": x},
                        keras.layers.Dense(1)(z))
 
 

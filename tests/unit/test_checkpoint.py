@@ -305,7 +305,7 @@ def test_a_dense_part_in_the_layout_before_dense_state_still_restores(saved, tmp
     d, snap, _ = saved
     tr = trainer()
     kv.restore(d / "full", tr)                      # the state at step 5
-    eng = ck._engine(tr)
+    eng = tr.engine
     old = tmp_path / "old"
     shutil.copytree(d / "full", old)
     ckpt = old / "ckpt-0000000005"

@@ -34,7 +34,8 @@ def build(embed=None, extra=None):
     h = keras.layers.Concatenate()([e, x])
     if extra is not None:
         h = extra(h)
-    return keras.Model({"user": u, "x": x}, keras.layers.Dense(1, name="out")(h))
+    cls = kv.Model if embed is None else keras.Model  # a reference model: Keras alone
+    return cls({"user": u, "x": x}, keras.layers.Dense(1, name="out")(h))
 
 
 def kv_model(opt=None, sparse=None, metrics=None, **build_kw):
@@ -166,12 +167,67 @@ def test_models_without_kv_embedding_keep_keras_own_fit():
     m.compile(optimizer="sgd", loss="mse")
     h = m.fit(np.ones((8, 2), np.float32), np.ones(8, np.float32), verbose=0)
     assert len(h.history["loss"]) == 1
-    from kvcoll.keras.fit import uses_kvcoll
-    assert not uses_kvcoll(m) and uses_kvcoll(build())
+    from kvcoll.keras.model import is_distributed_model
+    assert not is_distributed_model(m) and is_distributed_model(build())
+
+
+def test_no_keras_class_is_patched():
+    """Importing kvcoll replaces no attribute of keras.Model (or of its bases): opting in
+    is per model."""
+    names = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch",
+             "predict_on_batch", "make_train_function", "make_test_function",
+             "make_predict_function", "stop_training", "reset_metrics", "compile")
+    for cls in keras.Model.__mro__:
+        for name in names:
+            value = cls.__dict__.get(name)
+            if value is not None:
+                fn = getattr(value, "fget", value)
+                assert getattr(fn, "__module__", "").split(".")[0] in ("keras", "tf_keras"), \
+                    (cls, name, fn)
+
+
+def test_a_plain_model_with_kv_embedding_fails_with_the_fix():
+    """A keras.Model holding kv.Embedding that did not opt in never trains in silence:
+    its first fit, evaluate or predict names the one-line fix."""
+    x, y = data()
+    u = keras.Input(shape=(), dtype="int64", name="user")
+    xx = keras.Input(shape=(2,), dtype="float32", name="x")
+    h = keras.layers.Concatenate()([kv.Embedding("user", DIM)(u), xx])
+    plain = keras.Model({"user": u, "x": xx}, keras.layers.Dense(1)(h))
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss=BCE)
+    for call in (lambda: plain.fit(x, y, epochs=1, verbose=0),
+                 lambda: plain.evaluate(x, y, verbose=0),
+                 lambda: plain.predict(x, verbose=0)):
+        with pytest.raises(kv.InvalidArgumentError, match=r"kv\.distribute\(model\)"):
+            call()
+
+
+def test_distribute_opts_in_an_existing_model_and_equals_kv_model():
+    """kv.distribute(model) trains the model as kv.Model does (same losses), touching no
+    other instance of its class."""
+    x, y = data()
+    losses = []
+    for how in ("kv.Model", "distribute"):
+        keras.utils.set_random_seed(2)
+        u = keras.Input(shape=(), dtype="int64", name="user")
+        xx = keras.Input(shape=(2,), dtype="float32", name="x")
+        h = keras.layers.Concatenate()([kv.Embedding("user", DIM, initializer=("normal", 0, 0.1))(u), xx])
+        out = keras.layers.Dense(1)(h)
+        m = kv.Model({"user": u, "x": xx}, out) if how == "kv.Model" \
+            else kv.distribute(keras.Model({"user": u, "x": xx}, out))
+        engine_of(m, comm=Comm.local())
+        m.compile(optimizer=kv.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                                    sparse=kv.optimizers.SGD(0.1)), loss=BCE)
+        losses.append(m.fit(x, y, batch_size=32, epochs=2, shuffle=False,
+                            verbose=0).history["loss"])
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
+    other = keras.Model(*[keras.Input((1,))] * 2)
+    from kvcoll.keras.model import is_distributed_model
+    assert not is_distributed_model(other)
 
 
 def test_a_custom_train_step_is_refused_with_the_fix():
-    class Custom(keras.Model):
+    class Custom(kv.Model):
         def __init__(self):
             super().__init__()
             self.e = kv.Embedding("u", 2)
@@ -183,8 +239,11 @@ def test_a_custom_train_step_is_refused_with_the_fix():
         def train_step(self, data):
             return super().train_step(data)
 
+    model = Custom()
+    engine_of(model, comm=Comm.local())
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=BCE)
     with pytest.raises(kv.InvalidArgumentError, match="override compute_loss"):
-        engine_of(Custom(), comm=Comm.local())
+        model.fit({"user": np.arange(4)}, np.zeros(4, np.float32), verbose=0)
 
 
 def test_dense_backend_setting_and_its_errors():
@@ -228,3 +287,43 @@ def test_the_keras_kvcoll_runs_on_is_tf_keras():
 
     with pytest.raises(kv.InvalidArgumentError, match="TF_USE_LEGACY_KERAS"):
         engine_of(NotKeras(), comm=Comm.local())
+
+
+def test_save_and_load_model_keep_the_opt_in_and_the_row_optimizer(tmp_path):
+    """model.save / keras.models.load_model: the reloaded model is a kv.Model again, and
+    its kv.Embedding keeps its own row optimizer (a schedule included)."""
+    sched = keras.optimizers.schedules.ExponentialDecay(0.3, decay_steps=10, decay_rate=0.5)
+    model = kv_model(embed=None)
+    x, y = data()
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    u = keras.Input(shape=(), dtype="int64", name="user")
+    xx = keras.Input(shape=(2,), dtype="float32", name="x")
+    e = kv.Embedding("user", DIM, optimizer=kv.optimizers.Adagrad(sched))(u)
+    m = kv.Model({"user": u, "x": xx}, keras.layers.Dense(1)(keras.layers.Concatenate()([e, xx])))
+    path = str(tmp_path / "m.keras")
+    m.save(path)
+    loaded = keras.models.load_model(path)
+    from kvcoll.keras.model import is_distributed_model
+    assert is_distributed_model(loaded) and isinstance(loaded, kv.Model)
+    layer = next(l for l in loaded.layers if isinstance(l, kv.Embedding))
+    assert isinstance(layer.row_optimizer, kv.optimizers.Adagrad)
+    assert layer.row_optimizer.learning_rate_at(20) == pytest.approx(0.3 * 0.25, rel=1e-6)
+    engine_of(loaded, comm=Comm.local())
+    loaded.compile(optimizer=keras.optimizers.SGD(0.1), loss=BCE)
+    assert len(loaded.fit(x, y, batch_size=32, epochs=1, verbose=0).history["loss"]) == 1
+
+
+def test_a_top_level_pair_is_x_and_y_never_ragged_ids():
+    """A data set of (ids, integer labels) is (x, y): the labels are not taken for the
+    ids' row splits (the rule: a top-level tuple is (x, y, sample_weight))."""
+    keras.utils.set_random_seed(3)
+    u = keras.Input(shape=(), dtype="int64", name="user")
+    m = kv.Model(u, keras.layers.Dense(1)(kv.Embedding("user", DIM)(u)))
+    engine_of(m, comm=Comm.local())
+    m.compile(optimizer=keras.optimizers.SGD(0.1), loss=BCE)
+    ids = np.arange(64, dtype=np.int64) % 7
+    labels = (ids % 2).astype(np.int64)
+    ds = tf.data.Dataset.from_tensor_slices((ids, labels)).batch(16)
+    h = m.fit(ds, epochs=1, verbose=0)
+    assert len(h.history["loss"]) == 1 and np.isfinite(h.history["loss"][0])
+    assert engine_of(m).step == 4 and len(engine_of(m).tables["user"]) == 7

@@ -95,7 +95,7 @@ def test_rows_gradient_summed_in_c_equals_tensorflows():
     """The Trainer takes the rows' gradient out of the compiled step as (values,
     indices) and sums it in C: the same matrix TensorFlow's own conversion gives, for a
     gather gradient (duplicates), a dense gradient and no gradient."""
-    from kvcoll.keras.engine import _gathered_grad
+    from kvcoll.keras.compute import _gathered_grad
     from kvcoll.exchange.kernels import gather_grad
 
     rows = tf.constant(np.arange(12, dtype=np.float32).reshape(6, 2))

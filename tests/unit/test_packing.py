@@ -9,7 +9,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from kvcoll._buffers import aligned_empty  # noqa: E402
-from kvcoll.keras.engine import _tensor  # noqa: E402
+from kvcoll.keras.compute import _tensor  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.int64, np.uint32])

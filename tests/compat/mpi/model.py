@@ -24,7 +24,7 @@ def build(seed: int = 3):
         kv.Embedding("item", 3, combiner="mean", initializer=("uniform", -0.1, 0.1))(h),
         x])
     z = keras.layers.Dense(6, activation="tanh", name="hidden")(z)
-    return keras.Model({"user": u, "history": h, "x": x}, keras.layers.Dense(1, name="out")(z))
+    return kv.Model({"user": u, "history": h, "x": x}, keras.layers.Dense(1, name="out")(z))
 
 
 def compile_(model):

@@ -1,0 +1,808 @@
+"""Keras drives kvcoll's step loop, per model: `kv.Model` and `kv.distribute`.
+
+A model opts in once: built as `kv.Model(inputs, outputs)` (a keras.Model subclass,
+which subclassed models can inherit from too), or passed through `kv.distribute(model)`
+(for a model that exists already: a Sequential, one loaded from a file, one a library
+built; its class becomes a subclass of its own class with kvcoll's step functions, for
+that one instance). Nothing in Keras' classes is replaced. A plain keras.Model holding
+kv.Embedding layers that did not opt in fails at its first step with the error of
+kv.Embedding, which names the fix: it never trains wrongly in silence.
+
+Keras keeps its own loops. In both Keras majors `fit` calls `make_train_function()` and
+then `train_function(iterator)` once per step (evaluate and predict likewise); an
+opted-in model returns step functions that run kvcoll's loop (kvcoll.step):
+
+- the step function reads the iterator itself, so a rank whose data ran out still takes
+  part in the step's agreement with no samples, until every rank's data has run out;
+  then it raises StopIteration on every rank at the same step and Keras ends the epoch;
+  fit/evaluate first agree on each rank's number of batches: when they differ (or one
+  is unknown), every rank's data is made of unknown length, so Keras lets the step
+  functions end the epoch;
+- logs are global: the loss and every compiled metric over all ranks' samples, and the
+  model's metric variables hold that global state, which is what Keras reads at an
+  epoch's end; so EarlyStopping and ReduceLROnPlateau decide the same everywhere;
+- `model.stop_training = True` on any rank (a callback) stops every rank after the same
+  step: the request rides the next step's agreement, and `stop_training` reads True
+  once the ranks agreed (at the latest at the epoch's end);
+- preemption: SIGTERM (or SIGUSR2, kvcollrun's relay of it) during fit stops every rank
+  after the same step; training ends as usual (kv.callbacks.Checkpoint writes its
+  checkpoint) and fit returns its History with `history.preempted = True`;
+- the progress bar prints on rank 0 only; TensorBoard, CSVLogger, ModelCheckpoint,
+  BackupAndRestore and RemoteMonitor (and their subclasses) run on rank 0 only;
+- SSP/ASP: each rank steps at its own pace; the epoch's end is a sync point (every
+  update applied everywhere, the same dense model on every rank, global logs).
+
+A user's `compute_loss`, `call` and `add_loss` work as in Keras; `test_step` and
+`predict_step` overrides run inside kvcoll's steps (the rows are there while they run);
+a `train_step` override cannot (kvcoll applies the dense gradients after summing them
+over ranks, and the rows' on their owners) and is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import math
+import signal
+import threading
+import warnings
+import weakref
+
+import numpy as np
+import tensorflow as tf
+
+from .. import runtime
+from ..errors import InvalidArgumentError
+from ..step import END, IDLE, DataFailure, Loop
+from . import _compat
+from ._compat import keras
+from .engine import engine_of, find_engine
+from .feed import split_validation, with_class_weight
+
+__all__ = ["Model", "distribute", "is_distributed_model"]
+
+_RANK_ZERO_ONLY = tuple(getattr(keras.callbacks, n) for n in (
+    "TensorBoard", "CSVLogger", "ModelCheckpoint", "BackupAndRestore", "RemoteMonitor")
+    if hasattr(keras.callbacks, n))
+
+
+class _Run:
+    """What one model's step functions keep between calls: whether the next call begins
+    a new fit/evaluate/predict (the layout agreement), the agreed targets, the epoch's
+    length when known (SSP's sync point), and whether the pass has ended."""
+
+    def __init__(self):
+        self.begin = {"train": True, "test": True, "predict": True}
+        self.targets = {"train": None, "test": None}
+        self.ended = {"train": False, "test": False, "predict": False}
+        self.epoch_steps = None     # train: steps per epoch when every rank knows it
+        self.steps = 0              # train: steps taken this epoch
+        self.outputs_given = False  # predict: this call returned outputs
+        # a Python iterable of batches kvcoll reads itself (Keras gets a stand-in)
+        self.source = {"train": None, "test": None, "predict": None}
+
+
+_RUNS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _run(model) -> _Run:
+    run = _RUNS.get(model)
+    if run is None:
+        run = _RUNS[model] = _Run()
+    return run
+
+
+class _Kvcoll:
+    """The step functions and loop wrappers an opted-in model has (see the module
+    docstring); mixed into kv.Model and into the class kv.distribute gives a model."""
+
+    _kvcoll_model = True
+
+    # -- stop_training: a request on any rank, agreed before it reads True ---------------
+
+    @property
+    def stop_training(self):
+        return bool(self.__dict__.get("_kv_stop_agreed", False))
+
+    @stop_training.setter
+    def stop_training(self, value):
+        self.__dict__["_kv_stop_asked"] = bool(value)
+        if not value:
+            self.__dict__["_kv_stop_agreed"] = False
+
+    # -- the step functions Keras calls ---------------------------------------------------
+
+    def make_train_function(self, force=False):
+        if getattr(self, "train_function", None) is not None and not force:
+            return self.train_function
+        custom = [n for n in ("train_step",) if _overrides(self, n)]
+        if custom:
+            raise InvalidArgumentError(
+                f"{type(self).__name__} overrides train_step: kvcoll runs its own training "
+                "step (the rows are pulled before the model runs, the dense gradients are "
+                "summed over ranks before the optimizer applies them, the rows' are applied "
+                "on their owners), so a train_step that applies gradients itself cannot "
+                "run; override compute_loss (or use call/add_loss) instead")
+        model = self
+
+        def train_function(iterator):
+            return _steps(model, iterator, _train_step)
+
+        self.train_function = train_function
+        return train_function
+
+    def make_test_function(self, force=False):
+        if getattr(self, "test_function", None) is not None and not force:
+            return self.test_function
+        model = self
+
+        def test_function(iterator):
+            return _steps(model, iterator, _test_step)
+
+        self.test_function = test_function
+        return test_function
+
+    def make_predict_function(self, force=False):
+        if getattr(self, "predict_function", None) is not None and not force:
+            return self.predict_function
+        model = self
+
+        def predict_function(data):
+            return _predict(model, data)
+
+        self.predict_function = predict_function
+        return predict_function
+
+    # -- the loops, around Keras' own --------------------------------------------------------
+
+    def compile(self, *args, **kwargs):
+        out = super().compile(*args, **kwargs)
+        eng = find_engine(self)
+        if eng is not None:
+            eng.recompiled()
+        for name in ("train_function", "test_function", "predict_function"):
+            if hasattr(self, name):
+                setattr(self, name, None)
+        return out
+
+    def reset_metrics(self):
+        super().reset_metrics()
+        if _has_engine(self):
+            engine_of(self).reset_metrics()
+
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
+            validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
+            sample_weight=None, initial_epoch=0, steps_per_epoch=None, **kwargs):
+        eng = engine_of(self)
+        run = _run(self)
+        run.begin["train"], run.ended["train"] = True, False
+        val = {"data": validation_data, "split": validation_split}
+
+        def local():
+            nonlocal x, y, sample_weight, class_weight
+            _check_compiled(self, "fit")
+            if class_weight and not _is_source(x):   # arrays: weights checked here
+                x, y, sample_weight = with_class_weight((x, y, sample_weight), class_weight)
+                class_weight = None
+            if val["split"] and val["data"] is None and not _is_source(x):
+                (x, y, sample_weight), val["data"] = split_validation(
+                    x, y, sample_weight, val["split"])
+                val["split"] = 0.0
+            return _local_data(run, "train", x, y, sample_weight, batch_size, class_weight,
+                               steps_per_epoch)
+
+        mine, known = _agreed(eng, "fit:batches", local)
+        if not eng.synchronous:   # SSP/ASP: each rank runs its own steps to its epoch's end
+            known = mine
+        x, y, sample_weight, class_weight, steps_per_epoch = _keras_data(
+            run, "train", mine, known, x, y, sample_weight, batch_size, shuffle,
+            class_weight, steps_per_epoch)
+        validation_data, validation_split = val["data"], val["split"]
+        if validation_data is not None:
+            vbatch, vsteps = kwargs.get("validation_batch_size") or batch_size, \
+                kwargs.get("validation_steps")
+            vx, vy, vsw = _unpack_validation(validation_data)
+            vmine, vknown = _agreed(eng, "fit:validation_batches", lambda: _local_data(
+                run, "test", vx, vy, vsw, vbatch, None, vsteps))
+            vx, vy, vsw, _, vsteps = _keras_data(run, "test", vmine, vknown, vx, vy, vsw,
+                                                 vbatch, False, None, vsteps)
+            validation_data = tuple(p for p in (vx, vy, vsw) if p is not None) \
+                if vy is not None else vx
+            if vsteps is not None or "validation_steps" in kwargs:
+                kwargs["validation_steps"] = vsteps
+        run.epoch_steps = known
+        callbacks = _rank_callbacks(eng, callbacks)
+        callbacks.append(_EpochHooks())
+        verbose = _verbose(eng, verbose)
+        preempt = _Preemption(self)
+        with _joined_on_failure(eng, run, "train"), preempt, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*ran out of data.*")
+            warnings.filterwarnings("ignore", message=".*shuffle=True. was passed.*")
+            history = super().fit(
+                x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
+                callbacks=callbacks, validation_split=validation_split,
+                validation_data=validation_data, shuffle=shuffle, class_weight=class_weight,
+                sample_weight=sample_weight, initial_epoch=initial_epoch,
+                steps_per_epoch=steps_per_epoch, **kwargs)
+        run.source["train"] = run.source["test"] = None
+        preempted = bool(eng.comm.allreduce(np.array([int(preempt.signalled)], np.int64),
+                                            op="fit:preempted", mpi_op="max")[0])
+        if history is not None:
+            history.preempted = preempted
+        if preempted:
+            runtime.note_preempted()
+            if eng.comm.rank == 0:
+                print(f"kvcoll: preempted (SIGTERM): every rank stopped after step "
+                      f"{eng.step}; training ended as usual (a kv.callbacks.Checkpoint "
+                      "wrote its checkpoint); fit returned with history.preempted = True",
+                      flush=True)
+        return history
+
+    def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
+                 steps=None, callbacks=None, return_dict=False, **kwargs):
+        eng = engine_of(self)
+        eng.sync()
+        run = _run(self)
+        run.begin["test"], run.ended["test"] = True, False
+        cached = kwargs.get("_use_cached_eval_dataset")
+        if cached:                   # fit's validation: its data was agreed by fit
+            if run.source["test"] is not None:
+                run.source["test"].new_pass()
+        else:
+            def local():
+                _check_compiled(self, "evaluate")
+                return _local_data(run, "test", x, y, sample_weight, batch_size, None, steps)
+
+            mine, shared = _agreed(eng, "evaluate:batches", local)
+            x, y, sample_weight, _, steps = _keras_data(
+                run, "test", mine, shared, x, y, sample_weight, batch_size, False, None, steps)
+        if not isinstance(callbacks, keras.callbacks.CallbackList):
+            callbacks = _rank_callbacks(eng, callbacks)
+            verbose = _verbose(eng, verbose)
+        with _joined_on_failure(eng, run, "test"):
+            out = super().evaluate(x, y, batch_size=batch_size, verbose=verbose,
+                                   sample_weight=sample_weight, steps=steps,
+                                   callbacks=callbacks, return_dict=return_dict, **kwargs)
+        if not cached:
+            run.source["test"] = None
+        return out
+
+    def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None,
+                **kwargs):
+        eng = engine_of(self)
+        eng.sync()
+        run = _run(self)
+        run.begin["predict"], run.ended["predict"] = True, False
+        run.outputs_given = False
+        out = None
+        with _joined_on_failure(eng, run, "predict"):
+            local = _local_batches(x, batch_size, steps)
+            if _is_python_source(x):
+                run.source["predict"] = _Source(x, steps)
+                x, local = _stand_in(None), None
+            x = _keras_arrays(x)
+            if local != 0:   # (Keras 2 refuses data with no batch: this rank joins after)
+                out = super().predict(x, batch_size=batch_size,
+                                      verbose=_verbose(eng, verbose), steps=steps,
+                                      callbacks=_rank_callbacks(eng, callbacks), **kwargs)
+        run.source["predict"] = None
+        _finish_predict(self, eng, run)
+        return out if out is not None else _empty_outputs(self)
+
+    def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, **kwargs):
+        run = _run(self)
+        run.begin["train"], run.ended["train"] = True, False
+        run.epoch_steps, run.source["train"] = None, None
+        if class_weight is not None:
+            x, y, sample_weight = with_class_weight((x, y, sample_weight), class_weight)
+        return super().train_on_batch(x, y, sample_weight=sample_weight, **kwargs)
+
+    def test_on_batch(self, x, y=None, sample_weight=None, **kwargs):
+        engine_of(self).sync()
+        run = _run(self)
+        run.begin["test"], run.ended["test"], run.source["test"] = True, False, None
+        return super().test_on_batch(x, y, sample_weight=sample_weight, **kwargs)
+
+    def predict_on_batch(self, x):
+        eng = engine_of(self)
+        eng.sync()
+        run = _run(self)
+        run.begin["predict"], run.ended["predict"] = True, False
+        run.outputs_given, run.source["predict"] = False, None
+        out = super().predict_on_batch(x)
+        _finish_predict(self, eng, run)
+        return out
+
+
+class Model(_Kvcoll, keras.Model):
+    """A keras.Model whose fit, evaluate and predict run kvcoll's step loop: build it as
+    `kv.Model(inputs, outputs)`, or inherit from it in a subclassed model. Everything
+    else is Keras' (see kvcoll.keras.model)."""
+
+    def __new__(cls, *args, **kwargs):
+        # kv.Model(inputs, outputs) is a functional model, as keras.Model(inputs,
+        # outputs) is: made here as a class of its own, so that Keras never rewrites
+        # kv.Model's bases (its functional "injection"), which would break subclassing it
+        if cls is Model and _functional_arguments(args, kwargs):
+            return super().__new__(_FunctionalModel, *args, **kwargs)
+        return super().__new__(cls, *args, **kwargs)
+
+
+class _FunctionalModel(Model, _compat.functional_class()):
+    """What kv.Model(inputs, outputs) makes: a functional model that runs kvcoll's
+    steps (saved as kvcoll>Model, loaded as one)."""
+
+
+_FunctionalModel.__name__ = _FunctionalModel.__qualname__ = "Model"
+_FunctionalModel = keras.saving.register_keras_serializable(
+    package="kvcoll", name="Model")(_FunctionalModel)
+
+
+def _functional_arguments(args, kwargs) -> bool:
+    """Keras' rule for a functional model's constructor: (inputs, outputs)."""
+    return len(args) == 2 or (len(args) == 1 and "outputs" in kwargs) or \
+        ("inputs" in kwargs and "outputs" in kwargs)
+
+_CLASSES: dict = {}
+
+
+def distribute(model):
+    """Opt an existing model in (a Sequential, a loaded model, a functional model built
+    as keras.Model): returns the same model, whose class is now a subclass of its own
+    class with kvcoll's step functions (this instance only; Keras' classes are not
+    touched). Saving records the model's own class, so a reloaded model is passed
+    through kv.distribute again (or built as kv.Model)."""
+    if not isinstance(model, keras.Model):
+        raise InvalidArgumentError(
+            f"kv.distribute takes a {keras.__name__}.Model, got {type(model).__name__}")
+    if is_distributed_model(model):
+        return model
+    base = type(model)
+    cls = _CLASSES.get(base)
+    if cls is None:
+        cls = type(base.__name__, (_Kvcoll, base), {"__module__": base.__module__,
+                                                    "__qualname__": base.__qualname__})
+        _CLASSES[base] = cls
+    model.__class__ = cls
+    return model
+
+
+def is_distributed_model(model) -> bool:
+    """Whether the model runs kvcoll's steps (built as kv.Model or kv.distribute'd)."""
+    return bool(getattr(type(model), "_kvcoll_model", False))
+
+
+# -- one step ------------------------------------------------------------------------------
+
+def _steps(model, iterator, one):
+    """Keras' step function: steps_per_execution steps; StopIteration once the pass has
+    ended on every rank."""
+    kind = "train" if one is _train_step else "test"
+    source = _run(model).source[kind]
+    if source is not None:     # Keras' iterator is a stand-in that only counts steps
+        iterator = source.iterator()
+    logs = None
+    for _ in range(_compat.steps_per_execution(model)):
+        out = one(model, iterator)
+        if out is None:
+            break
+        logs = out
+    if logs is None:
+        raise StopIteration
+    return logs
+
+
+def _begin(model, kind: str, iterator, x_only: bool = False):
+    """The first element of a pass, after the layout agreement (a collective) on the
+    pass's first call; None for later calls."""
+    run = _run(model)
+    eng = engine_of(model)
+    element = Loop.read(iterator)
+    first = None if element is END or isinstance(element, DataFailure) else element
+    error = element.exc if isinstance(element, DataFailure) else None
+    targets = eng.begin(first, error, x_only=x_only)
+    run.begin[kind] = False
+    run.ended[kind] = targets is None
+    if kind in run.targets:
+        run.targets[kind] = targets
+    return element
+
+
+def _train_step(model, iterator):
+    run = _run(model)
+    if run.begin["train"]:
+        element = _begin(model, "train", iterator)
+        run.steps = 0
+    else:
+        element = None
+    if run.ended["train"]:
+        return None
+    eng = engine_of(model)
+    loop, compute = eng.loop, eng.compute
+    compute.targets = run.targets["train"]
+    loop.stop_asked = bool(model.__dict__.get("_kv_stop_asked", False))
+    out = loop.train(element) if element is not None else loop.train_next(iterator)
+    while out is IDLE:             # every rank waits for data: keep the ranks in step
+        loop.stop_asked = bool(model.__dict__.get("_kv_stop_asked", False))
+        out = loop.train_next(iterator)
+    if out is None:                # every rank is out of data, or a stop was agreed
+        run.ended["train"] = True
+        if loop.stop_asked:
+            model.__dict__["_kv_stop_agreed"] = True
+        if not loop.synchronous:
+            loop.finish()          # the epoch's sync point: global logs in the metrics
+        return None
+    run.steps += 1
+    if not loop.synchronous and run.epoch_steps is not None and run.steps >= run.epoch_steps:
+        run.ended["train"] = True
+        return loop.finish()
+    return out.logs
+
+
+def _test_step(model, iterator):
+    run = _run(model)
+    element = _begin(model, "test", iterator) if run.begin["test"] else None
+    if run.ended["test"]:
+        return None
+    eng = engine_of(model)
+    eng.compute.targets = run.targets["test"]
+    if element is None:
+        element = Loop.read(iterator)
+    logs = eng.loop.evaluate(element)
+    if logs is None:
+        run.ended["test"] = True
+    return logs
+
+
+def _predict(model, data):
+    """Keras 3 hands predict_function a list of elements, Keras 2 an iterator."""
+    run = _run(model)
+    elements = list(data) if isinstance(data, (list, tuple)) else None
+    if run.source["predict"] is not None:   # data from Keras is a stand-in
+        data, elements = run.source["predict"].iterator(), None
+    outs = []
+    for i in range(len(elements) if elements is not None
+                   else _compat.steps_per_execution(model)):
+        if run.ended["predict"]:
+            break
+        if run.begin["predict"]:
+            if elements is not None:
+                element = elements[i]
+                first = element
+                engine_of(model).begin(first, None, x_only=True)
+                run.begin["predict"] = False
+            else:
+                element = _begin(model, "predict", data, x_only=True)
+        else:
+            element = elements[i] if elements is not None else Loop.read(data)
+        more, out = engine_of(model).loop.predict(element)
+        if not more:
+            run.ended["predict"] = True
+            break
+        outs.append(out if out is not None else _empty_outputs(model))
+    if not outs:
+        if run.outputs_given:
+            raise StopIteration
+        outs.append(_empty_outputs(model))   # Keras 2 needs one output per predict
+    run.outputs_given = True
+    return tf.nest.map_structure(tf.constant, _concat(outs))  # Keras converts tensors
+
+
+# -- agreeing on the data -----------------------------------------------------------------
+
+def _is_source(x) -> bool:
+    """A data set that yields its own batches (tf.data, a generator, a PyDataset)."""
+    if x is None or isinstance(x, (np.ndarray, tf.Tensor, tf.RaggedTensor, dict, list,
+                                   tuple, str, bytes)):
+        return False
+    return True
+
+
+def _is_python_source(x) -> bool:
+    """A source kvcoll reads itself: any iterable or iterator of batches, a generator, a
+    PyDataset / Sequence, a kvcoll reader; not arrays and not a tf.data.Dataset."""
+    return _is_source(x) and not isinstance(x, tf.data.Dataset)
+
+
+class _Source:
+    """A Python source of batches (see _is_python_source), read by the step functions
+    themselves: Keras never converts its batches to tf.data (whose fixed signature
+    refuses ids whose count varies, and which peeks at batches on one rank alone)."""
+
+    def __init__(self, data, steps=None):
+        self.data = data
+        self._it = None
+        self._indexed = not isinstance(data, collections.abc.Iterable) and \
+            hasattr(data, "__getitem__") and hasattr(data, "__len__")
+        self._one_shot = isinstance(data, collections.abc.Iterator)
+
+    @property
+    def length(self) -> int | None:
+        try:
+            return None if self._one_shot else len(self.data)
+        except TypeError:
+            return None
+
+    def new_pass(self) -> None:
+        """An epoch begins: a new pass over the data (a one-shot iterator goes on)."""
+        if self._one_shot:
+            self._it = self._it or self.data
+            return
+        if self._indexed and self._it is not None and hasattr(self.data, "on_epoch_end"):
+            self.data.on_epoch_end()
+        self._it = (self.data[i] for i in range(len(self.data))) if self._indexed \
+            else iter(self.data)
+
+    def iterator(self):
+        if self._it is None:
+            self.new_pass()
+        return self._it
+
+
+def _stand_in(count: int | None) -> tf.data.Dataset:
+    """What Keras iterates in place of a Python source: step numbers, `count` of them,
+    or of unknown length (the step functions end the pass)."""
+    if count is not None:
+        return tf.data.Dataset.range(count)
+    return tf.data.Dataset.range(1).repeat().filter(lambda i: tf.constant(True))
+
+
+def _local_batches(x, batch_size, steps) -> int | None:
+    """This rank's number of batches, None if unknown (generators, streams)."""
+    count = None
+    if isinstance(x, tf.data.Dataset):
+        c = int(x.cardinality().numpy())
+        count = c if c >= 0 else None
+    elif _is_python_source(x):
+        count = _Source(x).length
+    elif x is not None:
+        n = _num_samples(x)
+        count = math.ceil(n / (batch_size or 32)) if n is not None else None
+    if steps is not None:
+        count = int(steps) if count is None else min(int(steps), count)
+    return count
+
+
+def _num_samples(x) -> int | None:
+    for leaf in tf.nest.flatten(x, expand_composites=False):
+        if isinstance(leaf, tf.RaggedTensor):
+            return int(leaf.nrows())
+        shape = getattr(leaf, "shape", None)
+        if shape is not None and len(shape):
+            return int(shape[0])
+    return None
+
+
+def _agreed(eng, op: str, local):
+    """Run local(), this rank's part of a set-up (it may fail, e.g. on bad arguments),
+    which returns its number of batches (None: unknown), and agree with every rank (a
+    collective): a failure on any rank raises on every rank. Returns (this rank's count,
+    the count every rank shares or None)."""
+    try:
+        mine, err = local(), None
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+        mine, err = None, exc
+    got = eng.comm.allgather(np.array([-1 if mine is None else mine, int(err is not None)],
+                                      np.int64), op=op)
+    if got[:, 1].any():
+        texts = eng.comm.allgather_json(None if err is None else
+                                        f"{type(err).__name__}: {err}", op + ":errors")
+        if err is not None:
+            raise err
+        bad = [r for r, t in enumerate(texts) if t]
+        raise InvalidArgumentError(f"rank(s) {bad} could not set up {op}: {texts[bad[0]]}")
+    counts = got[:, 0]
+    shared = int(counts[0]) if (counts >= 0).all() and (counts == counts[0]).all() else None
+    return mine, shared
+
+
+def _keras_arrays(x):
+    """Arrays as Keras' array adapter takes them: string ids (numpy str, bytes or object
+    arrays) as tf.string tensors, and (values, row_splits) pairs of multi-hot ids as
+    tf.RaggedTensor (one row per sample)."""
+    if x is None or _is_source(x):
+        return x
+
+    def leaf(v):
+        if isinstance(v, tuple) and len(v) == 2 and all(
+                isinstance(a, (np.ndarray, tf.Tensor)) and len(a.shape) == 1 for a in v):
+            return tf.RaggedTensor.from_row_splits(v[0], np.asarray(v[1], np.int64))
+        if isinstance(v, np.ndarray) and v.dtype.kind in "USO":
+            return tf.constant(v.astype(object) if v.dtype.kind == "U" else v, tf.string)
+        return v
+
+    if isinstance(x, dict):
+        return {k: leaf(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [leaf(v) for v in x]
+    if isinstance(x, tuple):
+        return tuple(leaf(v) for v in x)
+    return leaf(x)
+
+
+def _check_compiled(model, what: str) -> None:
+    if not _compat.is_compiled(model) or (what == "fit" and model.optimizer is None):
+        raise InvalidArgumentError(
+            f"call model.compile(optimizer=kv.DistributedOptimizer(...), loss=...) before "
+            f"model.{what}()")
+
+
+def _local_data(run, kind, x, y, sw, batch_size, class_weight, steps) -> int | None:
+    """This rank's part of agreeing on a pass's data: a Python source becomes the step
+    functions' own (run.source); returns its number of batches (None: unknown)."""
+    if _is_python_source(x):
+        if y is not None or sw is not None or class_weight:
+            raise InvalidArgumentError(
+                f"y, sample_weight and class_weight must be None when x is a "
+                f"{type(x).__name__} (it yields (x, y[, sample_weight]) itself)")
+        run.source[kind] = _Source(x, steps)
+    else:
+        run.source[kind] = None
+    return _local_batches(x, batch_size, steps)
+
+
+def _keras_data(run, kind, mine, shared, x, y, sw, batch_size, shuffle, class_weight, steps):
+    """The data as Keras gets it, once the counts are agreed: a stand-in for a Python
+    source; data of unknown length when the ranks' counts differ or one is unknown (so
+    the step functions end the pass when every rank's data has). Returns (x, y, sw,
+    class_weight, steps)."""
+    if run.source[kind] is not None:
+        return _stand_in(shared), None, None, None, shared
+    x = _keras_arrays(x)
+    if shared is not None or mine is None:
+        return x, y, sw, class_weight, steps
+    # Keras would stop at this rank's own count: data of unknown length instead
+    if isinstance(x, tf.data.Dataset):
+        return x.filter(lambda *a: tf.constant(True)), y, sw, class_weight, None
+    if class_weight:
+        x, y, sw = with_class_weight((x, y, sw), class_weight)
+    parts = tuple(p for p in (x, y, sw) if p is not None)
+    ds = tf.data.Dataset.from_tensor_slices(parts if len(parts) > 1 else parts[0])
+    if shuffle:
+        ds = ds.shuffle(max(1, _num_samples(x) or 1), reshuffle_each_iteration=True)
+    ds = ds.batch(batch_size or 32).filter(lambda *a: tf.constant(True))
+    return ds, None, None, None, None
+
+
+class _joined_on_failure:
+    """A failure on this rank before its first step of a pass (Keras' own set-up, an
+    argument kvcoll checks) while the other ranks wait in the pass's first collective
+    (the layout agreement): this rank joins it with its error, so every rank raises it."""
+
+    def __init__(self, eng, run, kind):
+        self.eng, self.run, self.kind = eng, run, kind
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if exc is not None and isinstance(exc, Exception) and self.run.begin[self.kind]:
+            self.run.begin[self.kind] = False
+            self.eng.begin(None, exc, x_only=self.kind == "predict")
+        return False
+
+
+def _finish_predict(model, eng, run) -> None:
+    """After Keras' predict loop: join the steps of ranks with more data (a rank that
+    never stepped joins the layout agreement first)."""
+    if run.begin["predict"]:
+        run.begin["predict"] = False
+        eng.begin(None, x_only=True)
+    while eng.loop is not None and not run.ended["predict"]:
+        more, _ = eng.loop.predict(END)
+        if not more:
+            run.ended["predict"] = True
+
+
+# -- callbacks and the epoch's end -------------------------------------------------------
+
+class _EpochHooks(keras.callbacks.Callback):
+    """kvcoll's own callback, last in fit's list: a new pass at every epoch's start;
+    at its end every rank agrees on stopping (what EarlyStopping and the like set on
+    their rank, and a preemption)."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        run = _run(self.model)
+        run.ended["train"] = False
+        run.steps = 0
+        if run.source["train"] is not None:
+            run.source["train"].new_pass()
+        eng = engine_of(self.model)
+        if eng.loop is not None:
+            eng.loop.new_pass()
+
+    def on_epoch_end(self, epoch, logs=None):
+        model = self.model
+        asked = bool(model.__dict__.get("_kv_stop_asked", False))
+        eng = engine_of(model)
+        agreed = bool(eng.comm.allreduce(np.array([int(asked)], np.int64), op="fit:stop",
+                                         mpi_op="max")[0])
+        model.__dict__["_kv_stop_agreed"] = agreed
+
+
+def _rank_callbacks(eng, callbacks):
+    """The user's callbacks for this rank: the file-writing ones on rank 0 only (a
+    CallbackList the caller built is taken as it is)."""
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        return callbacks
+    callbacks = list(callbacks or [])
+    if eng.comm.rank == 0:
+        for cb in callbacks:
+            if isinstance(cb, keras.callbacks.ModelCheckpoint):
+                warnings.warn("ModelCheckpoint saves the Keras model, not kvcoll's tables; "
+                              "use kv.callbacks.Checkpoint to checkpoint a model with "
+                              "kv.Embedding layers", stacklevel=3)
+        return callbacks
+    return [cb for cb in callbacks if not isinstance(cb, _RANK_ZERO_ONLY)]
+
+
+def _verbose(eng, verbose):
+    if eng.comm.rank != 0:
+        return 0
+    return verbose
+
+
+class _Preemption:
+    """SIGTERM (or SIGUSR2, kvcollrun's relay of it through mpirun) while fit runs, in
+    the main thread: noted, not fatal; it asks to stop, which every rank agrees on after
+    the same step. The previous handlers come back when fit returns."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
+
+    def __init__(self, model):
+        self.model = model
+        self.signalled = False
+        self._prev = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._prev = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS}
+        return self
+
+    def _on_signal(self, signum, frame):
+        self.signalled = True
+        self.model.__dict__["_kv_stop_asked"] = True
+        runtime.note_preempted()
+
+    def __exit__(self, *exc):
+        for s, prev in self._prev.items():
+            signal.signal(s, prev)
+        return False
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+def _has_engine(model) -> bool:
+    return find_engine(model) is not None
+
+
+def _overrides(model, name: str) -> bool:
+    own = getattr(type(model), name, None)
+    return own is not None and own is not getattr(keras.Model, name) and \
+        getattr(own, "__module__", "").split(".")[0] not in ("keras", "tf_keras")
+
+
+def _unpack_validation(data):
+    if isinstance(data, tuple):
+        if len(data) in (2, 3):
+            return tuple(data) + (None,) * (3 - len(data))
+        raise InvalidArgumentError("validation_data must be (x, y), (x, y, sample_weight) "
+                                   "or a dataset")
+    return data, None, None
+
+
+def _concat(outputs):
+    first = outputs[0]
+    if isinstance(first, dict):
+        return {k: np.concatenate([o[k] for o in outputs]) for k in first}
+    if isinstance(first, (list, tuple)):
+        return type(first)(np.concatenate([o[i] for o in outputs]) for i in range(len(first)))
+    return np.concatenate(outputs)
+
+
+def _empty_outputs(model):
+    outs = getattr(model, "outputs", None)
+    if outs and len(outs) == 1:
+        return np.zeros((0,) + tuple(d or 0 for d in outs[0].shape[1:]), np.float32)
+    if outs:
+        return [np.zeros((0,) + tuple(d or 0 for d in o.shape[1:]), np.float32) for o in outs]
+    return np.zeros((0,), np.float32)

@@ -1,0 +1,550 @@
+"""The one step loop: pull -> compute -> push -> commit, in every step mode, with no
+TensorFlow in it.
+
+A `Loop` runs steps over an exchange (kvcoll.exchange: BSP, SSP or ASP) and a
+`Compute`, the model's side of a step that the Keras package supplies (the compiled
+forward and backward, the dense optimizer's apply, the metrics). One training step:
+
+  1. this rank's data element is prepared (checked, its ids normalised) by the compute;
+     reading or preparing it may fail: that is this rank's vote, not an exception yet;
+  2. pull: the exchange carries every rank's vote (an `Agreement`: samples, out of data,
+     a bad batch, a stop) with the ids; the step happens only if every rank agrees, so a
+     bad batch raises the same error on every rank before anything changed;
+  3. compute: forward and backward on the pulled rows (a rank with no samples computes
+     nothing and pushes zeros);
+  4. push: row gradients to their owners; the dense gradient, the loss, the outcome codes
+     (a NaN/Inf, a failure) and the metrics' state summed over ranks (BSP);
+  5. commit: if every rank's compute succeeded, the owners apply the rows and the compute
+     applies the dense update; otherwise the step is abandoned on every rank alike and
+     every table, optimizer slot, metric and counter is as before it.
+
+Three seams for what changes the loop:
+- `abandon()`: give up the step in flight (its exchange's abandon and the metric state
+  untouched), as a lost peer needs;
+- `replan(comm)`: continue on a new communicator (a world that changed size);
+- prefetch (`prefetch=True`, BSP): the next element is read, prepared, planned and its
+  ids sent while this step computes; its rows are looked up only after this step's
+  update, so results are those of the unpipelined loop. The data position a checkpoint
+  records is `consumed`: elements whose step committed, never the prefetched one.
+
+`END` marks a rank whose data ran out: in BSP it keeps joining the others' steps with no
+samples until every rank is out (then the step returns None on every rank at the same
+step); in SSP/ASP a rank decides alone and `finish()` is the epoch's sync point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Protocol
+
+import numpy as np
+
+from . import errors
+from .exchange import FAILED, NONFINITE, OK, Agreement
+
+__all__ = ["Loop", "Compute", "Grads", "StepResult", "END", "IDLE", "DataFailure"]
+
+
+class _Marker:
+    def __init__(self, name: str):
+        self._name = name
+
+    def __repr__(self) -> str:
+        return self._name
+
+
+END = _Marker("END")     # this rank's data has run out
+IDLE = _Marker("IDLE")   # no rank had samples, some rank's data goes on: try again
+
+
+class DataFailure:
+    """An element whose reading raised `exc`: this rank's vote says its batch is bad."""
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+@dataclasses.dataclass
+class Grads:
+    """What a training compute gives back (numpy): the loss weighted by this rank's
+    share, the flat dense gradient (None: no dense parameters), each row group's
+    gradient, the metrics' state after the batch, and whether all of it is finite."""
+
+    loss: float
+    dense: np.ndarray | None
+    rows: dict
+    state: np.ndarray
+    finite: bool = True
+
+
+@dataclasses.dataclass
+class StepResult:
+    """A training step's loss (BSP: over the global batch; SSP/ASP: this rank's) and the
+    logs callbacks see."""
+
+    loss: float
+    logs: dict
+
+
+class Compute(Protocol):
+    """The model's side of a step (kvcoll.keras supplies it; tests use a numpy one).
+
+    n_dense: floats of the dense parameters (0: none); dense_slots: per-parameter
+    optimizer state vectors SSP/ASP's slices keep (Adam 2, Adagrad 1, SGD 0). Metric
+    states are float32 vectors; `state()` is this rank's as of its last committed step.
+    """
+
+    n_dense: int
+    dense_slots: int
+
+    def prepare(self, element, x_only: bool = False) -> Any:
+        """This rank's element checked and normalised: an object with `.n` samples.
+        Raises on bad data (the loop turns that into this rank's vote)."""
+
+    def ids(self, batch) -> dict:
+        """Every table's ids of the batch (int64), empty arrays for None."""
+
+    def train(self, batch, pull, weight: float) -> Grads:
+        """Forward and backward on the pulled rows; the loss weighted by `weight`."""
+
+    def zero_grads(self, pull) -> Grads:
+        """What a rank with no samples pushes: zeros, and its state unchanged."""
+
+    def evaluate(self, batch, pull) -> np.ndarray:
+        """The metric state after evaluating the batch on the pulled rows."""
+
+    def predict(self, batch, pull) -> Any:
+        """The model's outputs for the batch (numpy)."""
+
+    def state(self) -> np.ndarray:
+        """This rank's metric state (as of its last committed step)."""
+
+    def set_state(self, state: np.ndarray) -> None:
+        """Make `state` this rank's metric state."""
+
+    def apply(self, dense_sum: np.ndarray | None, state: np.ndarray, step: int) -> dict:
+        """Commit a step: apply the summed dense gradient (None: nothing to apply here)
+        and return the logs of metric state `state`."""
+
+    def logs(self, state: np.ndarray) -> dict:
+        """The logs of metric state `state`."""
+
+    def rates(self, step: int) -> tuple[dict | None, float | None]:
+        """(each table's learning rate at `step` or None if unchanged, the dense one)."""
+
+    def dense_values(self) -> tuple[np.ndarray, np.ndarray | None, int]:
+        """(the flat dense parameters, their optimizer state (k, n_dense) or None, the
+        optimizer's update count): SSP/ASP's slices start from it."""
+
+    def set_dense_values(self, flat: np.ndarray, state=None, updates=None) -> None:
+        """Take the flat dense parameters (and optimizer state, update count)."""
+
+    def explain(self, batch) -> str | None:
+        """Why a step's loss or gradient was not finite, if the inputs say (a NaN label
+        or feature: which, and the row); None otherwise."""
+
+
+class Loop:
+    """kvcoll's step loop over `exchange` and `compute` (see the module docstring).
+
+    prefetch: BSP only, prepare the next element while this step computes (train_next).
+    dense_allreduce: a callable summing the flat dense gradient over ranks in place of
+    the exchange's allreduce (Horovod's); BSP only.
+    """
+
+    def __init__(self, exchange, compute: Compute, *, prefetch: bool = False,
+                 dense_allreduce=None):
+        self.ex = exchange
+        self.compute = compute
+        self.prefetch = bool(prefetch) and exchange.synchronous
+        self.dense_allreduce = dense_allreduce
+        self.stop_asked = False     # carried in the next step's vote
+        self.consumed = 0           # elements whose step committed, this pass
+        self.local_steps = 0        # training steps with this rank's own samples
+        self.last_loss = 0.0
+        self.last_samples = 0
+        self.timings = {"exchange": 0.0, "tables": 0.0, "compute": 0.0, "allreduce": 0.0,
+                        "apply": 0.0}
+        if not exchange.synchronous:
+            self.timings["wait"] = 0.0
+        self._dense_started = False
+        self._inflight = None       # the step in flight (a Pull or a push handle)
+        self._staged = None         # prefetch: (iterator, element, batch, error, agreement,
+                                    # the ids in flight)
+        self._pending = None        # predict: a compute error to report at the next step
+
+    # -- what the loop knows ----------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        """Steps started: BSP's global step; SSP/ASP: this rank's clock."""
+        return self.ex.step
+
+    @property
+    def comm(self):
+        return self.ex.comm
+
+    @property
+    def synchronous(self) -> bool:
+        return self.ex.synchronous
+
+    def new_pass(self) -> None:
+        """A new pass over the data begins (an epoch): `consumed` counts from 0."""
+        self.consumed = 0
+        self._staged = None
+
+    # -- reading ----------------------------------------------------------------------------
+
+    @staticmethod
+    def read(iterator):
+        """The next element of `iterator`: END when it is exhausted, a DataFailure when
+        reading raised (the step reports it to every rank)."""
+        try:
+            return next(iterator)
+        except StopIteration:
+            return END
+        except Exception as exc:  # noqa: BLE001 - a data error is this rank's vote
+            if type(exc).__name__ == "OutOfRangeError":  # a tf.data iterator's end
+                return END
+            return DataFailure(exc)
+
+    def _prepare(self, element, x_only: bool = False):
+        """(batch or None, this rank's error or None)."""
+        if element is END or element is None:
+            return None, None
+        if isinstance(element, DataFailure):
+            return None, element.exc
+        try:
+            return self.compute.prepare(element, x_only=x_only), None
+        except Exception as exc:  # noqa: BLE001 - agreed with the other ranks first
+            return None, exc
+
+    def _vote(self, element, batch, err, stop: bool = False) -> Agreement:
+        return Agreement(batch.n if batch is not None else 0, done=element is END, error=err,
+                         stop=stop)
+
+    # -- training ---------------------------------------------------------------------------
+
+    def train_next(self, iterator):
+        """One training step on the next element of `iterator` (read here, so a rank
+        whose data ran out still joins the step). Returns what train() returns."""
+        staged, self._staged = self._staged, None
+        if staged is not None and staged[0] is iterator:
+            return self._train(*staged[1:], iterator=iterator)
+        element = self.read(iterator)
+        batch, err = self._prepare(element)
+        return self._train(element, batch, err, None, None, iterator=iterator)
+
+    def train(self, element) -> StepResult | None:
+        """One training step on this rank's element (END: its data has run out).
+
+        Returns the StepResult; None when the step did not happen because every rank's
+        data has run out or a rank asked to stop (BSP: on every rank at the same step;
+        SSP/ASP: this rank's own data or stop); IDLE when no rank had samples but some
+        rank's data goes on. Raises the agreed error when a rank's batch was bad or its
+        compute failed: the same error class on every rank (BSP), nothing changed."""
+        batch, err = self._prepare(element)
+        return self._train(element, batch, err, None, None)
+
+    def _train(self, element, batch, err, agreement, pending, iterator=None):
+        ex, compute = self.ex, self.compute
+        if not ex.synchronous:
+            self.start_dense()      # SSP/ASP: the slices start from the compute's values
+        t0 = time.perf_counter()
+        if pending is not None:
+            pull = ex.fetch(pending)
+        else:
+            agreement = self._vote(element, batch, err, self.stop_asked)
+            dense = batch is not None and batch.n > 0
+            pull = ex.pull(compute.ids(batch), agreement, dense=dense)
+        t1 = time.perf_counter()
+        if pull is None:
+            if agreement.failed:
+                self._raise_batch_error(agreement, err, self.step + 1)
+            if agreement.stopped:
+                self.stop_asked = True
+            return IDLE if agreement.idle else None
+        self._inflight = pull
+        if "wait" in self.timings:
+            self.timings["wait"] += getattr(ex, "last_wait", 0.0)
+        if self.prefetch and iterator is not None:
+            self._stage_next(iterator)
+        t2 = time.perf_counter()
+        n = batch.n if batch is not None else 0
+        fail = None
+        if n:
+            if pull.dense is not None:
+                compute.set_dense_values(pull.dense)
+            weight = n / agreement.total_samples if ex.synchronous else 1.0 / self.comm.size
+            try:
+                grads = compute.train(batch, pull, weight)
+                agreement.report(OK if grads.finite else NONFINITE)
+            except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+                fail = exc
+                agreement.report(FAILED, exc)
+        if not n or fail is not None:
+            grads = compute.zero_grads(pull)
+        t3 = time.perf_counter()
+        row_lr, dense_lr = compute.rates(pull.step)
+        by_horovod = self.dense_allreduce is not None and compute.n_dense > 0
+        dense_grad = grads.dense if compute.n_dense and not by_horovod else None
+        if dense_grad is None and compute.n_dense and not by_horovod and ex.synchronous:
+            dense_grad = np.zeros(compute.n_dense, np.float32)
+        if not ex.synchronous and not n:
+            dense_grad = None
+        extra = np.concatenate([np.array([grads.loss], np.float32),
+                                np.asarray(grads.state, np.float32)])
+        pushed = ex.push(pull, grads.rows, dense_grad, extra, agreement, lr=row_lr,
+                         dense_lr=dense_lr)
+        self._inflight = pushed
+        t4 = time.perf_counter()
+        dense_sum, total = pushed.reduced()
+        if by_horovod:
+            dense_sum = self.dense_allreduce(
+                grads.dense if grads.dense is not None else np.zeros(compute.n_dense,
+                                                                      np.float32))
+        t5 = time.perf_counter()
+        if agreement.outcome_failed:
+            ex.abandon(pushed)
+            self._inflight = None
+            self._staged = None
+            self._raise_outcome_error(agreement, fail, batch, pull.step)
+        pushed.commit()
+        t6 = time.perf_counter()
+        if n:
+            compute.set_state(grads.state)
+            self.local_steps += 1
+        shown = total[1:] if ex.synchronous else np.asarray(grads.state, np.float32)
+        logs = compute.apply(dense_sum if ex.synchronous else None, shown, pull.step)
+        self._inflight = None
+        if element is not END:
+            self.consumed += 1
+        t7 = time.perf_counter()
+        loss = float(total[0]) if ex.synchronous else float(grads.loss) * self.comm.size
+        self.last_loss, self.last_samples = loss, n
+        tm = self.timings
+        tm["exchange"] += (t1 - t0) + (t4 - t3) + (t6 - t5)
+        tm["tables"] = getattr(ex, "table_seconds", 0.0)
+        tm["compute"] += t3 - t2
+        tm["allreduce"] += t5 - t4
+        tm["apply"] += t7 - t6
+        return StepResult(loss, logs)
+
+    def _stage_next(self, iterator) -> None:
+        """Prefetch: read and prepare the next element and send its ids (BSP); its rows
+        are fetched by the next step, after this one's update."""
+        element = self.read(iterator)
+        batch, err = self._prepare(element)
+        agreement = self._vote(element, batch, err, self.stop_asked)
+        pending = self.ex.send_ids(self.compute.ids(batch), agreement)
+        self._staged = (iterator, element, batch, err, agreement, pending)
+
+    # -- evaluation and prediction ------------------------------------------------------------
+
+    def evaluate(self, element) -> dict | None:
+        """One evaluation step (a collective in every mode): this rank's element (END:
+        none left). Returns the logs over every rank's samples so far; None when every
+        rank's data has run out."""
+        batch, err = self._prepare(element)
+        agreement = self._vote(element, batch, err)
+        pull = self.ex.lookup(self.compute.ids(batch), agreement)
+        if pull is None:
+            if agreement.failed:
+                self._raise_batch_error(agreement, err, self.step)
+            return None
+        state, fail = self.compute.state(), None
+        if batch is not None and batch.n:
+            try:
+                state = self.compute.evaluate(batch, pull)
+            except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+                fail = exc
+        agreement.report(FAILED if fail is not None else OK, fail)
+        world = self.comm.size
+        total = self.comm.allreduce(
+            np.concatenate([agreement.outcome_codes(world, self.comm.rank),
+                            np.asarray(state, np.float32)]), op="evaluate")
+        agreement.settle_outcome(total[:world])
+        if agreement.outcome_failed:
+            self._raise_outcome_error(agreement, fail, batch, self.step)
+        self.compute.set_state(state)
+        if element is not END:
+            self.consumed += 1
+        return self.compute.logs(total[world:])
+
+    def predict(self, element) -> tuple[bool, Any]:
+        """One prediction step (a collective): this rank's element (END: none left).
+        Returns (whether any rank had data, this rank's outputs or None). A compute that
+        fails here is reported to every rank by the next step's agreement (the last one
+        comes when every rank is out of data), so every rank raises it."""
+        batch, err = self._prepare(element, x_only=True)
+        if self._pending is not None:  # the previous step's compute failed here
+            batch, err, self._pending = None, self._pending, None
+        agreement = self._vote(element, batch, err)
+        pull = self.ex.lookup(self.compute.ids(batch), agreement)
+        if pull is None:
+            if agreement.failed:
+                self._raise_batch_error(agreement, err, self.step)
+            return False, None
+        if batch is None:
+            return True, None
+        try:
+            return True, self.compute.predict(batch, pull)
+        except Exception as exc:  # noqa: BLE001 - every rank learns of it at the next step
+            self._pending = exc
+            return True, None
+
+    # -- the epoch's end -----------------------------------------------------------------------
+
+    def finish(self) -> dict | None:
+        """This rank's data has run out. BSP: keep joining the other ranks' steps with no
+        samples until every rank is out. SSP/ASP: wait until every rank is done, then
+        every update is applied and every rank holds the same dense model; returns the
+        logs over every rank's samples since the metrics were reset."""
+        if self.ex.synchronous:
+            while True:
+                got = self.train(END)
+                if got is None:
+                    return None
+        self.sync()
+        return self.global_logs()
+
+    def sync(self) -> None:
+        """A consistent snapshot on every rank (before a save, an export, an evaluation):
+        SSP/ASP wait until every rank is done and every update is applied, and every rank
+        takes the same dense model; BSP is consistent between steps."""
+        if not self.ex.synchronous:
+            self.start_dense()
+            self.ex.finish()
+            self._dense_back()
+
+    def global_logs(self) -> dict:
+        """The logs over every rank's samples since the metrics were reset (a
+        collective)."""
+        return self.compute.logs(self.comm.allreduce(
+            np.asarray(self.compute.state(), np.float32), op="metrics"))
+
+    def start_dense(self, replace: bool = False) -> None:
+        """SSP/ASP: give the exchange's slices the compute's dense parameters (once, or
+        again with replace after a restore)."""
+        if self.ex.synchronous or (self._dense_started and not replace):
+            return
+        self._dense_started = True
+        if not self.compute.n_dense:
+            return
+        flat, state, updates = self.compute.dense_values()
+        self.ex.set_dense(flat, state, updates * self.comm.size, replace=replace)
+
+    def _dense_back(self) -> None:
+        if not self.compute.n_dense:
+            return
+        flat = self.ex.dense()
+        state, updates = self.ex.dense_state(self.compute.dense_slots)
+        # the optimizer's count is of steps: each owner applied every worker's push
+        self.compute.set_dense_values(flat, state, updates // max(1, self.comm.size))
+
+    def set_step(self, step: int) -> None:
+        """Continue from `step` (a restore, on every rank between steps); SSP/ASP: the
+        dense weights the compute now holds become the slices'."""
+        self.ex.set_step(int(step))
+        if self._dense_started:
+            self.start_dense(replace=True)
+
+    # -- seams ------------------------------------------------------------------------------
+
+    def abandon(self) -> None:
+        """Give up the step in flight, on every rank alike (the exchange's abandon): every
+        table, optimizer slot, metric state and counter is as before the step."""
+        inflight, self._inflight, self._staged = self._inflight, None, None
+        if inflight is not None:
+            self.ex.abandon(inflight)
+
+    def replan(self, comm) -> None:
+        """Continue on communicator `comm` (a world that changed), between steps."""
+        self.abandon()
+        self.ex.replan(comm)
+        if not self.ex.synchronous:
+            self._dense_started = False
+
+    def close(self) -> None:
+        self._staged = None
+        self.ex.close()
+
+    # -- the agreed errors ------------------------------------------------------------------
+
+    def _texts(self, own: BaseException | None, needed: bool) -> list:
+        """Every rank's error as (class path, message) or None (a collective when
+        `needed`, which every rank decides alike)."""
+        if not needed:
+            return [None] * self.comm.size
+        mine = None if own is None else [_class_path(type(own)), str(own)]
+        return self.comm.allgather_json(mine, "step:errors")
+
+    def _raise_batch_error(self, agreement: Agreement, own, step: int):
+        """A bad batch on some rank: every rank raises the same kvcoll error class, which
+        names the ranks, the step and the first failing rank's message."""
+        bad = agreement.failed
+        texts = self._texts(own, True)
+        raise _agreed(texts, bad, f"rank(s) {bad} could not use their batch at step {step}",
+                      own)
+
+    def _raise_outcome_error(self, agreement: Agreement, own, batch, step: int):
+        codes = agreement.codes
+        bad = agreement.outcome_failed
+        failed = [r for r in bad if codes[r] == FAILED]
+        texts = self._texts(own, bool(failed))
+        if failed:
+            raise _agreed(texts, failed, f"rank(s) {failed} failed in the compute of step "
+                          f"{step}", own)
+        why = self.compute.explain(batch) if batch is not None else None
+        reason = f" (this rank: {why})" if why else ""
+        raise errors.NonFiniteError(
+            f"step {step}: the loss or a gradient is NaN/Inf on rank(s) {bad}{reason}; no "
+            "update was applied (check the inputs for NaN/Inf, or lower the learning rate)")
+
+
+def _class_path(cls) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _kvcoll_class(path: str):
+    """The kvcoll error class named by `path`, if it is one (None otherwise)."""
+    import importlib
+
+    module, _, name = path.partition(":")
+    if not module.split(".")[0] == "kvcoll":
+        return None
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+    return cls if isinstance(cls, type) and issubclass(cls, errors.KvcollError) else None
+
+
+_ARGUMENT_ERRORS = ("ValueError", "TypeError", "KeyError", "IndexError",
+                    "InvalidArgumentError")
+
+
+def _agreed(texts: list, bad: list, what: str, own) -> errors.KvcollError:
+    """The one error every rank raises: the first failing rank's kvcoll class (a bad
+    argument of another kind becomes InvalidArgumentError, anything else CommError),
+    naming `what` and that rank's message; on a failing rank chained to its own error."""
+    first = next((r for r in bad if texts[r]), None)
+    if first is None:
+        return errors.CommError(f"{what} (see the error on those ranks)")
+    path, message = texts[first]
+    cls = _kvcoll_class(path)
+    if cls is None:
+        name = path.rpartition(":")[2]
+        cls = errors.InvalidArgumentError if name in _ARGUMENT_ERRORS else errors.CommError
+    text = f"{what}: rank {first}: {path.rpartition(':')[2]}: {message}"
+    try:
+        exc = cls(text)
+    except Exception:  # noqa: BLE001 - a class whose constructor takes more
+        exc = (errors.InvalidArgumentError if issubclass(cls, ValueError)
+               else errors.CommError)(text)
+    if own is not None:
+        exc.__cause__ = own
+    return exc
