@@ -154,10 +154,13 @@ class Reader(Positioned):
     def __iter__(self) -> Iterator[dict]:
         """A new pass over the data (an epoch), read ahead in a background thread; it
         starts after the position given to `resume`, if any (that pass only)."""
-        self.stats = ReaderStats()
+        self.stats = self._new_stats()
         start, log = self._begin()
         return Prefetch(self._logged(start, log, self.stats), self.prefetch,
                         name=f"kvcoll-{self.kind}-reader")
+
+    def _new_stats(self) -> ReaderStats:
+        return ReaderStats()
 
     def _logged(self, start, log, stats: ReaderStats) -> Iterator[dict]:
         """The pass's batches, each one's position logged as it is produced. A resumed
