@@ -24,6 +24,7 @@ from .criteo import (
     parse_criteo_lines,
     read_criteo,
 )
+from .kafka import KafkaFormatError, KafkaReadError, KafkaStream, kafka
 from .parquet import ParquetFormatError, ParquetReader, parquet_dataset, read_parquet
 from .position import PositionError, for_rank, source_of
 from .shard import even_split, shard
@@ -34,6 +35,9 @@ __all__ = [
     "CriteoFormatError",
     "CriteoReader",
     "FileStream",
+    "KafkaFormatError",
+    "KafkaReadError",
+    "KafkaStream",
     "ParquetFormatError",
     "ParquetReader",
     "PositionError",
@@ -46,6 +50,7 @@ __all__ = [
     "criteo_id",
     "even_split",
     "for_rank",
+    "kafka",
     "parquet_dataset",
     "parse_criteo_lines",
     "read_criteo",
