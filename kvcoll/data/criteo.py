@@ -639,8 +639,10 @@ def read_criteo(paths, batch_size: int, rank: int | None = None, world: int | No
         files too); "skip" drops bad lines and empty files, counted in `stats`.
     prefetch: batches prepared ahead by a background thread (0: none).
     block_bytes: bytes read at a time; parse_block_bytes: pyarrow's parsing block.
-    start_step: begin at this step (resuming a run): earlier batches are passed over
-        without being parsed (in "part", this rank's first start_step batches).
+    start_step: begin every pass at this step (a held-out head): earlier batches are
+        passed over without being parsed (in "part", this rank's first start_step
+        batches). To resume in the middle of a pass once, use the reader's
+        `resume(position)` with a `position_at(k)` (kvcoll.data.position).
     """
     return CriteoReader(paths, batch_size, rank, world, drop_remainder, split, on_bad_line,
                         prefetch, block_bytes, parse_block_bytes, start_step)

@@ -484,7 +484,9 @@ def read_parquet(paths, batch_size: int, rank: int | None = None, world: int | N
     label, numeric, categorical: column names (module docstring). Every file's schema
         is checked on every rank when the reader is made.
     rank, world, split, drop_remainder, on_bad_line, prefetch, start_step: as
-        `read_criteo`; split="part" assigns row groups to ranks.
+        `read_criteo`; split="part" assigns row groups to ranks. Positions
+        (`position_at`, `resume`): global rows for split="global", rows of this rank's
+        part for split="part".
     null_id: the key of a null id.
     """
     return ParquetReader(paths, batch_size, rank, world, drop_remainder, split, on_bad_line,
