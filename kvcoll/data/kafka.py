@@ -263,6 +263,8 @@ class KafkaStream(Reader):
                                     "(want partition: next offset >= 0)")
             if p_int % self.world == self.rank:
                 out[p_int] = off
+        if not parts:
+            return None         # taken before any pass resolved offsets: as `start` says
         return out
 
     # -- one pass ----------------------------------------------------------------------

@@ -179,9 +179,12 @@ def test_idle_timeout_and_an_offset_gone(cluster):
     batches = read_all(r)
     assert 0.5 <= time.monotonic() - t0 < 5
     assert sum(b["label"].size for b in batches) == 4 and len(batches) >= 3
-    forever = iter(kafka(topic, bootstrap, "g", 8, 0, 1, start="latest", idle_poll=0.05))
-    assert all(next(forever)["label"].size == 0 for _ in range(10))
-    forever.close()
+    forever = kafka(topic, bootstrap, "g", 8, 0, 1, start="latest", idle_poll=0.05)
+    forever.resume(forever.position_at(0))     # before any pass: still as `start` says
+    it = iter(forever)
+    assert all(next(it)["label"].size == 0 for _ in range(10))
+    assert forever.position_at(10)["partitions"] == {str(p): 1 for p in range(4)}  # concrete
+    it.close()
     ahead = kafka(topic, bootstrap, "g", 8, 0, 1, **FAST)
     pos = ahead.position_at(0)
     ahead.resume(dict(pos, partitions={"0": 10**6}))
