@@ -340,10 +340,10 @@ def markdown(records, machine) -> str:
         lines.append(f"| read_criteo, rank 0 of 2, split={split!r} | tsv | {_fmt(v)} | | |")
     lines.append(f"| read_parquet (26 string id columns hashed) | parquet | "
                  f"{_fmt(_median(records, reader='parquet'))} | | |")
-    lines += ["", "kvcoll.data.stream over the same finished file against the plain reader, "
-              "paired in the same run (1 rank):", "",
-              "| file | stream rows/s per core | reader rows/s per core | stream / reader "
-              "(pairs) |", "|---|---:|---:|---|"]
+    lines += ["", ("kvcoll.data.stream over the same finished file against the plain reader, "
+                   "paired in the same run (1 rank):"), "",
+              ("| file | stream rows/s per core | reader rows/s per core | stream / reader "
+               "(pairs) |"), "|---|---:|---:|---|"]
     for fmt in ("tsv", "parquet"):
         d = s[f"stream-{fmt}"]
         pairs = ", ".join(f"{p:.2f}x" for p in d["pair_ratios"])
