@@ -125,7 +125,7 @@ def test_files_landing_while_ranks_read_are_each_read_once(tmp_path):
     for r in range(2):
         batches, stats = got[r]
         idle = [b for b in batches if b["label"].size == 0]
-        assert idle and stats.idle_batches >= len(idle) - 2      # it waited, yielding empties
+        assert idle and stats.idle_batches == len(idle)     # it waited, yielding empties
         assert all(b["categorical"].shape == (0, 26) and b["numeric"].shape == (0, 13)
                    for b in idle)
         assert stats.files == 5 and stats.rows == sum(b["label"].size for b in batches)
@@ -164,7 +164,7 @@ def test_idle_timeout_ends_a_stream_and_none_waits(tmp_path):
     batches = drain(s)
     took = time.monotonic() - t0
     assert 0.3 <= took < 3
-    assert 2 <= len(batches) <= 7 and all(b["label"].size == 0 for b in batches)
+    assert 1 <= len(batches) <= 7 and all(b["label"].size == 0 for b in batches)
     forever = iter(stream(str(tmp_path / "*.tsv"), 8, 0, 1, idle_timeout=None, settle=0,
                           idle_poll=0.02))
     for _ in range(20):                  # keeps yielding empties well past any timeout
