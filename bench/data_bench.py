@@ -16,6 +16,9 @@ read once before timing (the page cache holds it), best and median of several pa
 - criteo, 2 ranks: one rank's view of a 2-rank run: split="global" (scan every line
   end, parse half the lines) and split="part" (read half the bytes);
 - parquet: read_parquet of the same rows (13 numeric, 26 string id columns);
+- stream: kvcoll.data.stream over the same finished file (TSV, then Parquet; no wait
+  at the end: idle_timeout 0, settle 0), alternating with the plain reader, so its
+  ratio to the reader is measured in the same run;
 - hash_strings of 1M string ids in each layout (numpy 'U', object, pyarrow) against the
   previous implementation (`legacy_hash_strings`: one Python encode per id, then C).
 
@@ -165,20 +168,26 @@ def _rows(batches) -> int:
 def reader_child(spec: dict) -> None:
     """Child: passes of one reader over one file on one CPU; emits rows/s."""
     common.pin_to_cpu(spec["cpu"])
-    from kvcoll.data import read_criteo, read_parquet
+    from kvcoll.data import read_criteo, read_parquet, stream
 
     path, kind = spec["path"], spec["reader"]
     rank, world = spec.get("rank", 0), spec.get("world", 1)
+    cats = [f"C{f + 1}" for f in range(26)]
+    numeric = [f"I{j + 1}" for j in range(13)]
 
     def one() -> int:
+        if kind == "stream":
+            cols = ({"format": "criteo"} if not path.endswith(".parquet") else
+                    {"label": "label", "numeric": numeric, "categorical": cats})
+            return _rows(stream(path, 4096, rank, world, split=spec.get("split", "part"),
+                                idle_timeout=0, settle=0, prefetch=0, **cols))
         if kind == "criteo":
             return _rows(read_criteo(path, 4096, rank, world, split=spec.get("split", "global"),
                                      prefetch=0))
         if kind == "criteo-current":
             return _rows(legacy_read_criteo([path], 4096, rank, world))
-        cats = [f"C{f + 1}" for f in range(26)]
         return _rows(read_parquet(path, 4096, rank, world, label="label",
-                                  numeric=[f"I{j + 1}" for j in range(13)], categorical=cats,
+                                  numeric=numeric, categorical=cats,
                                   split=spec.get("split", "global"), prefetch=0))
 
     rows = one()                                        # warm: page cache, imports
@@ -237,12 +246,19 @@ def run(args) -> None:
             plan += [("tsv", "criteo", {"rank": 0, "world": 2, "split": "global"}, pair),
                      ("tsv", "criteo", {"rank": 0, "world": 2, "split": "part"}, pair),
                      ("parquet", "parquet", {}, pair)]
+        for pair in range(pairs):       # stream and plain reader over the same file, paired
+            plan += [("tsv", "stream", {"split": "global", "vs": "criteo"}, pair),
+                     ("tsv", "criteo", {"split": "global", "vs": "stream"}, pair),
+                     ("parquet", "stream", {"split": "global", "vs": "parquet"}, pair),
+                     ("parquet", "parquet", {"split": "global", "vs": "stream"}, pair)]
         for fmt, reader, extra, pair in plan:
             busy = common.wait_until_quiet(0 if args.quick else 120)   # the machine is shared
             print(f"[data] {reader} {fmt} {extra or ''} pair {pair + 1}", flush=True)
             got, err = common.run_child("bench.data_bench:reader_child",
                                         {"path": files[fmt], "reader": reader, "cpu": cpu,
-                                         "reps": reps, **extra}, timeout=1800)
+                                         "reps": reps,
+                                         **{k: v for k, v in extra.items() if k != "vs"}},
+                                        timeout=1800)
             rec = {"bench": "reader", "format": fmt, "reader": reader, "pair": pair,
                    "file_bytes": sizes[fmt], "lines": lines, "busy_before": busy, **extra}
             records.append(dict(rec, **got[0]) if got else dict(rec, error=err))
@@ -268,7 +284,7 @@ def summary(records) -> dict:
     out = {}
     for fmt in ("tsv", "tsv.gz"):
         new = [r for r in records if r.get("reader") == "criteo" and r.get("format") == fmt
-               and "world" not in r and "rows_per_sec" in r]
+               and "world" not in r and "vs" not in r and "rows_per_sec" in r]
         cur = {r["pair"]: r for r in records if r.get("reader") == "criteo-current"
                and r.get("format") == fmt and "rows_per_sec" in r}
         ratios = [r["rows_per_sec"] / cur[r["pair"]]["rows_per_sec"] for r in new
@@ -276,6 +292,16 @@ def summary(records) -> dict:
         out[fmt] = {"new": _median(new), "current": _median(list(cur.values())),
                     "pair_ratios": ratios,
                     "ratio": statistics.median(ratios) if ratios else None}
+    for fmt in ("tsv", "parquet"):
+        plain = {r["pair"]: r for r in records if r.get("vs") == "stream"
+                 and r.get("format") == fmt and "rows_per_sec" in r}
+        streamed = [r for r in records if r.get("reader") == "stream" and r.get("format") == fmt
+                    and "rows_per_sec" in r]
+        ratios = [r["rows_per_sec"] / plain[r["pair"]]["rows_per_sec"] for r in streamed
+                  if r["pair"] in plain]
+        out[f"stream-{fmt}"] = {"stream": _median(streamed), "reader":
+                                _median(list(plain.values())), "pair_ratios": ratios,
+                                "ratio": statistics.median(ratios) if ratios else None}
     return out
 
 
@@ -314,6 +340,16 @@ def markdown(records, machine) -> str:
         lines.append(f"| read_criteo, rank 0 of 2, split={split!r} | tsv | {_fmt(v)} | | |")
     lines.append(f"| read_parquet (26 string id columns hashed) | parquet | "
                  f"{_fmt(_median(records, reader='parquet'))} | | |")
+    lines += ["", ("kvcoll.data.stream over the same finished file against the plain reader, "
+                   "paired in the same run (1 rank):"), "",
+              ("| file | stream rows/s per core | reader rows/s per core | stream / reader "
+               "(pairs) |"), "|---|---:|---:|---|"]
+    for fmt in ("tsv", "parquet"):
+        d = s[f"stream-{fmt}"]
+        pairs = ", ".join(f"{p:.2f}x" for p in d["pair_ratios"])
+        ratio = "-" if d["ratio"] is None else f"{d['ratio']:.2f}x"
+        lines.append(f"| {fmt} | {_fmt(d['stream'])} | {_fmt(d['reader'])} | {ratio} "
+                     f"({pairs}) |")
     lines += ["", "String ids to keys, 1M ids of 8-10 characters, ids/s on one core:", "",
               "| layout | kvcoll.ids.hash_strings | previous (a Python encode per id) | ratio |",
               "|---|---:|---:|---:|"]

@@ -7,6 +7,12 @@ the step and never on the world size (the file readers also offer split="part": 
 rank reads only its own part). The file readers parse with pyarrow and turn string and
 hex ids into keys in C; `criteo_dataset()` and `parquet_dataset()` give tf.data.Datasets
 for model.fit. Nothing here imports MPI, and TensorFlow only for those datasets.
+
+`stream()` reads a directory that keeps receiving files, `kafka()` a Kafka topic (both
+unbounded, with empty batches while idle). Every source implements one position
+protocol (`kvcoll.data.position`): `position_at(consumed)` and `resume(position)`, so a
+checkpoint can record the data position of its last committed step and a restart
+continue exactly there.
 """
 
 from ._reader import ReaderStats
@@ -18,24 +24,38 @@ from .criteo import (
     parse_criteo_lines,
     read_criteo,
 )
+from .kafka import KafkaFormatError, KafkaReadError, KafkaStream, kafka
 from .parquet import ParquetFormatError, ParquetReader, parquet_dataset, read_parquet
+from .position import PositionError, for_rank, source_of
 from .shard import even_split, shard
-from .synthetic import SyntheticCTR, auc
+from .stream import FileStream, StreamOrderError, stream
+from .synthetic import SyntheticBatches, SyntheticCTR, auc
 
 __all__ = [
     "CriteoFormatError",
     "CriteoReader",
+    "FileStream",
+    "KafkaFormatError",
+    "KafkaReadError",
+    "KafkaStream",
     "ParquetFormatError",
     "ParquetReader",
+    "PositionError",
     "ReaderStats",
+    "StreamOrderError",
+    "SyntheticBatches",
     "SyntheticCTR",
     "auc",
     "criteo_dataset",
     "criteo_id",
     "even_split",
+    "for_rank",
+    "kafka",
     "parquet_dataset",
     "parse_criteo_lines",
     "read_criteo",
     "read_parquet",
     "shard",
+    "source_of",
+    "stream",
 ]

@@ -109,6 +109,8 @@ def text_blocks(path: str, start: int = 0, end: int | None = None,
                 if f.read(1) != b"\n":
                     f.readline()              # the line under way is the previous range's
                 start = f.tell()
+            if end is None and not is_gzip(path):
+                end = os.fstat(f.fileno()).st_size    # read no bigger a block than the file
             if end is not None and start >= end:
                 return
             remaining = None if end is None else end - start

@@ -23,10 +23,16 @@ and goes on. In split="global" a skipped line shortens the batch it was in, on t
 rank that owned it, so batches still do not depend on the world size.
 
 A reader is an iterable of batch dicts (each pass over it is one epoch), with
-`fit_batches()` (a generator of (features, label) for model.fit or a hand-written
+`fit_batches()` (an iterator of (features, label) for model.fit or a hand-written
 loop) and `dataset()` (a tf.data.Dataset of the same). Batches are prepared by a
 background thread, `prefetch` batches ahead; an error there is raised on the
 consuming thread, with its message naming file and line.
+
+Positions (kvcoll/data/position.py): `position_at(consumed)` and `resume(position)`.
+A subclass's pass yields (batch, fields) pairs, fields being the kind's part of the
+position after that batch; the base logs them. split="global" positions count global
+rows ({"rows": t*B} after step t), so they resume on any world size (and any batch
+size dividing the rows); split="part" positions locate this rank's part.
 
 Errors on one rank: a parse error is found only by the rank that parses the line. In
 model.fit, a reader that raises on one rank makes every rank raise the same error,
@@ -45,6 +51,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from ._prefetch import Prefetch
+from .position import Positioned, PositionError
 from .shard import _check_rank, even_split
 
 __all__ = ["BAD_LINE_CHOICES", "SPLIT_CHOICES", "Reader", "ReaderStats", "rank_world"]
@@ -85,12 +92,17 @@ class ReaderStats:
             self.skipped_examples.append(message)
 
 
-class Reader:
-    """Base of the file readers: argument checks, passes, prefetching, fit and tf.data.
+class Reader(Positioned):
+    """Base of the file readers: argument checks, passes, prefetching, positions, fit and
+    tf.data.
 
-    Subclasses implement `_batches(stats)` (a generator of batch dicts for one pass),
-    `features(batch)` and `_signature(tf)`.
+    Subclasses implement `_batches(stats, start)` (a generator of (batch dict, position
+    fields) for one pass, from `start`: fields `_accept` returned, or None for the
+    usual beginning), `_accept(position)`, `_start_position(fields)`, `features(batch)`
+    and `_signature(tf)`.
     """
+
+    finite = True          # a pass ends: a resume at the end runs a full pass instead
 
     kind = "reader"
 
@@ -126,6 +138,7 @@ class Reader:
         self.stats = ReaderStats()
         self._default: Prefetch | None = None
         self._lock = threading.Lock()
+        self._init_positions()
 
     @property
     def part_batch_size(self) -> int:
@@ -135,14 +148,49 @@ class Reader:
 
     # -- passes ------------------------------------------------------------------------
 
-    def _batches(self, stats: ReaderStats) -> Iterator[dict]:
+    def _batches(self, stats: ReaderStats, start) -> Iterator[tuple[dict, dict]]:
         raise NotImplementedError
 
     def __iter__(self) -> Iterator[dict]:
-        """A new pass over the data (an epoch), read ahead in a background thread."""
-        self.stats = ReaderStats()
-        return Prefetch(self._batches(self.stats), self.prefetch,
+        """A new pass over the data (an epoch), read ahead in a background thread; it
+        starts after the position given to `resume`, if any (that pass only)."""
+        self.stats = self._new_stats()
+        start, log = self._begin()
+        return Prefetch(self._logged(start, log, self.stats), self.prefetch,
                         name=f"kvcoll-{self.kind}-reader")
+
+    def _new_stats(self) -> ReaderStats:
+        return ReaderStats()
+
+    def _logged(self, start, log, stats: ReaderStats) -> Iterator[dict]:
+        """The pass's batches, each one's position logged as it is produced. A resumed
+        pass with nothing left (the position was the end of the data: its epoch was
+        over) becomes a full pass."""
+        produced = False
+        for batch, fields in self._batches(stats, start):
+            log.record(self._file_position(fields))
+            produced = True
+            yield batch
+        if start is not None and not produced and self.finite:
+            log.restart(self._start_position(None))
+            for batch, fields in self._batches(stats, None):
+                log.record(self._file_position(fields))
+                yield batch
+
+    def _file_position(self, fields: dict) -> dict:
+        """A position of this reader: the header, the files' fingerprint, the batch size
+        and the kind's fields."""
+        return self._position(data=self.data, batch_size=self.batch_size, **fields)
+
+    def _global_start(self, position: dict) -> int:
+        """split='global': the step a position's global row count resumes at."""
+        rows = self._need(position, "rows")
+        if rows < 0 or rows % self.batch_size:
+            raise PositionError(
+                f"{self.kind}: resume: the position is at global row {rows}, not a whole number "
+                f"of batches of {self.batch_size}: resume with the batch size it was taken with "
+                f"({position.get('batch_size', 'see the position')})")
+        return rows // self.batch_size
 
     def __next__(self) -> dict:
         with self._lock:
@@ -167,13 +215,9 @@ class Reader:
         raise NotImplementedError
 
     def fit_batches(self) -> Iterator[tuple[dict, np.ndarray]]:
-        """One pass as (features, label) pairs: what model.fit or a step loop takes."""
-        it = iter(self)
-        try:
-            for batch in it:
-                yield self.features(batch)
-        finally:
-            it.close()
+        """One pass as (features, label) pairs: what model.fit or a step loop takes (an
+        iterator that `kvcoll.data.position.source_of` traces back to this reader)."""
+        return FitBatches(self, self.features)
 
     def _signature(self, tf):
         raise NotImplementedError
@@ -186,7 +230,41 @@ class Reader:
             for feats, label in self.fit_batches():
                 yield {k: _ragged(tf, v) for k, v in feats.items()}, label
 
-        return tf.data.Dataset.from_generator(gen, output_signature=self._signature(tf))
+        return source_dataset(self, gen, self._signature(tf))
+
+
+class FitBatches:
+    """One pass of a source as (features, label) pairs, 1:1 with its batches; carries
+    its source (`_kvcoll_source`) so the training loop can find its positions."""
+
+    def __init__(self, source, features):
+        self._kvcoll_source = source
+        self._features = features
+        self._it = iter(source)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self._features(next(self._it))
+
+    def close(self) -> None:
+        close = getattr(getattr(self, "_it", None), "close", None)
+        if close is not None:
+            close()
+
+    def __del__(self):
+        self.close()
+
+
+def source_dataset(source, gen, signature):
+    """tf.data.Dataset.from_generator(gen) that carries `source` (`_kvcoll_source`), for
+    `kvcoll.data.position.source_of`."""
+    import tensorflow as tf
+
+    ds = tf.data.Dataset.from_generator(gen, output_signature=signature)
+    ds._kvcoll_source = source
+    return ds
 
 
 def _ragged(tf, value):

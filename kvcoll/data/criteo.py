@@ -40,6 +40,7 @@ from .._c import check, ffi, lib, ptr
 from ..errors import InvalidArgumentError
 from . import _files
 from ._reader import Reader, ReaderStats
+from .position import PositionError, fingerprint
 from .shard import even_split
 
 __all__ = ["MISSING", "NUM_CATEGORICAL", "NUM_INTEGER", "CriteoFormatError", "CriteoReader",
@@ -305,16 +306,18 @@ class CriteoReader(Reader):
     kind = "criteo"
 
     def __init__(self, paths, batch_size, rank, world, drop_remainder, split, on_bad_line,
-                 prefetch, block_bytes, parse_block_bytes, start_step):
+                 prefetch, block_bytes, parse_block_bytes, start_step, *, _skip_empty=False):
         super().__init__(batch_size, rank, world, split, on_bad_line, prefetch,
                          drop_remainder, start_step)
         self.paths = _files.expand(paths, "criteo")
         self.block_bytes = _positive(block_bytes, "block_bytes")
         self.parse_block_bytes = _positive(parse_block_bytes, "parse_block_bytes")
         self.sizes = [os.path.getsize(p) for p in self.paths]
+        self.data = fingerprint(self.paths, self.sizes)
+        self._skip_empty = _skip_empty      # a stream's empty files are normal, not errors
         empty = [p for p, s in zip(self.paths, self.sizes) if s == 0]
         self.empty_files = len(empty)
-        if empty and on_bad_line == "error":
+        if empty and on_bad_line == "error" and not _skip_empty:
             raise CriteoFormatError(
                 f"criteo: {empty[0]} is empty (no lines); leave it out, or pass "
                 "on_bad_line='skip' to skip empty files and bad lines")
@@ -350,16 +353,51 @@ class CriteoReader(Reader):
         spec["numeric"] = tf.TensorSpec([None, NUM_INTEGER], tf.float32)
         return spec, tf.TensorSpec([None], tf.float32)
 
+    # -- positions ---------------------------------------------------------------------
+
+    def _position_split(self) -> str:
+        return "global" if self.pieces is None else "part"
+
+    def _start_position(self, fields) -> dict:
+        """Where a pass from `fields` (None: the usual beginning) starts."""
+        if self.pieces is None:
+            if fields is None:
+                fields = {"rows": self.start_step * self.batch_size}
+            return self._file_position(fields)
+        if fields is None:
+            first = self.pieces[0][1] if self.pieces else 0
+            fields = {"piece": 0, "offset": first}
+            if self.start_step:
+                fields["skip"] = self.start_step * self.part_batch_size
+        return self._file_position(fields)
+
+    def _accept(self, position: dict) -> dict:
+        self._check_data(position, self.data)
+        if self.pieces is None:
+            if position.get("end"):
+                return {"rows": self._need(position, "rows"), "end": True}
+            return {"rows": self._global_start(position) * self.batch_size}
+        piece, offset = self._need(position, "piece"), self._need(position, "offset")
+        skip = position.get("skip", 0)
+        if not 0 <= piece <= len(self.pieces) or offset < 0 or not isinstance(skip, int) \
+                or skip < 0:
+            raise PositionError(f"criteo: resume: the position {position!r} is not one of this "
+                                f"rank's {len(self.pieces)} piece(s) of the files")
+        return {"piece": piece, "offset": offset, **({"skip": skip} if skip else {})}
+
     # -- one pass ----------------------------------------------------------------------
 
-    def _batches(self, stats: ReaderStats) -> Iterator[dict]:
+    def _batches(self, stats: ReaderStats, start) -> Iterator[tuple[dict, dict]]:
         stats.empty_files += self.empty_files     # plain files of 0 bytes, seen at start
         if self.pieces is None:
-            return self._global(stats)
-        return self._part(stats)
+            if start is not None and start.get("end"):
+                return iter(())
+            first = self.start_step if start is None else start["rows"] // self.batch_size
+            return self._global(stats, first)
+        return self._part(stats, start)
 
     def _empty_file(self, path: str, stats: ReaderStats) -> None:
-        if self.on_bad_line == "error":
+        if self.on_bad_line == "error" and not self._skip_empty:
             raise CriteoFormatError(f"criteo: {path} is empty (no lines); leave it out, or pass "
                                     "on_bad_line='skip'")
         stats.empty_files += 1
@@ -381,10 +419,11 @@ class CriteoReader(Reader):
         keep[good] = True
         return batch["categorical"].T, batch["numeric"].T, batch["label"], keep
 
-    def _global(self, stats: ReaderStats) -> Iterator[dict]:
-        """split='global': every rank scans every line end, parses its slices. The
-        whole batches inside a block are sliced in place; only a batch that spans two
-        blocks (or files) is copied together."""
+    def _global(self, stats: ReaderStats, first: int) -> Iterator[tuple[dict, dict]]:
+        """split='global' from step `first` on: every rank scans every line end, parses
+        its slices. The whole batches inside a block are sliced in place; only a batch
+        that spans two blocks (or files) is copied together. Position: the global rows
+        of the steps done."""
         b = self.batch_size
         pend: list[memoryview] = []           # the lines of the batch under way
         pend_segs: list[tuple[int, str, int]] = []   # (its line, path, that line's number)
@@ -408,17 +447,21 @@ class CriteoReader(Reader):
                     start = int(nl[need - 1]) + 1
                     head = memoryview(b"".join([*pend, data[:start]]))
                     head_nl = np.flatnonzero(np.frombuffer(head, np.uint8) == _NEWLINE)
-                    yield from self._slices(head, head_nl, [*pend_segs, (pend_lines, path, file_line)],
-                                            [b], stats, skip=int(step < self.start_step))
+                    for batch in self._slices(head, head_nl,
+                                              [*pend_segs, (pend_lines, path, file_line)],
+                                              [b], stats, skip=int(step < first)):
+                        yield batch, {"rows": (step + 1) * b}
                     step += 1
                     at = need
                     pend, pend_segs, pend_lines = [], [], 0
                 k = (n - at) // b
                 if k:
                     end = int(nl[at + k * b - 1]) + 1
-                    yield from self._slices(data[start:end], nl[at:at + k * b] - start,
-                                            [(0, path, file_line + at)], [b] * k, stats,
-                                            min(k, max(0, self.start_step - step)))
+                    skip = min(k, max(0, first - step))
+                    for j, batch in enumerate(self._slices(
+                            data[start:end], nl[at:at + k * b] - start,
+                            [(0, path, file_line + at)], [b] * k, stats, skip)):
+                        yield batch, {"rows": (step + skip + j + 1) * b}
                     step += k
                     start = end
                 if n - at - k * b:
@@ -428,15 +471,16 @@ class CriteoReader(Reader):
                 file_line += n
             if not got and _files.is_gzip(path):
                 self._empty_file(path, stats)
-        if pend_lines and not self.drop_remainder and step >= self.start_step:
+        if pend_lines and not self.drop_remainder and step >= first:
             tail = memoryview(b"".join(pend))
             nl = np.flatnonzero(np.frombuffer(tail, np.uint8) == _NEWLINE)
-            yield from self._slices(tail, nl, pend_segs, [pend_lines], stats)
+            for batch in self._slices(tail, nl, pend_segs, [pend_lines], stats):
+                yield batch, {"rows": step * b + pend_lines, "end": True}
 
     def _slices(self, buf, nl, segs, sizes, stats, skip: int = 0) -> Iterator[dict]:
         """This rank's even_split slice of each global batch (of the given sizes) that
         starts at line 0 of buf, parsed in one go; the first `skip` batches are passed
-        over (before start_step), unparsed."""
+        over (before the pass's first step), unparsed."""
         first = sum(sizes[:skip])
         sizes = sizes[skip:]
         if not sizes:
@@ -481,15 +525,25 @@ class CriteoReader(Reader):
             yield _batch(cat, num, lab, at, at + c, stats)
             at += c
 
-    def _part(self, stats: ReaderStats) -> Iterator[dict]:
-        """split='part': this rank's byte ranges or files, in batches of its share."""
+    def _part(self, stats: ReaderStats, start) -> Iterator[tuple[dict, dict]]:
+        """split='part': this rank's byte ranges or files, in batches of its share, from
+        `start` ({"piece", "offset", "skip"}: the piece, the byte where its reading
+        resumes, and lines to pass over from there; None: the beginning, passing over
+        start_step batches). Position: the piece and byte offset after a batch's last
+        line (an offset in the decompressed stream for .gz)."""
         size = self.part_batch_size
         acc: list[tuple] = []
         held = 0
-        to_skip = self.start_step * size         # lines before start_step: not parsed
-        for path, start, end in self.pieces:
+        if start is None:
+            first, offset, to_skip = 0, None, self.start_step * size
+        else:
+            first, offset, to_skip = start["piece"], start["offset"], start.get("skip", 0)
+        for pi in range(first, len(self.pieces)):
+            path, lo, end = self.pieces[pi]
+            if pi == first and offset is not None:
+                lo = max(lo, offset)
             got = False
-            for block in _files.text_blocks(path, start, end, self.block_bytes, "criteo"):
+            for block in _files.text_blocks(path, lo, end, self.block_bytes, "criteo"):
                 got = True
                 nl = np.flatnonzero(np.frombuffer(block.data, np.uint8) == _NEWLINE)
                 n = nl.size
@@ -499,40 +553,49 @@ class CriteoReader(Reader):
                 if to_skip:
                     cut = int(nl[to_skip - 1]) + 1
                     block = _files.Block(block.data[cut:], block.path, block.offset + cut)
+                    nl = nl[to_skip:] - cut
                     n -= to_skip
                     to_skip = 0
 
                 def where(i, block=block):  # the line number costs a scan: errors only
                     return f"{block.path} line {_files.line_number(block.path, block.offset) + i}"
 
-                cat, num, lab, _ = self._parse(block.data, n, where, stats)
-                acc.append((cat, num, lab))
+                cat, num, lab, keep = self._parse(block.data, n, where, stats)
+                ends = block.offset + nl + 1           # the byte after each line
+                if keep is not None:
+                    ends = ends[keep]
+                acc.append((cat, num, lab, ends, pi))
                 held += lab.size
                 while held >= size:
-                    acc, held, out = _take(acc, held, size)
-                    yield _batch(*out, 0, size, stats)
-            if not got and start == 0 and _files.is_gzip(path):
+                    acc, held, out, last = _take(acc, held, size)
+                    yield _batch(*out, 0, size, stats), last
+            if not got and lo == 0 and _files.is_gzip(path):
                 self._empty_file(path, stats)
         if held and not self.drop_remainder:
-            acc, held, out = _take(acc, held, held)
-            yield _batch(*out, 0, out[2].size, stats)
+            acc, held, out, last = _take(acc, held, held)
+            yield _batch(*out, 0, out[2].size, stats), last
 
 
 def _take(acc, held, size):
-    """The first `size` rows of the accumulated parsed blocks, and what remains."""
+    """The first `size` rows of the accumulated parsed blocks, what remains, and the
+    position after the last row taken ({"piece", "offset"})."""
     parts, got, rest = [], 0, []
-    for k, (cat, num, lab) in enumerate(acc):
+    last = None
+    for entry in acc:
+        cat, num, lab, ends, piece = entry
         if got == size:
-            rest.append((cat, num, lab))
+            rest.append(entry)
             continue
         t = min(size - got, lab.size)
         parts.append((cat[:, :t], num[:, :t], lab[:t]))
+        if t:
+            last = {"piece": piece, "offset": int(ends[t - 1])}
         if t < lab.size:
-            rest.append((cat[:, t:], num[:, t:], lab[t:]))
+            rest.append((cat[:, t:], num[:, t:], lab[t:], ends[t:], piece))
         got += t
     out = tuple(p[0] if len(parts) == 1 else np.concatenate(p, axis=-1)
                 for p in zip(*parts))
-    return rest, held - size, out
+    return rest, held - size, out, last
 
 
 def _batch(cat, num, lab, a, z, stats: ReaderStats) -> dict:
@@ -576,8 +639,10 @@ def read_criteo(paths, batch_size: int, rank: int | None = None, world: int | No
         files too); "skip" drops bad lines and empty files, counted in `stats`.
     prefetch: batches prepared ahead by a background thread (0: none).
     block_bytes: bytes read at a time; parse_block_bytes: pyarrow's parsing block.
-    start_step: begin at this step (resuming a run): earlier batches are passed over
-        without being parsed (in "part", this rank's first start_step batches).
+    start_step: begin every pass at this step (a held-out head): earlier batches are
+        passed over without being parsed (in "part", this rank's first start_step
+        batches). To resume in the middle of a pass once, use the reader's
+        `resume(position)` with a `position_at(k)` (kvcoll.data.position).
     """
     return CriteoReader(paths, batch_size, rank, world, drop_remainder, split, on_bad_line,
                         prefetch, block_bytes, parse_block_bytes, start_step)

@@ -37,6 +37,7 @@ from ..errors import InvalidArgumentError
 from ..ids import arrow_keys
 from . import _files
 from ._reader import Reader, ReaderStats
+from .position import PositionError, fingerprint
 from .shard import even_split
 
 __all__ = ["ParquetFormatError", "ParquetReader", "parquet_dataset", "read_parquet"]
@@ -77,7 +78,8 @@ class ParquetReader(Reader):
     kind = "parquet"
 
     def __init__(self, paths, batch_size, rank, world, drop_remainder, split, on_bad_line,
-                 prefetch, label, numeric, categorical, null_id, start_step):
+                 prefetch, label, numeric, categorical, null_id, start_step, *,
+                 _skip_empty=False):
         super().__init__(batch_size, rank, world, split, on_bad_line, prefetch,
                          drop_remainder, start_step)
         pa, pq = _pa()
@@ -101,6 +103,7 @@ class ParquetReader(Reader):
         self.multi_hot = {}
         self._string = {}
         self.empty_files = 0
+        sizes = []
         for fi, path in enumerate(self.paths):
             try:
                 meta = pq.ParquetFile(path).metadata
@@ -109,14 +112,16 @@ class ParquetReader(Reader):
                 raise ParquetFormatError(f"parquet: cannot read {path}: {exc}") from None
             self._check_schema(pa, path, schema)
             rows = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+            sizes.append(sum(rows))
             if sum(rows) == 0:
-                if on_bad_line == "error":
+                if on_bad_line == "error" and not _skip_empty:
                     raise ParquetFormatError(
                         f"parquet: {path} is empty (no rows); leave it out, or pass "
                         "on_bad_line='skip' to skip empty files and bad rows")
                 self.empty_files += 1
             self.groups += [(fi, g, n) for g, n in enumerate(rows) if n]
         self.rows = sum(n for _, _, n in self.groups)
+        self.data = fingerprint(self.paths, sizes)      # names and row counts
         # string id columns come back dictionary-encoded, as Parquet usually stores them:
         # each distinct id is hashed once per row group, rows take their key by index
         self._dictionary = [c for c in self.categorical if not self.multi_hot[c]
@@ -174,37 +179,69 @@ class ParquetReader(Reader):
 
     # -- one pass ----------------------------------------------------------------------
 
-    def _plan(self) -> tuple[list[tuple[int, list[tuple[int, int, int]]]], list[int]]:
-        """[(group index, [(lo, hi, step)]): the row ranges of each row group this rank
-        reads and the step each belongs to], and the rows per step."""
+    # -- positions ---------------------------------------------------------------------
+
+    def _start_position(self, fields) -> dict:
+        """Where a pass from `fields` (None: the usual beginning) starts: global rows
+        (split='global') or rows of this rank's plan passed (split='part')."""
+        if fields is None:
+            b = self.batch_size if self.split == "global" else self.part_batch_size
+            fields = {"rows": min(self.start_step * b, self.rows if self.split == "global"
+                                  else self._plan_rows())}
+        return self._file_position(fields)
+
+    def _accept(self, position: dict) -> dict:
+        self._check_data(position, self.data)
+        rows = self._need(position, "rows")
+        if self.split == "global":
+            if rows >= self.rows:
+                return {"rows": self.rows, "end": True}     # the end: a full pass follows
+            return {"rows": self._global_start(position) * self.batch_size}
+        if not 0 <= rows <= self._plan_rows():
+            raise PositionError(f"parquet: resume: the position is at row {rows} of this rank's "
+                                f"part, which has {self._plan_rows()} rows")
+        return {"rows": rows}
+
+    def _mine(self) -> list[tuple[int, int]]:
+        """split='part': the [lo, hi) ranges of global rows this rank reads, in order."""
+        starts = np.cumsum([0] + [n for _, _, n in self.groups])
+        if len(self.groups) >= self.world:
+            glo, ghi = even_split(len(self.groups), self.rank, self.world)
+            return [(int(starts[g]), int(starts[g + 1])) for g in range(glo, ghi)]
+        out = []
+        for g in range(len(self.groups)):
+            lo, hi = even_split(self.groups[g][2], self.rank, self.world)
+            out.append((int(starts[g]) + lo, int(starts[g]) + hi))
+        return out
+
+    def _plan_rows(self) -> int:
+        return sum(hi - lo for lo, hi in self._mine())
+
+    # -- one pass ----------------------------------------------------------------------
+
+    def _plan(self, first: int) -> tuple[list[tuple[int, list[tuple[int, int, int]]]], list[int]]:
+        """[(group index, [(lo, hi, t)]): the row ranges of each row group this rank
+        reads], and the rows per step. split='global': from step `first`, t the step
+        (counted from `first`); split='part': from row `first` of this rank's part, t the
+        place of the range's first row in the part."""
         b = self.batch_size
         starts = np.cumsum([0] + [n for _, _, n in self.groups])
         if self.split == "global":
             steps = self.rows // b if self.drop_remainder else -(-self.rows // b)
             mine, counts = [], []
-            for t in range(self.start_step, steps):
+            for t in range(first, steps):
                 size = min(b, self.rows - t * b)
                 lo, hi = even_split(size, self.rank, self.world)
-                mine.append((t * b + lo, t * b + hi, t - self.start_step))
+                mine.append((t * b + lo, t * b + hi, t - first))
                 counts.append(hi - lo)
         else:
-            if len(self.groups) >= self.world:
-                glo, ghi = even_split(len(self.groups), self.rank, self.world)
-                mine = [(int(starts[g]), int(starts[g + 1]), -1) for g in range(glo, ghi)]
-            else:
-                mine = []
-                for g in range(len(self.groups)):
-                    lo, hi = even_split(self.groups[g][2], self.rank, self.world)
-                    mine.append((int(starts[g]) + lo, int(starts[g]) + hi, -1))
-            counts = []
-            skip = self.start_step * self.part_batch_size   # this rank's first rows
-            while mine and skip:
-                lo, hi, t = mine[0]
+            mine, counts, at, skip = [], [], 0, first
+            for lo, hi in self._mine():
                 take = min(skip, hi - lo)
-                mine[0] = (lo + take, hi, t)
                 skip -= take
-                if lo + take == hi:
-                    mine.pop(0)
+                if lo + take < hi:
+                    mine.append((lo + take, hi, at + take))
+                at += hi - lo
         plan = []
         ends = np.array([m[1] for m in mine], np.int64)
         for g in range(len(self.groups)):
@@ -214,7 +251,8 @@ class ParquetReader(Reader):
             while k < len(mine) and mine[k][0] < e:
                 lo, hi, t = mine[k]
                 if min(hi, e) > max(lo, s):
-                    ranges.append((max(lo, s) - s, min(hi, e) - s, t))
+                    place = t if self.split == "global" else t + max(lo, s) - lo
+                    ranges.append((max(lo, s) - s, min(hi, e) - s, place))
                 k += 1
             if ranges:
                 plan.append((g, ranges))
@@ -244,7 +282,11 @@ class ParquetReader(Reader):
         else:
             rows = np.concatenate([np.arange(lo, hi) for lo, hi, _ in ranges])
             table = table.take(pa.array(rows))
-        steps = np.concatenate([np.full(hi - lo, t, np.int64) for lo, hi, t in ranges])
+        if self.split == "global":     # each row's step, or its place in this rank's part
+            steps = np.concatenate([np.full(hi - lo, t, np.int64) for lo, hi, t in ranges])
+        else:
+            steps = np.concatenate([np.arange(t, t + hi - lo, dtype=np.int64)
+                                    for lo, hi, t in ranges])
         lab = table.column(self.label)
         if lab.null_count:
             valid = lab.is_valid().to_numpy(zero_copy_only=False)
@@ -263,15 +305,26 @@ class ParquetReader(Reader):
                 for c in self.categorical}
         return cats, numeric, label, steps
 
-    def _batches(self, stats: ReaderStats) -> Iterator[dict]:
+    def _batches(self, stats: ReaderStats, start) -> Iterator[tuple[dict, dict]]:
         stats.empty_files += self.empty_files
-        plan, counts = self._plan()
+        if start is not None and start.get("end"):
+            return iter(())
         if self.split == "global":
-            return self._global(plan, len(counts), stats)
+            first = self.start_step if start is None else start["rows"] // self.batch_size
+            plan, counts = self._plan(first)
+            return self._global(plan, first, len(counts), stats)
+        first = self.start_step * self.part_batch_size if start is None else start["rows"]
+        plan, _ = self._plan(first)
         return self._part(plan, stats)
 
-    def _global(self, plan, nsteps: int, stats: ReaderStats) -> Iterator[dict]:
+    def _global(self, plan, first: int, nsteps: int, stats: ReaderStats
+                ) -> Iterator[tuple[dict, dict]]:
         acc, step = [], 0
+        b = self.batch_size
+
+        def position(step):
+            return {"rows": min((first + step + 1) * b, self.rows)}
+
         for g, ranges in plan:
             got = self._read_group(g, ranges, stats)
             if got is not None:
@@ -279,14 +332,17 @@ class ParquetReader(Reader):
             last = ranges[-1][2]        # rows of steps before `last` are all read now
             while step < last:
                 acc, out = _cut(acc, step)
-                yield self._batch(out, stats)
+                yield self._batch(out, stats), position(step)
                 step += 1
         while step < nsteps:
             acc, out = _cut(acc, step)
-            yield self._batch(out, stats)
+            yield self._batch(out, stats), position(step)
             step += 1
 
-    def _part(self, plan, stats: ReaderStats) -> Iterator[dict]:
+    def _part(self, plan, stats: ReaderStats) -> Iterator[tuple[dict, dict]]:
+        """This rank's rows in batches of its share; position: rows of its part passed
+        (the place after the batch's last row: rows dropped after it are dropped again
+        on a resume)."""
         size = self.part_batch_size
         acc, held = [], 0
         for g, ranges in plan:
@@ -298,10 +354,10 @@ class ParquetReader(Reader):
             while held >= size:
                 acc, out = _first(acc, size)
                 held -= size
-                yield self._batch(out, stats)
+                yield self._batch(out, stats), _after(out)
         if held and not self.drop_remainder:
             acc, out = _first(acc, held)
-            yield self._batch(out, stats)
+            yield self._batch(out, stats), _after(out)
 
     def _batch(self, parts, stats: ReaderStats) -> dict:
         cats = {}
@@ -316,6 +372,12 @@ class ParquetReader(Reader):
         stats.rows += label.size
         stats.batches += 1
         return {"categorical": cats, "numeric": numeric, "label": label}
+
+
+def _after(parts) -> dict:
+    """split='part': the position after the last row of a batch's parts."""
+    place = next(int(p[3][-1]) for p in reversed(parts) if p[3].size)
+    return {"rows": place + 1}
 
 
 def _floats(pa, column) -> np.ndarray:
@@ -422,7 +484,9 @@ def read_parquet(paths, batch_size: int, rank: int | None = None, world: int | N
     label, numeric, categorical: column names (module docstring). Every file's schema
         is checked on every rank when the reader is made.
     rank, world, split, drop_remainder, on_bad_line, prefetch, start_step: as
-        `read_criteo`; split="part" assigns row groups to ranks.
+        `read_criteo`; split="part" assigns row groups to ranks. Positions
+        (`position_at`, `resume`): global rows for split="global", rows of this rank's
+        part for split="part".
     null_id: the key of a null id.
     """
     return ParquetReader(paths, batch_size, rank, world, drop_remainder, split, on_bad_line,

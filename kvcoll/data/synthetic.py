@@ -69,9 +69,10 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from ._synth_c import SYNTH_PERM_ROUNDS, SynthModel, SynthPermutation
+from .position import Positioned, PositionError
 from .shard import even_split
 
-__all__ = ["EVAL", "TRAIN", "SyntheticCTR", "auc"]
+__all__ = ["EVAL", "TRAIN", "SyntheticBatches", "SyntheticCTR", "auc"]
 
 TRAIN = "train"
 EVAL = "eval"
@@ -282,14 +283,15 @@ class SyntheticCTR:
         return self.samples(step * b + lo, step * b + hi)
 
     def batches(self, global_batch_size: int, rank: int = 0, world: int = 1,
-                start_step: int = 0, num_steps: int | None = None) -> Iterator[dict]:
+                start_step: int = 0, num_steps: int | None = None, *,
+                prefetch: int = 0) -> SyntheticBatches:
         """`batch(step, ...)` for step = start_step, start_step + 1, ... (endless if
-        num_steps is None). Resuming from a checkpoint at step s is start_step=s."""
-        step = int(start_step)
-        end = None if num_steps is None else step + int(num_steps)
-        while end is None or step < end:
-            yield self.batch(step, global_batch_size, rank, world)
-            step += 1
+        num_steps is None): a source with kvcoll.data.position's protocol. Each
+        iteration is a pass over those steps; `next()` continues a default pass.
+        `resume(position)` starts the next pass at the step after a position (from
+        `position_at`), on any world size: a step's global batch never depends on it."""
+        return SyntheticBatches(self, global_batch_size, rank, world, start_step, num_steps,
+                                prefetch)
 
     def eval_set(self, n: int, rank: int = 0, world: int = 1, offset: int = 0) -> dict:
         """Evaluation samples offset, ..., offset+n-1 (this rank's even_split part).
@@ -370,6 +372,118 @@ class SyntheticCTR:
             else:
                 hi = mid
         return 0.5 * (lo + hi)
+
+
+class SyntheticBatches(Positioned):
+    """SyntheticCTR's training batches of steps [start_step, start_step + num_steps), a
+    data source (kvcoll.data.position): see `SyntheticCTR.batches`.
+
+    Its position is global: {"rows": s * B} after step s - 1 (the global rows done),
+    the same on every rank. `fit_batches(features)` and `dataset(features)` give
+    (features, label) pairs for model.fit; `features` maps a batch dict to the model's
+    inputs (default: {"C1".."CF": field ids, "numeric": the numbers}).
+    """
+
+    kind = "synthetic"
+    split = "global"
+
+    def __init__(self, data: SyntheticCTR, global_batch_size, rank, world, start_step,
+                 num_steps, prefetch):
+        from ._reader import rank_world
+
+        b = int(global_batch_size)
+        if b < 1 or int(start_step) < 0 or (num_steps is not None and int(num_steps) < 0) \
+                or int(prefetch) < 0:
+            raise InvalidArgumentError(
+                f"synthetic batches: need global_batch_size >= 1, start_step >= 0, num_steps "
+                f"None or >= 0 and prefetch >= 0, got {global_batch_size}, {start_step}, "
+                f"{num_steps}, {prefetch}")
+        self.data, self.batch_size = data, b
+        self.rank, self.world = rank_world(rank, world)
+        self.start_step = int(start_step)
+        self.end_step = None if num_steps is None else self.start_step + int(num_steps)
+        self.prefetch = int(prefetch)
+        self.fingerprint = repr(data)
+        self._default = None
+        self._init_positions()
+
+    def __repr__(self):
+        return (f"SyntheticBatches({self.data!r}, global_batch_size={self.batch_size}, "
+                f"rank={self.rank}, world={self.world}, steps {self.start_step}.."
+                f"{'' if self.end_step is None else self.end_step})")
+
+    def _start_position(self, fields) -> dict:
+        step = self.start_step if fields is None else fields
+        return self._position(data=self.fingerprint, batch_size=self.batch_size,
+                              rows=step * self.batch_size)
+
+    def _accept(self, position: dict) -> int:
+        if position.get("data") != self.fingerprint:
+            raise PositionError(f"synthetic: resume: the position was taken on "
+                                f"{position.get('data')}, this is {self.fingerprint}")
+        rows = self._need(position, "rows")
+        if rows < 0 or rows % self.batch_size:
+            raise PositionError(f"synthetic: resume: global row {rows} is not a whole number of "
+                                f"batches of {self.batch_size}: resume with the batch size it "
+                                f"was taken with ({position.get('batch_size')})")
+        return rows // self.batch_size
+
+    def _pass(self, first, log) -> Iterator[dict]:
+        step = self.start_step if first is None else first
+        if first is not None and self.end_step is not None and step >= self.end_step:
+            step = self.start_step                # resumed at the end: a full pass follows
+            log.restart(self._start_position(None))
+        while self.end_step is None or step < self.end_step:
+            batch = self.data.batch(step, self.batch_size, self.rank, self.world)
+            step += 1
+            log.record(self._start_position(step))
+            yield batch
+
+    def __iter__(self):
+        from ._prefetch import Prefetch
+
+        first, log = self._begin()
+        return Prefetch(self._pass(first, log), self.prefetch, name="kvcoll-synthetic")
+
+    def __next__(self) -> dict:
+        if self._default is None:
+            self._default = iter(self)
+        return next(self._default)
+
+    def features(self, batch: dict) -> dict:
+        """The default model inputs of a batch: {"C1".."CF": int64 [n], "numeric"}."""
+        cat = batch["categorical"]
+        out = {f"C{f + 1}": np.ascontiguousarray(cat[:, f]) for f in range(cat.shape[1])}
+        out["numeric"] = batch["numeric"]
+        return out
+
+    def fit_batches(self, features=None):
+        """One pass as (features, label) pairs (an iterator `source_of` traces back)."""
+        from ._reader import FitBatches
+
+        features = features or self.features
+        return FitBatches(self, lambda b: (features(b), b["label"]))
+
+    def dataset(self, features=None):
+        """A tf.data.Dataset of (features, label), one pass per iteration; its signature
+        comes from `features` applied to a one-sample batch."""
+        import tensorflow as tf
+
+        from ._reader import source_dataset
+
+        features = features or self.features
+        probe = features(self.data.samples(0, 1))
+
+        def spec(v):
+            v = np.asarray(v)
+            return tf.TensorSpec([None, *v.shape[1:]], tf.as_dtype(v.dtype))
+
+        signature = ({k: spec(v) for k, v in probe.items()}, tf.TensorSpec([None], tf.float32))
+
+        def gen():
+            yield from self.fit_batches(features)
+
+        return source_dataset(self, gen, signature)
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
