@@ -33,9 +33,9 @@ import numpy as np
 from . import errors
 from ._c import check, ffi, lib, ptr
 
-__all__ = ["STRING_HASH_SEED", "ID_HASHES", "DEFAULT_ID_HASH", "LEGACY_ID_HASH", "arrow_keys",
-           "as_keys", "hash64", "hash_strings", "id_hash", "adopt_id_hash", "id_hash_conflict",
-           "string_features"]
+__all__ = ["DEFAULT_ID_HASH", "ID_HASHES", "LEGACY_ID_HASH", "STRING_HASH_SEED",
+           "adopt_id_hash", "arrow_keys", "as_keys", "hash64", "hash_strings", "id_hash",
+           "id_hash_conflict", "string_features"]
 
 # The string hashes a model may use (name -> csrc/kv_ids.h constant). A model keeps the
 # one it was trained with: its keys are that hash's, so changing it moves every string key.

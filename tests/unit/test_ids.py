@@ -187,13 +187,10 @@ def test_arrow_nulls_and_bad_string_ids_are_named():
 # -- the run's hash ----------------------------------------------------------------------
 
 @pytest.fixture()
-def fresh_run(monkeypatch):
-    """kvcoll.ids' process state as in a new process (restored after the test)."""
+def fresh_run():
+    """kvcoll.ids, its run state as a new process has it (tests/unit/conftest.py)."""
     from kvcoll import ids
 
-    monkeypatch.setattr(ids, "_run", {"name": None, "source": None, "used": False,
-                                      "strings": set()})
-    monkeypatch.delenv("KVCOLL_ID_HASH", raising=False)
     return ids
 
 
