@@ -8,9 +8,10 @@
  * and Jyrki Alakuijala's FarmHash, github.com/google/farmhash, the function TensorFlow's
  * tf.fingerprint computes for a string): one of four paths by length (0-16, 17-32,
  * 33-64 bytes: a few 64-bit reads from both ends, multiplied and mixed; longer: a
- * 64-byte block loop over a 56-byte state, then the last 64 bytes). Both read
- * little-endian byte by byte, so the result does not depend on the host's byte order or
- * alignment (GCC folds the reads into plain loads on x86). The layout functions only
+ * 64-byte block loop over a 56-byte state, then the last 64 bytes). Both read their
+ * input as little-endian words (one unaligned load each on a little-endian host, byte
+ * by byte elsewhere), so the result does not depend on the host's byte order or
+ * alignment. The layout functions only
  * find each id's bytes and call the chosen hash; offsets are validated in a first
  * pass, so a bad buffer never leads to a read out of bounds.
  *
@@ -32,7 +33,21 @@
 #define XP5 0x27D4EB2F165667C5ULL
 
 static inline uint64_t rotl64(uint64_t x, unsigned r) { return (x << r) | (x >> (64 - r)); }
-static inline uint64_t rd64(const uint8_t *p) { /* little-endian */
+/* Little-endian reads: one unaligned load on a little-endian host (memcpy is how C99
+ * says it; GCC did not fold the byte loop into one), byte by byte elsewhere. */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+static inline uint64_t rd64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+static inline uint64_t rd32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+#else
+static inline uint64_t rd64(const uint8_t *p) {
     uint64_t v = 0;
     for (int i = 7; i >= 0; i--) v = (v << 8) | p[i];
     return v;
@@ -40,6 +55,7 @@ static inline uint64_t rd64(const uint8_t *p) { /* little-endian */
 static inline uint64_t rd32(const uint8_t *p) {
     return (uint64_t)p[0] | (uint64_t)p[1] << 8 | (uint64_t)p[2] << 16 | (uint64_t)p[3] << 24;
 }
+#endif
 static inline uint64_t xround(uint64_t acc, uint64_t in) {
     acc += in * XP2;
     return rotl64(acc, 31) * XP1;
