@@ -49,6 +49,10 @@ def add_arguments(p) -> None:
     g.add_argument("--data-lines", type=int, default=400_000, help="lines in the test files")
     g.add_argument("--data-pairs", type=int, default=3,
                    help="alternating new / current passes per measurement")
+    g.add_argument("--data-parts", default="criteo,parquet,hash",
+                   help="which measurements, comma-separated: criteo (the TSV readers), "
+                        "parquet (read_parquet, farmhash64 vs xxh64), hash (hash_strings "
+                        "and the C hashes, farmhash64 vs xxh64)")
 
 
 # -- the test data -----------------------------------------------------------------------
@@ -270,15 +274,21 @@ def run(args) -> None:
         sizes = {"tsv": write_criteo(files["tsv"], lines),
                  "tsv.gz": write_criteo(files["tsv.gz"], lines),
                  "parquet": write_parquet(files["parquet"], lines)}
+        parts = set(args.data_parts.split(","))
+        unknown = parts - {"criteo", "parquet", "hash"}
+        if unknown:
+            raise SystemExit(f"--data-parts: unknown {sorted(unknown)}; use criteo, parquet, hash")
         plan = []
-        for fmt in ("tsv", "tsv.gz"):
+        for fmt in ("tsv", "tsv.gz") if "criteo" in parts else ():
             for pair in range(pairs):
                 plan += [(fmt, "criteo", {}, pair), (fmt, "criteo-current", {}, pair)]
         for pair in range(pairs):
-            plan += [("tsv", "criteo", {"rank": 0, "world": 2, "split": "global"}, pair),
-                     ("tsv", "criteo", {"rank": 0, "world": 2, "split": "part"}, pair),
-                     ("parquet", "parquet", {"id_hash": "farmhash64"}, pair),
-                     ("parquet", "parquet", {"id_hash": "xxh64"}, pair)]
+            if "criteo" in parts:
+                plan += [("tsv", "criteo", {"rank": 0, "world": 2, "split": "global"}, pair),
+                         ("tsv", "criteo", {"rank": 0, "world": 2, "split": "part"}, pair)]
+            if "parquet" in parts:   # the two hashes in alternating order
+                hashes = ("farmhash64", "xxh64") if pair % 2 == 0 else ("xxh64", "farmhash64")
+                plan += [("parquet", "parquet", {"id_hash": h}, pair) for h in hashes]
         for fmt, reader, extra, pair in plan:
             busy = common.wait_until_quiet(0 if args.quick else 120)   # the machine is shared
             print(f"[data] {reader} {fmt} {extra or ''} pair {pair + 1}", flush=True)
@@ -288,13 +298,14 @@ def run(args) -> None:
             rec = {"bench": "reader", "format": fmt, "reader": reader, "pair": pair,
                    "file_bytes": sizes[fmt], "lines": lines, "busy_before": busy, **extra}
             records.append(dict(rec, **got[0]) if got else dict(rec, error=err))
-        print("[data] hash_strings", flush=True)
-        got, err = common.run_child("bench.data_bench:hash_child",
-                                    {"n": 100_000 if args.quick else 1_000_000, "cpu": cpu,
-                                     "reps": reps}, timeout=1800)
-        records += [dict(r, bench="hash") for r in got]
-        if err:
-            records.append({"bench": "hash", "error": err})
+        if "hash" in parts:
+            print("[data] hash_strings", flush=True)
+            got, err = common.run_child("bench.data_bench:hash_child",
+                                        {"n": 100_000 if args.quick else 1_000_000, "cpu": cpu,
+                                         "reps": reps}, timeout=1800)
+            records += [dict(r, bench="hash") for r in got]
+            if err:
+                records.append({"bench": "hash", "error": err})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     common.publish(out_dir, "data", records, lambda m: markdown(records, m))
@@ -373,8 +384,9 @@ def markdown(records, machine) -> str:
     for layout in dict.fromkeys(r["layout"] for r in hashes):
         got = {r["impl"]: r["ids_per_sec"] for r in hashes if r["layout"] == layout}
         f, x, c = got.get("farmhash64"), got.get("xxh64"), got.get("current")
-        lines.append(f"| {layout} | {_fmt(f)} | {_fmt(x)} | {f / x:.2f}x | {_fmt(c)} | "
-                     + (f"{f / c:.1f}x |" if c else "|"))
+        lines.append(f"| {layout} | {_fmt(f)} | {_fmt(x)} | "
+                     + (f"{f / x:.2f}x" if f and x else "-") + f" | {_fmt(c)} | "
+                     + (f"{f / c:.1f}x |" if f and c else "|"))
     errors = [r for r in records if "error" in r]
     lines += ["", "- rows/s of a 2-rank run are rank 0's own rows (half the file) over its time: "
               "split='global' still scans every line end; split='part' reads only its half",
