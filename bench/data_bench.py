@@ -232,7 +232,7 @@ def hash_child(spec: dict) -> None:
         offsets = np.arange(count + 1, dtype=np.int64) * width
         out = np.empty(count, np.int64)
 
-        def c_hash(code):
+        def c_hash(code, raw=raw, offsets=offsets, count=count, out=out):
             lib.kv_hash_offsets64(ptr("uint8_t *", raw), ptr("int64_t *", offsets), count,
                                   code, ptr("int64_t *", out))
 
@@ -375,10 +375,10 @@ def markdown(records, machine) -> str:
                  f"| {_fmt(_median(records, reader='parquet', id_hash='farmhash64'))} "
                  f"| {_fmt(_median(records, reader='parquet', id_hash='xxh64'))} (xxh64) "
                  f"| {ratio} ({', '.join(f'{r:.2f}x' for r in ratios)}) |")
-    lines += ["", "String ids to keys, ids/s on one core (1M ids of 8-10 characters; the C "
-              "rows: random bytes of one length, the hash alone over Arrow offsets):", "",
-              "| layout | farmhash64 | xxh64 | farmhash64 / xxh64 | previous (a Python encode "
-              "per id, xxh64) | farmhash64 / previous |",
+    lines += ["", ("String ids to keys, ids/s on one core (1M ids of 8-10 characters; the C "
+                   "rows: random bytes of one length, the hash alone over Arrow offsets):"), "",
+              ("| layout | farmhash64 | xxh64 | farmhash64 / xxh64 | previous (a Python encode "
+               "per id, xxh64) | farmhash64 / previous |"),
               "|---|---:|---:|---:|---:|---:|"]
     hashes = [r for r in records if r.get("bench") == "hash" and "layout" in r]
     for layout in dict.fromkeys(r["layout"] for r in hashes):

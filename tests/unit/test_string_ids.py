@@ -76,7 +76,8 @@ feeds = {k: tf.constant(v) for k, v in np.load(sys.argv[2]).items()}
 np.save(sys.argv[3], sig(**feeds)["prediction"].numpy())
 print(json.dumps({"imported": sorted(k for k in sys.modules
                                      if k.split(".")[0] in ("kvcoll", "mpi4py", "keras")),
-                  "inputs": {k: v.dtype.name for k, v in sig.structured_input_signature[1].items()}}))
+                  "inputs": {k: v.dtype.name
+                             for k, v in sig.structured_input_signature[1].items()}}))
 """
 
 
