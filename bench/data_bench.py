@@ -15,12 +15,16 @@ read once before timing (the page cache holds it), best and median of several pa
   kvcoll.data.read_criteo: a Python loop over lines, numpy parsing), plain and .gz;
 - criteo, 2 ranks: one rank's view of a 2-rank run: split="global" (scan every line
   end, parse half the lines) and split="part" (read half the bytes);
-- parquet: read_parquet of the same rows (13 numeric, 26 string id columns);
+- parquet: read_parquet of the same rows (13 numeric, 26 string id columns), with
+  either string hash (id_hash farmhash64, the default, and xxh64), in alternating pairs;
+- hash_strings of 1M string ids in each layout (numpy 'U', object, pyarrow) with
+  farmhash64 and with xxh64, and against the previous implementation
+  (`legacy_hash_strings`: one Python encode per id, then C XXH64); and the C hash alone
+  over Arrow offsets (the readers' path) for ids of 8, 16, 32, 64 and 200 bytes, both
+  hashes interleaved rep by rep.
 - stream: kvcoll.data.stream over the same finished file (TSV, then Parquet; no wait
   at the end: idle_timeout 0, settle 0), alternating with the plain reader, so its
   ratio to the reader is measured in the same run;
-- hash_strings of 1M string ids in each layout (numpy 'U', object, pyarrow) against the
-  previous implementation (`legacy_hash_strings`: one Python encode per id, then C).
 
 New and current readers are measured in alternating pairs on a machine that other
 work may share; the ratios within a pair are the figures to read.
@@ -34,6 +38,7 @@ import os
 import shutil
 import statistics
 import tempfile
+import time
 
 import numpy as np
 
@@ -47,6 +52,10 @@ def add_arguments(p) -> None:
     g.add_argument("--data-lines", type=int, default=400_000, help="lines in the test files")
     g.add_argument("--data-pairs", type=int, default=3,
                    help="alternating new / current passes per measurement")
+    g.add_argument("--data-parts", default="criteo,parquet,hash",
+                   help="which measurements, comma-separated: criteo (the TSV readers), "
+                        "parquet (read_parquet, farmhash64 vs xxh64), hash (hash_strings "
+                        "and the C hashes, farmhash64 vs xxh64)")
 
 
 # -- the test data -----------------------------------------------------------------------
@@ -174,6 +183,10 @@ def reader_child(spec: dict) -> None:
     rank, world = spec.get("rank", 0), spec.get("world", 1)
     cats = [f"C{f + 1}" for f in range(26)]
     numeric = [f"I{j + 1}" for j in range(13)]
+    if spec.get("id_hash"):
+        from kvcoll import ids
+
+        ids.configure(spec["id_hash"])
 
     def one() -> int:
         if kind == "stream":
@@ -209,16 +222,48 @@ def hash_child(spec: dict) -> None:
     layouts = {"numpy U": ids, "object": ids.astype(object), "pyarrow string": pa.array(ids)}
     for name, values in layouts.items():
         want = legacy_hash_strings(values if name != "pyarrow string" else ids)
-        if not np.array_equal(hash_strings(values), want):
+        if not np.array_equal(hash_strings(values, "xxh64"), want):
             raise AssertionError(f"hash_strings differs from the previous keys on {name}")
         # the previous code took a pyarrow array only as numpy objects
         current = values.to_numpy(zero_copy_only=False) if name == "pyarrow string" else values
-        for impl, fn, arg in (("kvcoll", hash_strings, values),
-                              ("current", legacy_hash_strings, current)):
-            times = common.timed_passes(lambda fn=fn, arg=arg: fn(arg), min_reps=spec["reps"],
-                                        max_reps=spec["reps"], min_seconds=0)
-            common.emit({"layout": name, "impl": impl, "ids": n,
-                         "ids_per_sec": n / min(times)})
+        impls = (("farmhash64", lambda v=values: hash_strings(v, "farmhash64")),
+                 ("xxh64", lambda v=values: hash_strings(v, "xxh64")),
+                 ("current", lambda v=current: legacy_hash_strings(v)))
+        best = _interleaved(impls, spec["reps"])
+        for impl, t in best.items():
+            common.emit({"layout": name, "impl": impl, "ids": n, "ids_per_sec": n / t})
+    # the C hash alone over Arrow offsets (what the readers call), by id length
+    from kvcoll._c import lib, ptr
+
+    for width in (8, 16, 32, 64, 200):
+        count = min(n, (64 << 20) // width)
+        raw = np.random.default_rng(width).integers(0, 256, count * width, dtype=np.uint8)
+        offsets = np.arange(count + 1, dtype=np.int64) * width
+        out = np.empty(count, np.int64)
+
+        def c_hash(code, raw=raw, offsets=offsets, count=count, out=out):
+            lib.kv_hash_offsets64(ptr("uint8_t *", raw), ptr("int64_t *", offsets), count,
+                                  code, ptr("int64_t *", out))
+
+        best = _interleaved((("farmhash64", lambda: c_hash(lib.KV_ID_FARMHASH64)),
+                             ("xxh64", lambda: c_hash(lib.KV_ID_XXH64))), spec["reps"] * 3)
+        for impl, t in best.items():
+            common.emit({"layout": f"C, Arrow offsets, {width}-byte ids", "impl": impl,
+                         "ids": count, "ids_per_sec": count / t})
+
+
+def _interleaved(impls, reps: int) -> dict:
+    """Best seconds of each (name, fn) over `reps` rounds, the impls taking turns within
+    each round (after one warm-up call each), so a busy moment hits them alike."""
+    for _, fn in impls:
+        fn()
+    best = {name: float("inf") for name, _ in impls}
+    for _ in range(reps):
+        for name, fn in impls:
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
 
 
 # -- the run -----------------------------------------------------------------------------
@@ -238,15 +283,23 @@ def run(args) -> None:
         sizes = {"tsv": write_criteo(files["tsv"], lines),
                  "tsv.gz": write_criteo(files["tsv.gz"], lines),
                  "parquet": write_parquet(files["parquet"], lines)}
+        parts = set(args.data_parts.split(","))
+        unknown = parts - {"criteo", "parquet", "hash"}
+        if unknown:
+            raise SystemExit(f"--data-parts: unknown {sorted(unknown)}; use criteo, parquet, hash")
         plan = []
-        for fmt in ("tsv", "tsv.gz"):
+        for fmt in ("tsv", "tsv.gz") if "criteo" in parts else ():
             for pair in range(pairs):
                 plan += [(fmt, "criteo", {}, pair), (fmt, "criteo-current", {}, pair)]
         for pair in range(pairs):
-            plan += [("tsv", "criteo", {"rank": 0, "world": 2, "split": "global"}, pair),
-                     ("tsv", "criteo", {"rank": 0, "world": 2, "split": "part"}, pair),
-                     ("parquet", "parquet", {}, pair)]
-        for pair in range(pairs):       # stream and plain reader over the same file, paired
+            if "criteo" in parts:
+                plan += [("tsv", "criteo", {"rank": 0, "world": 2, "split": "global"}, pair),
+                         ("tsv", "criteo", {"rank": 0, "world": 2, "split": "part"}, pair)]
+            if "parquet" in parts:   # the two hashes in alternating order
+                hashes = ("farmhash64", "xxh64") if pair % 2 == 0 else ("xxh64", "farmhash64")
+                plan += [("parquet", "parquet", {"id_hash": h}, pair) for h in hashes]
+        for pair in range(pairs) if "criteo" in parts or "parquet" in parts else ():
+            # stream and plain reader over the same file, paired
             plan += [("tsv", "stream", {"split": "global", "vs": "criteo"}, pair),
                      ("tsv", "criteo", {"split": "global", "vs": "stream"}, pair),
                      ("parquet", "stream", {"split": "global", "vs": "parquet"}, pair),
@@ -262,13 +315,14 @@ def run(args) -> None:
             rec = {"bench": "reader", "format": fmt, "reader": reader, "pair": pair,
                    "file_bytes": sizes[fmt], "lines": lines, "busy_before": busy, **extra}
             records.append(dict(rec, **got[0]) if got else dict(rec, error=err))
-        print("[data] hash_strings", flush=True)
-        got, err = common.run_child("bench.data_bench:hash_child",
-                                    {"n": 100_000 if args.quick else 1_000_000, "cpu": cpu,
-                                     "reps": reps}, timeout=1800)
-        records += [dict(r, bench="hash") for r in got]
-        if err:
-            records.append({"bench": "hash", "error": err})
+        if "hash" in parts:
+            print("[data] hash_strings", flush=True)
+            got, err = common.run_child("bench.data_bench:hash_child",
+                                        {"n": 100_000 if args.quick else 1_000_000, "cpu": cpu,
+                                         "reps": reps}, timeout=1800)
+            records += [dict(r, bench="hash") for r in got]
+            if err:
+                records.append({"bench": "hash", "error": err})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     common.publish(out_dir, "data", records, lambda m: markdown(records, m))
@@ -338,8 +392,16 @@ def markdown(records, machine) -> str:
     for split in ("global", "part"):
         v = _median(records, reader="criteo", format="tsv", world=2, split=split)
         lines.append(f"| read_criteo, rank 0 of 2, split={split!r} | tsv | {_fmt(v)} | | |")
-    lines.append(f"| read_parquet (26 string id columns hashed) | parquet | "
-                 f"{_fmt(_median(records, reader='parquet'))} | | |")
+    farm = {r["pair"]: r["rows_per_sec"] for r in records if r.get("reader") == "parquet"
+            and r.get("id_hash") == "farmhash64" and "rows_per_sec" in r}
+    xxh = {r["pair"]: r["rows_per_sec"] for r in records if r.get("reader") == "parquet"
+           and r.get("id_hash") == "xxh64" and "rows_per_sec" in r}
+    ratios = [farm[p] / xxh[p] for p in farm if p in xxh]
+    ratio = f"{statistics.median(ratios):.2f}x" if ratios else "-"
+    lines.append(f"| read_parquet (26 string id columns hashed), farmhash64 vs xxh64 | parquet "
+                 f"| {_fmt(_median(records, reader='parquet', id_hash='farmhash64'))} "
+                 f"| {_fmt(_median(records, reader='parquet', id_hash='xxh64'))} (xxh64) "
+                 f"| {ratio} ({', '.join(f'{r:.2f}x' for r in ratios)}) |")
     lines += ["", ("kvcoll.data.stream over the same finished file against the plain reader, "
                    "paired in the same run (1 rank):"), "",
               ("| file | stream rows/s per core | reader rows/s per core | stream / reader "
@@ -350,14 +412,18 @@ def markdown(records, machine) -> str:
         ratio = "-" if d["ratio"] is None else f"{d['ratio']:.2f}x"
         lines.append(f"| {fmt} | {_fmt(d['stream'])} | {_fmt(d['reader'])} | {ratio} "
                      f"({pairs}) |")
-    lines += ["", "String ids to keys, 1M ids of 8-10 characters, ids/s on one core:", "",
-              "| layout | kvcoll.ids.hash_strings | previous (a Python encode per id) | ratio |",
-              "|---|---:|---:|---:|"]
+    lines += ["", ("String ids to keys, ids/s on one core (1M ids of 8-10 characters; the C "
+                   "rows: random bytes of one length, the hash alone over Arrow offsets):"), "",
+              ("| layout | farmhash64 | xxh64 | farmhash64 / xxh64 | previous (a Python encode "
+               "per id, xxh64) | farmhash64 / previous |"),
+              "|---|---:|---:|---:|---:|---:|"]
     hashes = [r for r in records if r.get("bench") == "hash" and "layout" in r]
     for layout in dict.fromkeys(r["layout"] for r in hashes):
-        k = next(r["ids_per_sec"] for r in hashes if r["layout"] == layout and r["impl"] == "kvcoll")
-        c = next(r["ids_per_sec"] for r in hashes if r["layout"] == layout and r["impl"] == "current")
-        lines.append(f"| {layout} | {k:,.0f} | {c:,.0f} | {k / c:.1f}x |")
+        got = {r["impl"]: r["ids_per_sec"] for r in hashes if r["layout"] == layout}
+        f, x, c = got.get("farmhash64"), got.get("xxh64"), got.get("current")
+        lines.append(f"| {layout} | {_fmt(f)} | {_fmt(x)} | "
+                     + (f"{f / x:.2f}x" if f and x else "-") + f" | {_fmt(c)} | "
+                     + (f"{f / c:.1f}x |" if f and c else "|"))
     errors = [r for r in records if "error" in r]
     lines += ["", "- rows/s of a 2-rank run are rank 0's own rows (half the file) over its time: "
               "split='global' still scans every line end; split='part' reads only its half",

@@ -1,12 +1,19 @@
 /*
- * kv_ids.c - XXH64 over the layouts readers hand over, and Criteo's hex ids.
+ * kv_ids.c - string ids to keys (XXH64 or FarmHash Fingerprint64) over the layouts
+ * readers hand over, and Criteo's hex ids.
  *
  * XXH64 follows the published specification (xxhash.com, XXH64): four 64-bit lanes
  * over 32-byte stripes for inputs of 32 bytes or more, then 8-, 4- and 1-byte tails
- * and the final avalanche. Reads are little-endian byte by byte, so the result does
- * not depend on the host's byte order or alignment (GCC folds them into plain loads
- * on x86). The layout functions only find each id's bytes and call it; offsets are
- * validated in a first pass, so a bad buffer never leads to a read out of bounds.
+ * and the final avalanche. FarmHash Fingerprint64 is farmhashna's Hash64 (Geoff Pike
+ * and Jyrki Alakuijala's FarmHash, github.com/google/farmhash, the function TensorFlow's
+ * tf.fingerprint computes for a string): one of four paths by length (0-16, 17-32,
+ * 33-64 bytes: a few 64-bit reads from both ends, multiplied and mixed; longer: a
+ * 64-byte block loop over a 56-byte state, then the last 64 bytes). Both read their
+ * input as little-endian words (one unaligned load each on a little-endian host, byte
+ * by byte elsewhere), so the result does not depend on the host's byte order or
+ * alignment. The layout functions only
+ * find each id's bytes and call the chosen hash; offsets are validated in a first
+ * pass, so a bad buffer never leads to a read out of bounds.
  *
  * kv_hash_ucs4 encodes one id at a time into a scratch buffer of 4 * width bytes (the
  * longest UTF-8 encoding of `width` code points) and hashes that, so 'U' arrays get
@@ -26,7 +33,21 @@
 #define XP5 0x27D4EB2F165667C5ULL
 
 static inline uint64_t rotl64(uint64_t x, unsigned r) { return (x << r) | (x >> (64 - r)); }
-static inline uint64_t rd64(const uint8_t *p) { /* little-endian */
+/* Little-endian reads: one unaligned load on a little-endian host (memcpy is how C99
+ * says it; GCC did not fold the byte loop into one), byte by byte elsewhere. */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+static inline uint64_t rd64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+static inline uint64_t rd32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+#else
+static inline uint64_t rd64(const uint8_t *p) {
     uint64_t v = 0;
     for (int i = 7; i >= 0; i--) v = (v << 8) | p[i];
     return v;
@@ -34,6 +55,7 @@ static inline uint64_t rd64(const uint8_t *p) { /* little-endian */
 static inline uint64_t rd32(const uint8_t *p) {
     return (uint64_t)p[0] | (uint64_t)p[1] << 8 | (uint64_t)p[2] << 16 | (uint64_t)p[3] << 24;
 }
+#endif
 static inline uint64_t xround(uint64_t acc, uint64_t in) {
     acc += in * XP2;
     return rotl64(acc, 31) * XP1;
@@ -74,14 +96,159 @@ static uint64_t xxh64(const uint8_t *p, uint64_t len, uint64_t seed) {
     return h;
 }
 
+/* ---- FarmHash Fingerprint64 (farmhashna::Hash64) -------------------------------------- */
+
+#define FK0 0xc3a5c85c97cb3127ULL
+#define FK1 0xb492b66fbe98f273ULL
+#define FK2 0x9ae16a3b2f90404fULL
+
+static inline uint64_t rotr64(uint64_t x, unsigned r) { return (x >> r) | (x << (64 - r)); }
+static inline uint64_t shift_mix(uint64_t v) { return v ^ (v >> 47); }
+
+static inline uint64_t fh_len16(uint64_t u, uint64_t v, uint64_t mul) {
+    uint64_t a = (u ^ v) * mul;
+    a ^= a >> 47;
+    uint64_t b = (v ^ a) * mul;
+    b ^= b >> 47;
+    return b * mul;
+}
+
+static inline uint64_t fh_0to16(const uint8_t *s, uint64_t len) {
+    if (len >= 8) {
+        uint64_t mul = FK2 + len * 2;
+        uint64_t a = rd64(s) + FK2;
+        uint64_t b = rd64(s + len - 8);
+        uint64_t c = rotr64(b, 37) * mul + a;
+        uint64_t d = (rotr64(a, 25) + b) * mul;
+        return fh_len16(c, d, mul);
+    }
+    if (len >= 4) {
+        uint64_t mul = FK2 + len * 2;
+        return fh_len16(len + (rd32(s) << 3), rd32(s + len - 4), mul);
+    }
+    if (len > 0) {
+        uint32_t y = (uint32_t)s[0] + ((uint32_t)s[len >> 1] << 8);
+        uint32_t z = (uint32_t)len + ((uint32_t)s[len - 1] << 2);
+        return shift_mix((uint64_t)y * FK2 ^ (uint64_t)z * FK0) * FK2;
+    }
+    return FK2;
+}
+
+static inline uint64_t fh_17to32(const uint8_t *s, uint64_t len) {
+    uint64_t mul = FK2 + len * 2;
+    uint64_t a = rd64(s) * FK1;
+    uint64_t b = rd64(s + 8);
+    uint64_t c = rd64(s + len - 8) * mul;
+    uint64_t d = rd64(s + len - 16) * FK2;
+    return fh_len16(rotr64(a + b, 43) + rotr64(c, 30) + d, a + rotr64(b + FK2, 18) + c, mul);
+}
+
+static inline uint64_t fh_33to64(const uint8_t *s, uint64_t len) {
+    uint64_t mul = FK2 + len * 2;
+    uint64_t a = rd64(s) * FK2;
+    uint64_t b = rd64(s + 8);
+    uint64_t c = rd64(s + len - 8) * mul;
+    uint64_t d = rd64(s + len - 16) * FK2;
+    uint64_t y = rotr64(a + b, 43) + rotr64(c, 30) + d;
+    uint64_t z = fh_len16(y, a + rotr64(b + FK2, 18) + c, mul);
+    uint64_t e = rd64(s + 16) * mul;
+    uint64_t f = rd64(s + 24);
+    uint64_t g = (y + rd64(s + len - 32)) * mul;
+    uint64_t h = (z + rd64(s + len - 24)) * mul;
+    return fh_len16(rotr64(e + f, 43) + rotr64(g, 30) + h, e + rotr64(f + a, 18) + g, mul);
+}
+
+/* FarmHash's WeakHashLen32WithSeeds over s[0..32): (*p1, *p2) from seeds a, b. */
+static inline void fh_weak32(const uint8_t *s, uint64_t a, uint64_t b, uint64_t *p1,
+                             uint64_t *p2) {
+    uint64_t w = rd64(s), x = rd64(s + 8), y = rd64(s + 16), z = rd64(s + 24);
+    a += w;
+    b = rotr64(b + a + z, 21);
+    uint64_t c = a;
+    a += x;
+    a += y;
+    b += rotr64(a, 44);
+    *p1 = a + z;
+    *p2 = b + c;
+}
+
+static uint64_t fh_long(const uint8_t *s, uint64_t len) {
+    const uint64_t seed = 81;
+    uint64_t x = seed, y = seed * FK1 + 113, z = shift_mix(y * FK2 + 113) * FK2;
+    uint64_t v1 = 0, v2 = 0, w1 = 0, w2 = 0, t;
+    x = x * FK2 + rd64(s);
+    /* blocks of 64 bytes, leaving 1 to 64 bytes for the last (overlapping) block */
+    const uint8_t *end = s + ((len - 1) / 64) * 64;
+    const uint8_t *last64 = end + ((len - 1) & 63) - 63;
+    do {
+        x = rotr64(x + y + v1 + rd64(s + 8), 37) * FK1;
+        y = rotr64(y + v2 + rd64(s + 48), 42) * FK1;
+        x ^= w2;
+        y += v1 + rd64(s + 40);
+        z = rotr64(z + w1, 33) * FK1;
+        fh_weak32(s, v2 * FK1, x + w1, &v1, &v2);
+        fh_weak32(s + 32, z + w2, y + rd64(s + 16), &w1, &w2);
+        t = z, z = x, x = t;
+        s += 64;
+    } while (s != end);
+    uint64_t mul = FK1 + ((z & 0xff) << 1);
+    s = last64;
+    w1 += ((len - 1) & 63);
+    v1 += w1;
+    w1 += v1;
+    x = rotr64(x + y + v1 + rd64(s + 8), 37) * mul;
+    y = rotr64(y + v2 + rd64(s + 48), 42) * mul;
+    x ^= w2 * 9;
+    y += v1 * 9 + rd64(s + 40);
+    z = rotr64(z + w1, 33) * mul;
+    fh_weak32(s, v2 * mul, x + w1, &v1, &v2);
+    fh_weak32(s + 32, z + w2, y + rd64(s + 16), &w1, &w2);
+    t = z, z = x, x = t;
+    return fh_len16(fh_len16(v1, w1, mul) + shift_mix(y) * FK0 + z, fh_len16(v2, w2, mul) + x,
+                    mul);
+}
+
+static inline uint64_t farmhash64(const uint8_t *s, uint64_t len) {
+    if (len <= 16) return fh_0to16(s, len);
+    if (len <= 32) return fh_17to32(s, len);
+    if (len <= 64) return fh_33to64(s, len);
+    return fh_long(s, len);
+}
+
+/* The key of one id under `hash` (checked by the callers). XXH64's seed is 0. */
+static inline int64_t id_key(int32_t hash, const uint8_t *p, uint64_t len) {
+    return (int64_t)(hash == KV_ID_FARMHASH64 ? farmhash64(p, len) : xxh64(p, len, 0));
+}
+
+static inline int bad_hash(int32_t hash) {
+    return hash != KV_ID_XXH64 && hash != KV_ID_FARMHASH64;
+}
+
+/* for (i < n) out[i] = key of (P, L) under `hash`, with the hash chosen once outside
+ * the loop so each copy inlines its own function. PREP declares what P and L read. */
+#define EACH_ID(hash, n, PREP, P, L)                                                   \
+    do {                                                                               \
+        if ((hash) == KV_ID_FARMHASH64) {                                              \
+            for (int64_t i = 0; i < (n); i++) {                                        \
+                PREP;                                                                  \
+                out[i] = (int64_t)farmhash64((P), (uint64_t)(L));                      \
+            }                                                                          \
+        } else {                                                                       \
+            for (int64_t i = 0; i < (n); i++) {                                        \
+                PREP;                                                                  \
+                out[i] = (int64_t)xxh64((P), (uint64_t)(L), 0);                        \
+            }                                                                          \
+        }                                                                              \
+    } while (0)
+
+static const uint8_t EMPTY[1] = {0};
+
 int kv_hash_strings(const uint8_t *bytes, const int64_t *starts, const int64_t *lens,
-                    int64_t n, uint64_t seed, int64_t *out) {
-    if (n < 0 || (n > 0 && (!starts || !lens || !out))) return KV_EINVAL;
+                    int64_t n, int32_t hash, int64_t *out) {
+    if (n < 0 || bad_hash(hash) || (n > 0 && (!starts || !lens || !out))) return KV_EINVAL;
     for (int64_t i = 0; i < n; i++)
         if (starts[i] < 0 || lens[i] < 0 || (lens[i] > 0 && !bytes)) return KV_EINVAL;
-    for (int64_t i = 0; i < n; i++)
-        out[i] = (int64_t)xxh64(lens[i] ? bytes + starts[i] : (const uint8_t *)"",
-                                (uint64_t)lens[i], seed);
+    EACH_ID(hash, n, (void)0, lens[i] ? bytes + starts[i] : EMPTY, lens[i]);
     return KV_OK;
 }
 
@@ -95,30 +262,30 @@ int kv_hash_strings(const uint8_t *bytes, const int64_t *starts, const int64_t *
         if ((offsets)[n] > (offsets)[0] && !(bytes)) return KV_EINVAL;           \
     } while (0)
 
-static const uint8_t EMPTY[1] = {0};
-
 /* The two Arrow offset widths share one body. */
 #define HASH_OFFSETS(name, offset_t)                                                  \
-    int name(const uint8_t *bytes, const offset_t *offsets, int64_t n, uint64_t seed, \
+    int name(const uint8_t *bytes, const offset_t *offsets, int64_t n, int32_t hash,  \
              int64_t *out) {                                                          \
+        if (bad_hash(hash)) return KV_EINVAL;                                         \
         CHECK_OFFSETS(bytes, offsets, n);                                             \
-        for (int64_t i = 0; i < n; i++) {                                             \
-            uint64_t len = (uint64_t)(offsets[i + 1] - offsets[i]);                   \
-            out[i] = (int64_t)xxh64(len ? bytes + offsets[i] : EMPTY, len, seed);     \
-        }                                                                             \
+        EACH_ID(hash, n, uint64_t len = (uint64_t)(offsets[i + 1] - offsets[i]),      \
+                len ? bytes + offsets[i] : EMPTY, len);                               \
         return KV_OK;                                                                 \
     }
 HASH_OFFSETS(kv_hash_offsets32, int32_t)
 HASH_OFFSETS(kv_hash_offsets64, int64_t)
 
-int kv_hash_fixed(const uint8_t *bytes, int64_t width, int64_t n, uint64_t seed, int64_t *out) {
-    if (n < 0 || width < 0 || (n > 0 && (!out || (width > 0 && !bytes)))) return KV_EINVAL;
-    for (int64_t i = 0; i < n; i++) {
-        const uint8_t *p = width ? bytes + i * width : EMPTY;
-        int64_t len = width;
-        while (len > 0 && p[len - 1] == 0) len--;
-        out[i] = (int64_t)xxh64(p, (uint64_t)len, seed);
-    }
+/* Length of a fixed-width id without its trailing NULs. */
+static inline int64_t trimmed(const uint8_t *p, int64_t width) {
+    while (width > 0 && p[width - 1] == 0) width--;
+    return width;
+}
+
+int kv_hash_fixed(const uint8_t *bytes, int64_t width, int64_t n, int32_t hash, int64_t *out) {
+    if (n < 0 || width < 0 || bad_hash(hash) || (n > 0 && (!out || (width > 0 && !bytes))))
+        return KV_EINVAL;
+    EACH_ID(hash, n, const uint8_t *p = width ? bytes + i * width : EMPTY, p,
+            trimmed(p, width));
     return KV_OK;
 }
 
@@ -150,10 +317,10 @@ static int64_t utf8_encode(const uint32_t *c, int64_t len, uint8_t *dst) {
     return (int64_t)(d - dst);
 }
 
-int kv_hash_ucs4(const uint32_t *chars, int64_t width, int64_t n, uint64_t seed, int64_t *out,
+int kv_hash_ucs4(const uint32_t *chars, int64_t width, int64_t n, int32_t hash, int64_t *out,
                  int64_t *bad) {
     if (bad) *bad = -1;
-    if (n < 0 || width < 0 || !bad || (n > 0 && (!out || (width > 0 && !chars))))
+    if (n < 0 || width < 0 || !bad || bad_hash(hash) || (n > 0 && (!out || (width > 0 && !chars))))
         return KV_EINVAL;
     if (width > INT64_MAX / 8) return KV_EINVAL;
     uint8_t *buf = NULL;
@@ -171,7 +338,7 @@ int kv_hash_ucs4(const uint32_t *chars, int64_t width, int64_t n, uint64_t seed,
             kv_free(buf);
             return KV_EINVAL;
         }
-        out[i] = (int64_t)xxh64(nb ? buf : EMPTY, (uint64_t)nb, seed);
+        out[i] = id_key(hash, nb ? buf : EMPTY, (uint64_t)nb);
     }
     kv_free(buf);
     return KV_OK;

@@ -1,12 +1,19 @@
 /*
  * kv_ids.h - string and hex ids to int64 keys, one call per column of ids.
  *
- * String ids become keys through XXH64 (the published xxHash64, github.com/Cyan4973/
- * xxHash, XXH64 spec) of their UTF-8 bytes: out[i] = (int64) XXH64(bytes of id i, seed);
- * kvcoll uses seed 0 (kvcoll.ids.STRING_HASH_SEED), so any xxhash library reproduces
- * the keys. Equal byte strings get equal keys on every rank, run and machine. For n
- * distinct strings the chance that any two share a key is at most n(n-1)/2^65
- * (birthday bound, ~2.7e-4 at 10^8 strings, ~2.7 % at 10^9).
+ * String ids become keys through one of two published 64-bit hashes of their UTF-8
+ * bytes, chosen per call by `hash`:
+ *   KV_ID_FARMHASH64  FarmHash Fingerprint64 (github.com/google/farmhash; farmhashna's
+ *                     Hash64): what TensorFlow's tf.fingerprint computes for a string,
+ *                     so a SavedModel hashes raw strings in its graph. The default for
+ *                     new models.
+ *   KV_ID_XXH64       XXH64 with seed 0 (github.com/Cyan4973/xxHash, XXH64 spec): what
+ *                     every model used before, kept so their checkpoints keep their keys.
+ * out[i] = (int64) hash(bytes of id i). Equal byte strings get equal keys on every rank,
+ * run and machine under one hash; the two hashes give unrelated keys, so a model's hash
+ * is part of its state (kvcoll records it in its checkpoints). For n distinct strings
+ * the chance that any two share a key is about n(n-1)/2^65 for either (birthday bound,
+ * ~2.7e-4 at 10^8 strings, ~2.7 % at 10^9).
  *
  * One function per memory layout a reader hands over, each reading the caller's
  * buffers in place (no copy, no per-id call from Python):
@@ -32,29 +39,36 @@
 #include <stdint.h>
 #include "kv_status.h"
 
-/* out[i] = XXH64(bytes[starts[i] .. starts[i] + lens[i]), seed).
+/* The string hashes (the `hash` argument). */
+#define KV_ID_XXH64 0
+#define KV_ID_FARMHASH64 1
+
+/* Every function below returns KV_EINVAL for a `hash` other than KV_ID_XXH64 and
+ * KV_ID_FARMHASH64. */
+
+/* out[i] = hash(bytes[starts[i] .. starts[i] + lens[i])).
  * Returns KV_OK or KV_EINVAL (negative n, start or length, NULL buffers). */
 int kv_hash_strings(const uint8_t *bytes, const int64_t *starts, const int64_t *lens,
-                    int64_t n, uint64_t seed, int64_t *out);
+                    int64_t n, int32_t hash, int64_t *out);
 
-/* out[i] = XXH64(bytes[offsets[i] .. offsets[i + 1]), seed), offsets[n + 1].
+/* out[i] = hash(bytes[offsets[i] .. offsets[i + 1])), offsets[n + 1].
  * Returns KV_OK or KV_EINVAL (negative n, NULL buffers, decreasing offsets). */
-int kv_hash_offsets32(const uint8_t *bytes, const int32_t *offsets, int64_t n, uint64_t seed,
+int kv_hash_offsets32(const uint8_t *bytes, const int32_t *offsets, int64_t n, int32_t hash,
                       int64_t *out);
-int kv_hash_offsets64(const uint8_t *bytes, const int64_t *offsets, int64_t n, uint64_t seed,
+int kv_hash_offsets64(const uint8_t *bytes, const int64_t *offsets, int64_t n, int32_t hash,
                       int64_t *out);
 
-/* out[i] = XXH64 of bytes[i * width .. (i + 1) * width) without its trailing NUL bytes
+/* out[i] = hash of bytes[i * width .. (i + 1) * width) without its trailing NUL bytes
  * (numpy's rule for 'S' arrays). Returns KV_OK or KV_EINVAL (negative n or width, NULL). */
-int kv_hash_fixed(const uint8_t *bytes, int64_t width, int64_t n, uint64_t seed, int64_t *out);
+int kv_hash_fixed(const uint8_t *bytes, int64_t width, int64_t n, int32_t hash, int64_t *out);
 
-/* out[i] = XXH64 of the UTF-8 encoding of chars[i * width .. (i + 1) * width) without
+/* out[i] = hash of the UTF-8 encoding of chars[i * width .. (i + 1) * width) without
  * its trailing NUL code points (numpy's rule for 'U' arrays). A code point that UTF-8
  * cannot encode (a surrogate, D800-DFFF, or above 10FFFF) stops the call: *bad is set
  * to its id's index and KV_EINVAL returned (out is then partly written); otherwise
  * *bad = -1. Scratch: one buffer of 4 * width bytes, allocated and freed inside.
  * Returns KV_OK, KV_EINVAL (also for bad arguments, with *bad = -1) or KV_ENOMEM. */
-int kv_hash_ucs4(const uint32_t *chars, int64_t width, int64_t n, uint64_t seed, int64_t *out,
+int kv_hash_ucs4(const uint32_t *chars, int64_t width, int64_t n, int32_t hash, int64_t *out,
                  int64_t *bad);
 
 /*

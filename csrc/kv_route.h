@@ -34,7 +34,7 @@ static inline int32_t kv_owner_of_hash(uint64_t h, int32_t world) {
  * out[i] = kv_mix64((uint64_t)keys[i]). */
 int kv_hash_batch(const int64_t *keys, int64_t n, uint64_t *out);
 
-/* String ids to keys (XXH64): kv_ids.h. */
+/* String ids to keys (FarmHash Fingerprint64 or XXH64): kv_ids.h. */
 
 /* owner[i] = owner rank of keys[i] for a world of `world` ranks (world >= 1).
  * Returns KV_OK or KV_EINVAL. */

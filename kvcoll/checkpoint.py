@@ -16,7 +16,9 @@ Layout of a checkpoint directory:
     DIR/ckpt-0000000400/             one checkpoint (full or delta), complete
         manifest.json                format, version, kind, parent, step, world size,
                                      table specs, every file with its size and sha256 (a
-                                     shard file: its index's, its rows and bucket count)
+                                     shard file: its index's, its rows and bucket count),
+                                     id_hash: how string ids became keys (kvcoll.ids;
+                                     absent: "xxh64", what kvcoll used before)
         dense.index, dense.data-*    the Keras model and its optimizer (kvcoll.keras.dense_state)
         000-user.r1-of-2.kvs         table "user", written by rank 1 of 2
     DIR/ckpt-0000000500.tmp-<hex>/   a save in progress, or one a crash abandoned
@@ -107,7 +109,7 @@ import time
 
 import numpy as np
 
-from . import _shards
+from . import _shards, ids
 from .errors import CheckpointError, InvalidArgumentError
 from .routing import owner_of
 from .table import KvTable
@@ -473,7 +475,7 @@ class Checkpointer:
                 "format": FORMAT, "version": self.version, "kind": plan["kind"],
                 "parent": plan["parent"], "step": int(step), "world_size": self.comm.size,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "checksum": "sha256", "tables": tables,
+                "checksum": "sha256", "id_hash": ids.id_hash(), "tables": tables,
                 "dense": sorted(f for f, v in files.items() if v["table"] is None) or None,
                 "files": {f: {k: v[k] for k in keep if k in v}
                           for f, v in sorted(files.items())},
@@ -557,6 +559,7 @@ class Checkpointer:
                 errors[0] + "; this happened while replaying the checkpoint, after every "
                 "rank had verified it: every table was cleared (the dense model was rolled "
                 "back)")
+        ids.adopt_id_hash(loaded.id_hash, os.path.join(directory, loaded.chain[-1]["_name"]))
         for t in self.tables.values():
             t.track_removed(True)  # the next delta's removals are relative to this one
             t.take_removed()
@@ -603,6 +606,7 @@ class Checkpointer:
                 f"{versions}; kvcoll never writes such a chain")
         for m in chain:
             _check_specs(m, self.tables, os.path.join(directory, m["_name"]))
+        id_hash = _id_hash(directory, chain)
         last = chain[-1]
         nbytes = 0
         if self.dense is not None:
@@ -620,7 +624,24 @@ class Checkpointer:
         else:
             loaded = _Replay(directory, chain, self.tables, self.comm, buffer_bytes, nbytes)
         loaded.admission = _read_admission(directory, last, self.tables, self.comm)
+        loaded.id_hash = id_hash
         return loaded
+
+
+def _id_hash(directory: str, chain: list) -> str:
+    """The string hash a chain's keys were made with ("id_hash"; absent: "xxh64"), checked
+    against this run's: the run adopts it if it can (kvcoll.ids.id_hash_conflict), else
+    CheckpointError naming the setting to use."""
+    hashes = {m.get("id_hash", ids.LEGACY_ID_HASH) for m in chain}
+    where = os.path.join(directory, chain[-1]["_name"])
+    if len(hashes) > 1:
+        raise CheckpointError(f"{where}: its chain {[m['_name'] for m in chain]} mixes id "
+                              f"hashes {sorted(hashes)}; kvcoll never writes such a chain")
+    saved = hashes.pop()
+    err = ids.id_hash_conflict(saved, where)
+    if err:
+        raise CheckpointError(err)
+    return saved
 
 
 def _checked_buffer(n) -> int:

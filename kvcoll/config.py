@@ -19,6 +19,7 @@ from .errors import InvalidArgumentError
 __all__ = ["Config", "StepMode", "BSP", "ASP", "ssp", "DEFAULT_STALENESS"]
 
 STEP_MODES = ("bsp", "ssp", "asp")
+ID_HASH_SETTINGS = ("auto", "farmhash64", "xxh64")
 
 
 DEFAULT_STALENESS = 4   # SSP's bound when none is given: the one place it is written
@@ -90,6 +91,13 @@ class Config:
         export (their ranks wait while others write or read files).
     startup_timeout: seconds, for bringing kvcoll up (communicators, the first batch's
         agreement, tracing the model).
+    id_hash: how string ids become keys (kvcoll.ids): "farmhash64" (FarmHash
+        Fingerprint64, what tf.fingerprint computes, so exports hash raw strings in the
+        graph), "xxh64" (what models used before, and checkpoints without an "id_hash"
+        field), or "auto" (default): farmhash64 for a new model, and a restored
+        checkpoint's own hash when it is restored before any string id is hashed. A
+        checkpoint whose hash differs from a fixed one (set here, or already used) is
+        refused.
     """
 
     step_mode: str = "bsp"
@@ -97,6 +105,7 @@ class Config:
     comm_timeout: float = 120.0
     io_timeout: float = 1800.0
     startup_timeout: float = 600.0
+    id_hash: str = "auto"
 
     def __post_init__(self):
         if self.step_mode not in STEP_MODES:
@@ -104,6 +113,9 @@ class Config:
                 f"step_mode {self.step_mode!r} is unknown; use one of {', '.join(STEP_MODES)}")
         if not isinstance(self.staleness, int) or self.staleness < 0:
             raise InvalidArgumentError(f"staleness must be an integer >= 0, got {self.staleness!r}")
+        if self.id_hash not in ID_HASH_SETTINGS:
+            raise InvalidArgumentError(
+                f"id_hash {self.id_hash!r} is unknown; use one of {', '.join(ID_HASH_SETTINGS)}")
         for name in ("comm_timeout", "io_timeout", "startup_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:

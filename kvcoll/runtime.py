@@ -14,6 +14,7 @@ import threading
 
 import numpy as np
 
+from . import ids
 from .comm import Comm, install_abort_hook
 from .config import Config
 from .errors import InvalidArgumentError, KvcollError
@@ -34,6 +35,7 @@ def init(argv: list[str] | None = None, **settings) -> Config:
     if _state:
         return _state["config"]
     cfg = Config.resolve(sys.argv[1:] if argv is None else argv, **settings)
+    ids.configure(cfg.id_hash)
     comm = Comm(timeout=cfg.comm_timeout, timeouts=cfg.timeouts)
     install_abort_hook(comm)
     with comm.deadline("startup"):

@@ -31,12 +31,19 @@ In the SavedModel each table is a tf.lookup.experimental.DenseHashTable (id -> r
 index, restored from the variables files, so no 2 GB graph limit) plus a values
 variable [n + 1, dim] whose last row is the default vector (zeros, what
 Trainer.predict reads for an unknown id). The signature "serving_default" takes
-every model input by name: one-hot id features as int64 [batch], multi-hot ones as
-their flat int64 ids under the feature's name plus `<name>_row_splits` (int64
-[batch + 1]), numeric features with their Keras shape and dtype; it returns
-{"prediction": the model's output}. The serving graph is the model's own call,
-traced with each kv.Embedding gathering from the values variable at the looked-up
-row indices: only standard TensorFlow ops.
+every model input by name: one-hot id features as [batch], multi-hot ones as their
+flat ids under the feature's name plus `<name>_row_splits` (int64 [batch + 1]),
+numeric features with their Keras shape and dtype; it returns {"prediction": the
+model's output}. Id features that were strings in training (string data, a string
+keras.Input, a reader's string column, or named in `string_features`) take the raw
+strings (tf.string) and the graph hashes them with the model's id hash, bit for bit
+as training did: tf.fingerprint for "farmhash64", XXH64 written in standard uint64
+ops for "xxh64" (models trained before farmhash64; about 30 ops plus a loop over
+32-byte stripes, so long ids cost more); other id features take int64. When some are
+strings, a second signature "serving_keys" takes every id feature as its int64 keys
+(for a caller that hashes itself, as before). The serving graph is the model's own
+call, traced with each kv.Embedding gathering from the values variable at the
+looked-up row indices: only standard TensorFlow ops.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ import time
 
 import numpy as np
 
+from . import ids as _ids
 from .errors import InvalidArgumentError
 
 __all__ = ["export", "DICTIONARY_DIR", "SAVED_MODEL_DIR", "serving_bytes"]
@@ -124,26 +132,30 @@ def _read_npy(path: str, dtype, shape, batch: int):
 
 
 def export(directory, model, *, dictionary: bool = True, saved_model: bool = True,
-           max_serving_bytes: int | None = None) -> dict:
+           max_serving_bytes: int | None = None, string_features=None) -> dict:
     """Write a model with kv.Embedding layers (or a kv.Trainer) for serving: see
     _export; its collectives wait up to the I/O deadline (KVCOLL_IO_TIMEOUT)."""
     from .keras.saving import engine_for
 
     with engine_for(model).comm.deadline("io"):
         return _export(directory, model, dictionary=dictionary, saved_model=saved_model,
-                       max_serving_bytes=max_serving_bytes)
+                       max_serving_bytes=max_serving_bytes, string_features=string_features)
 
 
 def _export(directory, model, *, dictionary: bool = True, saved_model: bool = True,
-            max_serving_bytes: int | None = None) -> dict:
+            max_serving_bytes: int | None = None, string_features=None) -> dict:
     """Write a model with kv.Embedding layers (or a kv.Trainer) for serving into
     `directory` (a collective, replacing what was there): every rank writes its part of
     the embedding dictionary, rank 0 builds the SavedModel from the parts. In SSP/ASP
     every rank first waits until every update is applied. saved_model=False writes the
     dictionary alone; dictionary=False drops it once the SavedModel is built.
     max_serving_bytes (default: half of rank 0's physical memory) refuses a SavedModel
-    whose tables one serving process could not hold. Returns {"path", "tables": {name:
-    rows}, "parts", "serving_bytes", "seconds"}."""
+    whose tables one serving process could not hold. string_features: names of id
+    inputs whose serving signature takes raw strings beyond those found (inputs that
+    were strings in this process's data or declared as string keras.Inputs, and
+    reader columns of strings: a model restored and exported without seeing data
+    needs them named). Returns {"path", "tables": {name: rows}, "parts",
+    "serving_bytes", "seconds", "id_hash", "string_features"}."""
     from .keras.saving import engine_for
 
     if not (dictionary or saved_model):
@@ -151,11 +163,17 @@ def _export(directory, model, *, dictionary: bool = True, saved_model: bool = Tr
                                    "nothing; keep at least one")
     t0 = time.perf_counter()
     eng = engine_for(model)
+    named = _named_strings(eng, string_features)
     eng.sync()
     comm = eng.comm
     directory = os.path.abspath(os.fspath(directory))
     names = list(eng.tables)
-    counts = comm.allgather_json([len(eng.tables[n]) for n in names], "export:rows")
+    mine = {"rows": [len(eng.tables[n]) for n in names], "strings": sorted(
+        named | {f for f in eng.layout.features if eng.layout.forms[f][1] == "string"
+                 or f in _ids.string_features()})}
+    gathered = comm.allgather_json(mine, "export:rows")
+    counts = [g["rows"] for g in gathered]
+    strings = sorted({f for g in gathered for f in g["strings"]})
     totals = {n: sum(c[i] for c in counts) for i, n in enumerate(names)}
     sizes = {n: serving_bytes(totals[n], eng.tables[n].dim) for n in names}
     plan = None
@@ -187,7 +205,7 @@ def _export(directory, model, *, dictionary: bool = True, saved_model: bool = Tr
                              counts[r][i]) for r in range(comm.size)]
                      for i, name in enumerate(names)}
             if saved_model:
-                _write_saved_model(os.path.join(tmp, SAVED_MODEL_DIR), eng, parts)
+                _write_saved_model(os.path.join(tmp, SAVED_MODEL_DIR), eng, parts, strings)
             if dictionary:
                 _write_index(emb, eng, parts, comm.size)
             else:
@@ -203,7 +221,22 @@ def _export(directory, model, *, dictionary: bool = True, saved_model: bool = Tr
         raise InvalidArgumentError(msg.decode())
     return {"path": directory, "tables": totals, "parts": comm.size,
             "serving_bytes": sum(sizes.values()) if saved_model else 0,
-            "seconds": time.perf_counter() - t0}
+            "seconds": time.perf_counter() - t0, "id_hash": _ids.id_hash(),
+            "string_features": strings}
+
+
+def _named_strings(eng, names) -> set:
+    """string_features as a set of the model's id inputs (checked: the same on every
+    rank, so every rank raises the same error before any collective)."""
+    if names is None:
+        return set()
+    names = [names] if isinstance(names, str) else list(names)
+    bad = [n for n in names if n not in eng.layout.features]
+    if bad:
+        raise InvalidArgumentError(
+            f"export: string_features {bad} are not id inputs of the model; its id inputs "
+            f"(inputs of kv.Embedding layers): {sorted(eng.layout.features)}")
+    return set(names)
 
 
 def _plan(directory: str, sizes: dict, totals: dict, saved_model: bool, limit) -> dict:
@@ -247,7 +280,7 @@ def _write_index(path: str, eng, parts: dict, world: int) -> None:
         f.write("\n")
 
 
-def _write_saved_model(path: str, eng, parts: dict) -> None:
+def _write_saved_model(path: str, eng, parts: dict, strings=()) -> None:
     import tensorflow as tf
 
     from .keras.embedding import rows_scope
@@ -295,6 +328,7 @@ def _write_saved_model(path: str, eng, parts: dict) -> None:
         idx = tf.where(is_empty, tf.constant(empty, tf.int64), idx)
         return tf.where(is_deleted, tf.constant(deleted, tf.int64), idx)
 
+    id_hash = _ids.id_hash()
     spec, arg = {}, {}
     for name in layout.names:
         arg[name] = _arg_name(name)
@@ -304,7 +338,8 @@ def _write_saved_model(path: str, eng, parts: dict) -> None:
             dt = {"float": tf.float32, "bool": tf.bool}.get(form[1]) or tf.as_dtype(form[1])
             spec[arg[name]] = tf.TensorSpec([None] + form[3], dt, name=arg[name])
             continue
-        spec[arg[name]] = tf.TensorSpec([None], tf.int64, name=arg[name])
+        spec[arg[name]] = tf.TensorSpec([None], tf.string if name in strings else tf.int64,
+                                        name=arg[name])
         if feat.multi_hot:
             spec[arg[name] + "_row_splits"] = tf.TensorSpec([None], tf.int64,
                                                             name=arg[name] + "_row_splits")
@@ -316,7 +351,10 @@ def _write_saved_model(path: str, eng, parts: dict) -> None:
             if feat is None:
                 leaves[name] = feeds[arg[name]]
                 continue
-            idx = index_of(feat.table, feeds[arg[name]])
+            ids = feeds[arg[name]]
+            if ids.dtype == tf.string:  # raw strings: the keys training made of them
+                ids = string_keys(ids, id_hash)
+            idx = index_of(feat.table, ids)
             if feat.multi_hot:
                 idx = tf.RaggedTensor.from_row_splits(
                     idx, feeds[arg[name] + "_row_splits"]).to_tensor(default_value=-1)
@@ -327,9 +365,112 @@ def _write_saved_model(path: str, eng, parts: dict) -> None:
         return {"prediction": out}
 
     fn = tf.function(serve, input_signature=None, autograph=False)
-    concrete = fn.get_concrete_function(**spec)
+    signatures = {"serving_default": fn.get_concrete_function(**spec)}
+    if strings:
+        keys = {k: tf.TensorSpec(v.shape, tf.int64, name=v.name) if v.dtype == tf.string
+                else v for k, v in spec.items()}
+        signatures["serving_keys"] = fn.get_concrete_function(**keys)
     module.serve = fn
-    tf.saved_model.save(module, path, signatures={"serving_default": concrete})
+    tf.saved_model.save(module, path, signatures=signatures)
+
+
+# XXH64's primes (csrc/kv_ids.c), for the graph version below.
+_XP1, _XP2, _XP3 = 0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9
+_XP4, _XP5 = 0x85EBCA77C2B2AE63, 0x27D4EB2F165667C5
+
+
+def string_keys(strings, id_hash: str):
+    """int64 keys of a 1-D tf.string tensor under `id_hash`, in TensorFlow ops alone:
+    what kvcoll.ids.hash_strings gives for the same bytes, bit for bit."""
+    import tensorflow as tf
+
+    if id_hash == "farmhash64":
+        # tf.fingerprint writes FarmHash Fingerprint64 of each string as 8 little-endian
+        # bytes; bitcast reads them in the host's order (little-endian, as TF requires)
+        return tf.bitcast(tf.fingerprint(strings), tf.int64)
+    if id_hash == "xxh64":
+        return _xxh64_graph(strings)
+    raise InvalidArgumentError(f"id hash {id_hash!r} is unknown; use one of "
+                               f"{', '.join(_ids.ID_HASHES)}")
+
+
+def _xxh64_graph(strings):
+    """XXH64 (seed 0) of each string, vectorised over the batch: the strings as
+    zero-padded little-endian 64-bit words [n, max_len // 8 + 1]; the 32-byte stripes
+    in a while loop up to the longest id's count (rows with fewer keep their lanes);
+    then the 8-, 4- and 1-byte tails, which all lie in at most four words from the
+    row's first tail word, taken by a per-row gather."""
+    import tensorflow as tf
+
+    u64 = tf.uint64
+
+    def c(v):
+        return tf.constant(v & (2**64 - 1), u64)
+
+    def rotl(x, r):
+        return tf.bitwise.bitwise_or(tf.bitwise.left_shift(x, c(r)),
+                                     tf.bitwise.right_shift(x, c(64 - r)))
+
+    def xround(acc, lane):
+        return rotl(acc + lane * c(_XP2), 31) * c(_XP1)
+
+    def merge(acc, v):
+        return tf.bitwise.bitwise_xor(acc, xround(c(0), v)) * c(_XP1) + c(_XP4)
+
+    strings = tf.reshape(strings, [-1])
+    nbytes = tf.strings.length(strings)  # bytes
+    longest = tf.reduce_max(tf.concat([nbytes, [0]], 0))
+    width = longest // 8 + 1                          # words per row, one spare
+    words = tf.bitcast(tf.io.decode_raw(strings, tf.int64, fixed_length=width * 8), u64)
+    words = tf.reshape(words, [-1, width])
+    length = tf.cast(nbytes, u64)
+    stripes = length // c(32)
+    n = tf.shape(strings)[0]
+
+    def fill(v):
+        return tf.fill([n], c(v))
+
+    def stripe(k, v1, v2, v3, v4):
+        on = tf.cast(k, u64) < stripes
+        at = 4 * k
+        lanes = [words[:, at + j] for j in range(4)]
+        return (k + 1, *[tf.where(on, xround(v, w), v)
+                         for v, w in zip((v1, v2, v3, v4), lanes)])
+
+    most = tf.cast(tf.reduce_max(tf.concat([stripes, [c(0)]], 0)), tf.int32)
+    _, v1, v2, v3, v4 = tf.while_loop(
+        lambda k, *_: k < most, stripe,
+        (tf.constant(0), fill(_XP1 + _XP2), fill(_XP2), fill(0), fill(-_XP1)),
+        shape_invariants=(tf.TensorShape([]),) + (tf.TensorShape([None]),) * 4)
+    h = rotl(v1, 1) + rotl(v2, 7) + rotl(v3, 12) + rotl(v4, 18)
+    for v in (v1, v2, v3, v4):
+        h = merge(h, v)
+    h = tf.where(length >= c(32), h, fill(_XP5)) + length
+    rest = length - stripes * c(32)                   # 0..31 bytes after the stripes
+    first = tf.cast(stripes * c(4), tf.int64)         # index of the first tail word
+
+    def word(i):  # word first + i of each row (clipped: a row's unused words are masked)
+        at = tf.minimum(first + i, tf.cast(width, tf.int64) - 1)
+        return tf.gather(words, at[:, None], batch_dims=1)[:, 0]
+
+    eights = rest // c(8)
+    for j in range(3):
+        mixed = rotl(tf.bitwise.bitwise_xor(h, xround(c(0), word(j))), 27) * c(_XP1) + c(_XP4)
+        h = tf.where(c(j) < eights, mixed, h)
+    last = word(tf.cast(eights, tf.int64))            # the word holding the last < 8 bytes
+    four = (rest % c(8)) >= c(4)
+    low = tf.bitwise.bitwise_and(last, c(0xFFFFFFFF))
+    h = tf.where(four, rotl(tf.bitwise.bitwise_xor(h, low * c(_XP1)), 23) * c(_XP2) + c(_XP3), h)
+    skip = tf.where(four, c(32), c(0))                # bits of `last` already consumed
+    ones = rest % c(4)
+    for i in range(3):
+        byte = tf.bitwise.bitwise_and(tf.bitwise.right_shift(last, skip + c(8 * i)), c(0xFF))
+        h = tf.where(c(i) < ones, rotl(tf.bitwise.bitwise_xor(h, byte * c(_XP5)), 11) * c(_XP1),
+                     h)
+    h = tf.bitwise.bitwise_xor(h, tf.bitwise.right_shift(h, c(33))) * c(_XP2)
+    h = tf.bitwise.bitwise_xor(h, tf.bitwise.right_shift(h, c(29))) * c(_XP3)
+    h = tf.bitwise.bitwise_xor(h, tf.bitwise.right_shift(h, c(32)))
+    return tf.bitcast(h, tf.int64)
 
 
 def _arg_name(name: str) -> str:

@@ -17,7 +17,7 @@ been seen in K find_or_create calls (exactly, or with `admit="bloom"` through a
 counting Bloom filter of bounded size); until then it reads zeros and its gradients
 are dropped (and counted). `evict()` removes rows not touched for `evict_after_steps`
 steps and, beyond `max_rows`, the least recently (or frequently) used ones. String
-ids are hashed to int64 with XXH64 (seed 0): see `kvcoll.ids.hash_strings`.
+ids are hashed to int64 with the run's id hash (farmhash64 for new models): see `kvcoll.ids`.
 
     >>> t = KvTable(8, name="item", admit_min_count=3, max_rows=1_000_000,
     ...             evict_after_steps=10_000)

@@ -1,7 +1,7 @@
 /*
- * test_ids.c - XXH64 over every id layout against published reference values and
- * against each other (the same ids give the same keys in every layout), UTF-8
- * encoding of UCS-4 ids, Criteo hex ids, bad arguments and a failing allocation.
+ * test_ids.c - XXH64 and FarmHash Fingerprint64 over every id layout against reference
+ * values and against each other (the same ids give the same keys in every layout),
+ * UTF-8 encoding of UCS-4 ids, Criteo hex ids, bad arguments and a failing allocation.
  */
 #include <string.h>
 
@@ -45,9 +45,11 @@ static void test_offsets(void) {
     memset(out, 0, sizeof out);
     CHECK_EQ_INT(kv_hash_offsets64((const uint8_t *)buf, off64, NW, 0, out), KV_OK);
     for (int i = 0; i < NW; i++) CHECK((uint64_t)out[i] == WANT[i]);
-    /* the seed matters */
-    CHECK_EQ_INT(kv_hash_offsets64((const uint8_t *)buf, off64, NW, 1, out), KV_OK);
+    /* the hash matters; an unknown one is refused */
+    CHECK_EQ_INT(kv_hash_offsets64((const uint8_t *)buf, off64, NW, KV_ID_FARMHASH64, out), KV_OK);
     CHECK((uint64_t)out[1] != WANT[1]);
+    CHECK_EQ_INT(kv_hash_offsets64((const uint8_t *)buf, off64, NW, 2, out), KV_EINVAL);
+    CHECK_EQ_INT(kv_hash_offsets32((const uint8_t *)buf, off32, NW, -1, out), KV_EINVAL);
     /* all-empty ids need no bytes; n = 0 needs one offset */
     int32_t zeros[3] = {0, 0, 0};
     CHECK_EQ_INT(kv_hash_offsets32(NULL, zeros, 2, 0, out), KV_OK);
@@ -113,6 +115,75 @@ static void test_ucs4(void) {
     CHECK_EQ_INT(kv_hash_ucs4(chars, 2, 5, 0, out, &bad), KV_ENOMEM);
     fail_alloc_arm(0);
     kv_set_allocator(NULL, NULL, NULL);
+}
+
+/* FarmHash Fingerprint64 reference values: what TensorFlow 2.21's tf.fingerprint gives
+ * for these strings (its 8 bytes read little-endian); "" is FarmHash's k2. */
+static const char *FWORDS[] = {"", "a", "abc", "68fd1e64",
+                               "hello world, this is a longer string of 40+ bytes",
+                               "xxxxxxxxxxxxxxxxx", "0123456789abcdef"};
+static const uint64_t FWANT[] = {0x9ae16a3b2f90404fULL, 0xb3454265b6df75e3ULL,
+                                 0x24a5b3a074e7f369ULL, 0x6dea854a18f8ca86ULL,
+                                 0x3f314df07cf219b5ULL, 0x9ce745a1f3812fa5ULL,
+                                 0x54b961e5dc834067ULL};
+#define NF 7
+
+static uint64_t farm1(const uint8_t *p, int64_t len) {
+    int64_t s = 0, out;
+    CHECK_EQ_INT(kv_hash_strings(p, &s, &len, 1, KV_ID_FARMHASH64, &out), KV_OK);
+    return (uint64_t)out;
+}
+
+static void test_farmhash(void) {
+    for (int i = 0; i < NF; i++)
+        CHECK(farm1((const uint8_t *)FWORDS[i], (int64_t)strlen(FWORDS[i])) == FWANT[i]);
+    /* bytes 0..99: the long (> 64 bytes) path */
+    uint8_t seq[256];
+    for (int i = 0; i < 256; i++) seq[i] = (uint8_t)i;
+    CHECK(farm1(seq, 100) == 0x3cff0f886d8d6195ULL);
+    /* every length 0..200 of one pattern (each path and every tail length), folded:
+     * h = rotl(h, 5) ^ key, against the same fold of tf.fingerprint's keys */
+    for (int i = 0; i < 256; i++) seq[i] = (uint8_t)(i * 131 + 7);
+    uint64_t h = 0;
+    for (int k = 0; k <= 200; k++) h = ((h << 5) | (h >> 59)) ^ farm1(seq, k);
+    CHECK(h == 0xb660b8c90d03a4f7ULL);
+    /* UTF-8: "ü", "日本", "🙂x" */
+    const char *u[3] = {"\xc3\xbc", "\xe6\x97\xa5\xe6\x9c\xac", "\xf0\x9f\x99\x82x"};
+    const uint64_t uwant[3] = {0x35e423784da23503ULL, 0x4ec82a69b1a34bcbULL,
+                               0x14698c163c80dec7ULL};
+    for (int i = 0; i < 3; i++) CHECK(farm1((const uint8_t *)u[i], (int64_t)strlen(u[i])) == uwant[i]);
+    /* the same keys in every layout: offsets (at an odd start), fixed width, UCS-4 */
+    char buf[256] = "q";
+    int32_t off32[NF + 1];
+    int64_t off64[NF + 1], out[NF];
+    off32[0] = 1;
+    for (int i = 0; i < NF; i++) {
+        memcpy(buf + off32[i], FWORDS[i], strlen(FWORDS[i]));
+        off32[i + 1] = off32[i] + (int32_t)strlen(FWORDS[i]);
+    }
+    for (int i = 0; i <= NF; i++) off64[i] = off32[i];
+    CHECK_EQ_INT(kv_hash_offsets32((const uint8_t *)buf, off32, NF, KV_ID_FARMHASH64, out), KV_OK);
+    for (int i = 0; i < NF; i++) CHECK((uint64_t)out[i] == FWANT[i]);
+    memset(out, 0, sizeof out);
+    CHECK_EQ_INT(kv_hash_offsets64((const uint8_t *)buf, off64, NF, KV_ID_FARMHASH64, out), KV_OK);
+    for (int i = 0; i < NF; i++) CHECK((uint64_t)out[i] == FWANT[i]);
+    uint8_t fixed[4 * 8] = {0};
+    memcpy(fixed + 8, "a", 1);
+    memcpy(fixed + 16, "abc", 3);
+    memcpy(fixed + 24, "68fd1e64", 8);
+    CHECK_EQ_INT(kv_hash_fixed(fixed, 8, 4, KV_ID_FARMHASH64, out), KV_OK);
+    for (int i = 0; i < 4; i++) CHECK((uint64_t)out[i] == FWANT[i]);
+    const uint32_t chars[3 * 2] = {0xFC, 0, 0x65E5, 0x672C, 0x1F642, 'x'};
+    int64_t bad = 7;
+    CHECK_EQ_INT(kv_hash_ucs4(chars, 2, 3, KV_ID_FARMHASH64, out, &bad), KV_OK);
+    CHECK_EQ_INT(bad, -1);
+    for (int i = 0; i < 3; i++) CHECK((uint64_t)out[i] == uwant[i]);
+    CHECK_EQ_INT(kv_hash_ucs4(NULL, 0, 2, KV_ID_FARMHASH64, out, &bad), KV_OK); /* 'U0' */
+    CHECK((uint64_t)out[1] == FWANT[0]);
+    CHECK_EQ_INT(kv_hash_fixed(NULL, 0, 1, 5, out), KV_EINVAL);
+    CHECK_EQ_INT(kv_hash_ucs4(chars, 2, 1, 5, out, &bad), KV_EINVAL);
+    int64_t s0 = 0, l0 = 0;
+    CHECK_EQ_INT(kv_hash_strings(NULL, &s0, &l0, 1, 5, out), KV_EINVAL);
 }
 
 static void test_hex(void) {
@@ -194,6 +265,7 @@ int main(void) {
     test_offsets();
     test_fixed();
     test_ucs4();
+    test_farmhash();
     test_hex();
     return test_summary();
 }

@@ -2,10 +2,12 @@
 
 The user names the columns: `label` (a number or bool), `numeric` (numbers, stacked
 into one float32 matrix; nulls become 0) and `categorical` (ids: integer columns as
-they are, string or binary columns hashed to int64 keys with kvcoll.ids.hash_strings'
-XXH64 in one C call per column over Arrow's offsets and bytes, dictionary-encoded
-ones through their dictionary; list columns are multi-hot and come out as
-(values, row_splits)). A null id becomes `null_id` (default -1, one reserved key).
+they are, string or binary columns hashed to int64 keys with the run's id hash
+(kvcoll.ids.id_hash: farmhash64 for new models) in one C call per column over Arrow's
+offsets and bytes, dictionary-encoded ones through their dictionary; list columns are
+multi-hot and come out as (values, row_splits)). A null id becomes `null_id` (default
+-1, one reserved key). String columns are noted (kvcoll.ids.note_string_features), so
+kv.export's signature takes them as raw strings and hashes them in the graph.
 
 Batches: {"categorical": {name: int64 [n] or (values int64, row_splits int64 [n+1])},
 "numeric": float32 [n, len(numeric)], "label": float32 [n]}; `features(batch)` gives
@@ -34,7 +36,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from ..ids import arrow_keys
+from ..ids import arrow_keys, note_string_features
 from . import _files
 from ._reader import Reader, ReaderStats
 from .position import PositionError, fingerprint
@@ -102,6 +104,7 @@ class ParquetReader(Reader):
         self.groups: list[tuple[int, int, int]] = []    # (file, row group, rows)
         self.multi_hot = {}
         self._string = {}
+        self._strings_of = {}    # column -> whether its ids are strings (flat or lists)
         self.empty_files = 0
         sizes = []
         for fi, path in enumerate(self.paths):
@@ -126,6 +129,7 @@ class ParquetReader(Reader):
         # each distinct id is hashed once per row group, rows take their key by index
         self._dictionary = [c for c in self.categorical if not self.multi_hot[c]
                             and self._string[c]]
+        note_string_features(c for c in self.categorical if self._strings_of[c])
 
     def _check_schema(self, pa, path, schema) -> None:
         want = {self.label: ("int", "float", "bool"), **{c: ("int", "float", "bool")
@@ -148,6 +152,8 @@ class ParquetReader(Reader):
                                          f"{role} must be {need}")
             if name in self.categorical:
                 self._string[name] = kind == "string"
+                self._strings_of[name] = kind == "string" or (
+                    kind == "list" and _kind(pa, t.value_type) == "string")
                 multi = kind == "list"
                 if self.multi_hot.setdefault(name, multi) != multi:
                     raise ParquetFormatError(

@@ -118,16 +118,16 @@ class Embedding(keras.layers.Layer):
         return super().__call__(*args, **kwargs)
 
     def call(self, index):
-        if index.dtype == tf.string:  # positions given to an Input declared as strings
-            index = tf.strings.to_number(index, out_type=tf.int64)
         calls = getattr(_context, "calls", None)
         building = getattr(_context, "building", False)
         if calls is not None or building:  # touch the input only through its shape
-            shape = tf.shape(index)
+            shape = tf.shape(index)  # (a string input too: discovery must see the input)
             if calls is not None:  # discovery: note the input
                 calls.append((self, index, shape.op.name))
             lead = shape[:1] if self.combiner is not None else shape
             return tf.zeros(tf.concat([lead, [self.dim]], 0), tf.float32)
+        if index.dtype == tf.string:  # positions given to an Input declared as strings
+            index = tf.strings.to_number(index, out_type=tf.int64)
         rows = getattr(_context, "rows", None)
         if rows is None or self.table not in rows:
             raise InvalidArgumentError(

@@ -25,10 +25,18 @@ def test_unknown_environment_variable_is_an_error():
     ({"KVCOLL_STALENESS": "two"}, "not a valid int for staleness"),
     ({"KVCOLL_STALENESS": "-1"}, "staleness must be an integer >= 0"),
     ({"KVCOLL_COMM_TIMEOUT": "0"}, "comm_timeout must be > 0"),
+    ({"KVCOLL_ID_HASH": "md5"}, "id_hash 'md5' is unknown; use one of auto, farmhash64, xxh64"),
 ])
 def test_bad_values_name_the_field(env, match):
     with pytest.raises(InvalidArgumentError, match=match):
         Config.resolve([], env)
+
+
+def test_id_hash_setting_from_code_flag_or_environment():
+    assert Config().id_hash == "auto"
+    assert Config.resolve(["--id-hash", "xxh64"], {}).id_hash == "xxh64"
+    assert Config.resolve([], {"KVCOLL_ID_HASH": "farmhash64"}).id_hash == "farmhash64"
+    assert Config.resolve(["--id-hash=xxh64"], {}, id_hash="farmhash64").id_hash == "farmhash64"
 
 
 def test_step_mode_presets():

@@ -1,5 +1,7 @@
-"""kvcoll.ids: as_keys, the one id validator (what it accepts, what its refusals say), and
-hash_strings, whose keys are pinned (existing checkpoints hold them) in every layout."""
+"""kvcoll.ids: as_keys, the one id validator (what it accepts, what its refusals say);
+hash_strings, whose XXH64 keys are pinned (existing checkpoints hold them) and whose
+FarmHash Fingerprint64 keys equal tf.fingerprint's bit for bit, in every layout; and the
+run's hash (the id_hash setting, a checkpoint's hash adopted or refused)."""
 
 import numpy as np
 import pytest
@@ -51,7 +53,7 @@ def test_refusals_name_the_table_or_what():
         as_keys(np.zeros((1, 1), np.int32), "feature 'f' ids")
 
 
-# -- string ids: the keys are fixed forever (checkpoints hold them) ---------------------
+# -- string ids: a hash's keys never change (checkpoints hold them) ---------------------
 
 # XXH64, seed 0, of each id's UTF-8 bytes: the keys kvcoll.ids.hash_strings gave before
 # its C fast paths (one Python encode per id, then kv_hash_strings), and the published
@@ -106,9 +108,49 @@ def _layouts():
 
 @pytest.mark.parametrize("name,values", list(_layouts()), ids=lambda x: x if isinstance(x, str) else "")
 def test_string_keys_equal_the_pinned_values_in_every_layout(name, values):
-    got = hash_strings(values)
+    got = hash_strings(values, "xxh64")
     np.testing.assert_array_equal(got[:len(WORDS)], WANT, err_msg=name)
     assert got.dtype == np.int64
+
+
+def _tf_fingerprints(ids: list) -> np.ndarray:
+    """What a SavedModel computes: tf.fingerprint of a 1-D string tensor, as int64."""
+    import tensorflow as tf
+
+    return tf.bitcast(tf.fingerprint(tf.constant(ids, tf.string)), tf.int64).numpy()
+
+
+@pytest.mark.parametrize("name,values", list(_layouts()), ids=lambda x: x if isinstance(x, str) else "")
+def test_farmhash64_keys_equal_tf_fingerprint_in_every_layout(name, values):
+    want = _tf_fingerprints([w.encode() for w in WORDS])
+    got = hash_strings(values, "farmhash64")
+    np.testing.assert_array_equal(got[:len(WORDS)], want, err_msg=name)
+
+
+def test_farmhash64_equals_tf_fingerprint_on_many_ids():
+    """Every length 0..300 (each FarmHash path and every tail), random bytes (not UTF-8),
+    unicode, long ids and a million-byte one: C and TensorFlow agree bit for bit."""
+    g = np.random.default_rng(5)
+    ids = [bytes(g.integers(0, 256, n, dtype=np.uint8)) for n in range(301)]
+    ids += [bytes(g.integers(0, 256, g.integers(0, 200), dtype=np.uint8)) for _ in range(3000)]
+    ids += [w.encode() for w in ("ümlaut", "日本語", "🙂 emoji", "user_12345", "")]
+    ids += [b"a" * n for n in (1000, 4096, 65537)] + [bytes(g.integers(0, 256, 1 << 20,
+                                                                      dtype=np.uint8))]
+    want = _tf_fingerprints(ids)
+    np.testing.assert_array_equal(hash_strings(np.array(ids, dtype=object), "farmhash64"), want)
+    np.testing.assert_array_equal(
+        hash_strings(np.array([i.rstrip(b"\0") for i in ids[:301]], "S"), "farmhash64"),
+        _tf_fingerprints([i.rstrip(b"\0") for i in ids[:301]]))
+    text = ["".join(chr(c) for c in g.integers(32, 0x2FFF, n)) for n in range(70)]
+    np.testing.assert_array_equal(hash_strings(np.array(text), "farmhash64"),
+                                  _tf_fingerprints([t.encode() for t in text]))
+
+
+def test_the_two_hashes_differ_and_unknown_ones_are_refused():
+    assert (hash_strings(WORDS, "farmhash64") != hash_strings(WORDS, "xxh64")).all()
+    with pytest.raises(InvalidArgumentError, match="id hash 'md5' is unknown; use one of "
+                                                   "farmhash64, xxh64"):
+        hash_strings(WORDS, "md5")
 
 
 def test_fixed_width_strings_drop_trailing_nuls_only():
@@ -116,8 +158,8 @@ def test_fixed_width_strings_drop_trailing_nuls_only():
     s = np.array([b"ab", b"ab\x00c"], dtype="S6")
     np.testing.assert_array_equal(hash_strings(s),
                                   hash_strings(np.array([b"ab", b"ab\x00c"], dtype=object)))
-    assert hash_strings(np.array([""], "U0"))[0] == WANT[0]
-    assert hash_strings(np.zeros(3, "S4")).tolist() == [int(WANT[0])] * 3
+    assert hash_strings(np.array([""], "U0"), "xxh64")[0] == WANT[0]
+    assert hash_strings(np.zeros(3, "S4"), "xxh64").tolist() == [int(WANT[0])] * 3
 
 
 def test_arrow_nulls_and_bad_string_ids_are_named():
@@ -125,7 +167,7 @@ def test_arrow_nulls_and_bad_string_ids_are_named():
 
     from kvcoll.ids import arrow_keys
 
-    keys, valid = arrow_keys(pa.array(["a", None, "abc"]))
+    keys, valid = arrow_keys(pa.array(["a", None, "abc"]), "xxh64")
     assert valid.tolist() == [True, False, True]
     assert keys[[0, 2]].tolist() == [int(WANT[1]), int(WANT[3])]
     with pytest.raises(InvalidArgumentError, match="got a null at index 1"):
@@ -140,3 +182,61 @@ def test_arrow_nulls_and_bad_string_ids_are_named():
         hash_strings(np.array(["\ud800"], dtype=object))
     with pytest.raises(InvalidArgumentError, match="pyarrow string or binary array, got int64"):
         hash_strings(pa.array([1, 2]))
+
+
+# -- the run's hash ----------------------------------------------------------------------
+
+@pytest.fixture()
+def fresh_run():
+    """kvcoll.ids, its run state as a new process has it (tests/unit/conftest.py)."""
+    from kvcoll import ids
+
+    return ids
+
+
+def test_a_new_run_hashes_with_farmhash64_and_the_setting_can_choose(fresh_run, monkeypatch):
+    ids = fresh_run
+    assert ids.id_hash() == "farmhash64"
+    np.testing.assert_array_equal(as_keys(np.array(WORDS)), hash_strings(WORDS, "farmhash64"))
+    monkeypatch.setattr(ids, "_run", {"name": None, "source": None, "used": False,
+                                      "strings": set()})
+    monkeypatch.setenv("KVCOLL_ID_HASH", "xxh64")
+    np.testing.assert_array_equal(as_keys(np.array(WORDS)), WANT)
+    monkeypatch.setenv("KVCOLL_ID_HASH", "sha1")
+    monkeypatch.setattr(ids, "_run", {"name": None, "source": None, "used": False,
+                                      "strings": set()})
+    with pytest.raises(InvalidArgumentError, match="id_hash 'sha1' is unknown; use one of "
+                                                   "auto, farmhash64, xxh64"):
+        ids.id_hash()
+
+
+def test_a_checkpoint_hash_is_adopted_only_while_the_run_is_open(fresh_run):
+    ids = fresh_run
+    where = "ckpt-0000000004"
+    assert ids.id_hash_conflict("farmhash64", where) is None
+    assert ids.id_hash_conflict("xxh64", where) is None     # default, nothing hashed yet
+    ids.adopt_id_hash("xxh64", where)
+    assert ids.id_hash() == "xxh64"
+    np.testing.assert_array_equal(hash_strings(WORDS), WANT)  # now it is used
+    err = ids.id_hash_conflict("farmhash64", where)
+    assert err.startswith("ckpt-0000000004 was written with id_hash 'farmhash64', but this "
+                          "run hashes string ids with 'xxh64' (this process already hashed "
+                          "string ids with it)")
+    assert "--id-hash farmhash64 (or KVCOLL_ID_HASH=farmhash64" in err
+    with pytest.raises(kv.KvcollError, match="would not match"):
+        ids.adopt_id_hash("farmhash64", where)
+    assert ids.id_hash() == "xxh64"
+    assert "does not know" in ids.id_hash_conflict("sha1", where)
+
+
+def test_a_set_hash_refuses_another_checkpoint_hash(fresh_run):
+    ids = fresh_run
+    ids.configure("farmhash64")
+    assert "(the id_hash setting says so)" in ids.id_hash_conflict("xxh64", "c")
+    ids.configure("auto")                       # keeps what is set
+    assert ids.id_hash() == "farmhash64"
+    hash_strings(["a"])
+    with pytest.raises(InvalidArgumentError, match="already hashed string ids with "
+                                                   "'farmhash64' before kv.init"):
+        ids.configure("xxh64")
+    ids.configure("farmhash64")                 # the same: fine

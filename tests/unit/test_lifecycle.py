@@ -173,8 +173,8 @@ def test_incremental_checkpoint_records_evictions(tmp_path):
 
 # -- string keys -------------------------------------------------------------------------
 
-def test_string_hash_is_xxh64_seed_0():
-    got = hash_strings(["", "a", "abc", b"68fd1e64"]).view(np.uint64)
+def test_string_hash_xxh64_is_seed_0():
+    got = hash_strings(["", "a", "abc", b"68fd1e64"], "xxh64").view(np.uint64)
     assert got.tolist() == [0xEF46DB3751D8E999, 0xD24EC4F1A98C6E5B, 0x44BC2CF5AD770999,
                             0x5D3CCD85C9C22FE4]
     u = np.array(["68fd1e64", "ümlaut", "x" * 100])
