@@ -97,7 +97,7 @@ def test_raw_string_ids_of_a_parquet_reader(comm, shared_dir):
     z = keras.layers.Concatenate()([kv.Embedding("user", 4)(u),
                                     kv.Embedding("seen", 3, combiner="mean")(s),
                                     kv.Embedding("country", 2)(c)])
-    model = keras.Model({"user": u, "seen": s, "country": c}, keras.layers.Dense(1)(z))
+    model = kv.Model({"user": u, "seen": s, "country": c}, keras.layers.Dense(1)(z))
     model.compile(optimizer=kv.DistributedOptimizer(keras.optimizers.Adam(0.02)),
                   loss=keras.losses.BinaryCrossentropy(from_logits=True))
     reader = read_parquet(path, 48, label="y", categorical=["user", "seen", "country"])
@@ -133,7 +133,7 @@ def test_raw_string_ids_of_a_string_input(comm, shared_dir):
     ci = keras.Input(shape=(), dtype="string", name="city")
     xi = keras.Input(shape=(2,), dtype="float32", name="x")
     z = keras.layers.Concatenate()([kv.Embedding("city", 3)(ci), xi])
-    model = keras.Model({"city": ci, "x": xi}, keras.layers.Dense(1)(z))
+    model = kv.Model({"city": ci, "x": xi}, keras.layers.Dense(1)(z))
     model.compile(optimizer=kv.DistributedOptimizer(keras.optimizers.SGD(0.1)),
                   loss=keras.losses.BinaryCrossentropy(from_logits=True))
     lo, hi = n * comm.rank // comm.size, n * (comm.rank + 1) // comm.size

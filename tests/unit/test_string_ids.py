@@ -44,7 +44,7 @@ def string_model(comm=None):
     x = keras.Input(shape=(2,), dtype="float32", name="x")
     e = kv.Embedding("country", 3, initializer=("normal", 0, 0.1))(c)
     h = keras.layers.Concatenate()([e, x])
-    model = keras.Model({"country": c, "x": x}, keras.layers.Dense(1)(h))
+    model = kv.Model({"country": c, "x": x}, keras.layers.Dense(1)(h))
     engine_of(model, comm=comm or Comm.local())
     model.compile(optimizer=kv.DistributedOptimizer(keras.optimizers.SGD(0.1),
                                                     sparse=kv.optimizers.SGD(0.1)), loss=BCE)
