@@ -8,7 +8,6 @@ any rank end the whole job.
 from __future__ import annotations
 
 import atexit
-import socket
 import sys
 import threading
 
@@ -36,8 +35,7 @@ def init(argv: list[str] | None = None, **settings) -> Config:
     cfg = Config.resolve(sys.argv[1:] if argv is None else argv, **settings)
     comm = Comm(timeout=cfg.comm_timeout, timeouts=cfg.timeouts)
     install_abort_hook(comm)
-    with comm.deadline("startup"):
-        hosts = comm.allgather_json(socket.gethostname(), "init:hosts")
+    hosts = comm.hosts  # learnt with the communicator (every rank's pid and host)
     mine = [r for r, h in enumerate(hosts) if h == hosts[comm.rank]]
     _state.update(config=cfg, comm=comm, local=(mine.index(comm.rank), len(mine)))
     atexit.register(_at_exit)
