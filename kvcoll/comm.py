@@ -51,7 +51,7 @@ import numpy as np
 from ._buffers import aligned_empty
 from .errors import CommError, CommTimeoutError
 
-__all__ = ["Comm", "AllToAllHandle", "SendHandle", "run_time", "paused"]
+__all__ = ["AllToAllHandle", "Comm", "SendHandle", "paused", "run_time"]
 
 _MPI = None
 
@@ -98,19 +98,18 @@ me = stat(pid)
 if me is None:
     sys.exit(0)
 if me[0] in "Tt":
-    why = f"this rank is itself stopped (SIGSTOP, Ctrl-Z or a debugger)"
+    why = "this rank is itself stopped (SIGSTOP, Ctrl-Z or a debugger)"
 else:
     stopped = sorted(int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != pid
                      and (st := stat(p)) is not None and st[1] == me[1] and st[0] in "Tt")
-    here = (f"on this host, process(es) {stopped} of the job are stopped (SIGSTOP, Ctrl-Z "
-            f"or a debugger; kill -CONT resumes them)" if stopped else
-            "no other process of the job on this host is stopped")
+    here = (f"on this host, process(es) {stopped} of the same launcher are stopped "
+            f"(SIGSTOP, Ctrl-Z or a debugger; kill -CONT resumes them)" if stopped else
+            "no other process of the same launcher on this host is stopped")
     why = (f"it waits for every rank of the job, and some rank has not started MPI: it is "
            f"stopped, stuck or slow before kv.init(), or dead ({here})")
 sys.stderr.write(f"kvcoll: {who}: starting MPI (MPI_Init, in kv.init()) did not complete "
                  f"within {limit:g}s: {why}; ending this rank so that the launcher ends the "
-                 f"job (raise the limit with {var})
-")
+                 f"job (raise the limit with {var})\n")
 sys.stderr.flush()
 os.kill(pid, 9)
 """
@@ -160,18 +159,22 @@ def _mpi_type(dtype: np.dtype):
 _run_lock = threading.Lock()
 _run_last = time.monotonic()   # the last read of the clock, by any thread
 _run_paused = 0.0              # the gaps longer than STALLED between two reads
-_last_pause = (0.0, 0.0)       # the latest such gap: (run_time() when it ended, seconds)
+_last_pause = (0.0, 0.0)       # the latest such gap within a wait: (run_time() at its end, s)
+_in_waits = 0                  # how many threads wait in kvcoll (Comm.waiting) right now
 
 
-def _read_clock() -> tuple[float, float]:
-    global _run_last, _run_paused, _last_pause
+def _read_clock(enter: int = 0) -> tuple[float, float]:
+    """(run_time, paused); enter: +1 / -1 as a thread starts / ends a wait."""
+    global _run_last, _run_paused, _last_pause, _in_waits
     with _run_lock:
         now = time.monotonic()
         gap = now - _run_last
         if gap > STALLED:
             _run_paused += gap
-            _last_pause = (now - _run_paused, gap)
+            if _in_waits:  # a pause for sure (a wait reads often), not a gap between waits
+                _last_pause = (now - _run_paused, gap)
         _run_last = now
+        _in_waits += enter
         return now - _run_paused, _run_paused
 
 
@@ -554,11 +557,17 @@ class Comm:
         peers' liveness pings. For waits of one's own (a loop on a condition); call
         answer_liveness() in the loop."""
         live = self._live
-        with live.waiting(op, self.step) if live else contextlib.nullcontext():
-            yield
+        _read_clock(+1)  # a gap since the last read is no pause within this wait
+        try:
+            with live.waiting(op, self.step) if live else contextlib.nullcontext():
+                yield
+        finally:
+            _read_clock(-1)
 
     def answer_liveness(self) -> None:
-        """Answer the peers' liveness pings that have arrived (never blocks)."""
+        """Answer the peers' liveness pings that have arrived (never blocks). Waits of
+        one's own call it every few ms: it reads run_time() too, to notice a pause."""
+        run_time()
         if self._live is not None:
             self._live.answer()
 

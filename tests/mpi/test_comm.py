@@ -106,8 +106,8 @@ def test_a_ping_left_from_earlier_is_no_sign_of_life(comm):
         world.send(b"checked", dest=1, tag=72)
         assert lost == [1], report               # before: rank 1's old ping counted
         host = comm.hosts[1]
-        assert f"rank 1 (pid {comm.peers[1]['pid']} on host {host}) is running but not in " \
-            "kvcoll" in report, report
+        assert f"rank 1 (pid {comm.peers[1]['pid']} on host {host}) is running but not " \
+            "waiting in kvcoll" in report, report
     comm.barrier()
     c.free()
 

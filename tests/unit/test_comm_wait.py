@@ -78,8 +78,8 @@ def test_a_peer_process_on_this_host_is_told_stopped_running_or_exited(child):
     peer = dict(me, pid=child.pid, start=comm._start_time(child.pid))
     assert comm._proc_state(peer) == "running"
     assert comm._describe_silent(3, peer, me) == (
-        f"rank 3 (pid {child.pid} on host {me['host']}) is running but not in kvcoll: "
-        "busy in code of its own or stuck (a deadlock, a long computation, a blocking call)")
+        f"rank 3 (pid {child.pid} on host {me['host']}) is running but not waiting in "
+        "kvcoll: busy in other code or stuck (a deadlock, a long computation, a blocking call)")
     os.kill(child.pid, signal.SIGSTOP)
     deadline = time.monotonic() + 10
     while comm._proc_state(peer) != "stopped" and time.monotonic() < deadline:

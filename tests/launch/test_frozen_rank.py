@@ -1,0 +1,184 @@
+"""A rank frozen with SIGSTOP, as a user might freeze one, is named by every rank that
+reports it: which rank made no progress, that its process is stopped, its pid and host
+(defect 13 of issue 29: the error said "the ranks issued different calls ... or one is
+slower than the deadline").
+
+Two ranks on this host under mpirun, the step deadline KVCOLL_COMM_TIMEOUT = T = 3 s:
+
+- training (tests/launch/fault_job.py: kvcoll's exchange step after step, no
+  TensorFlow) in BSP, SSP and ASP: once both ranks are training, one is stopped; the
+  other's error says "lost rank(s) [V]" and "rank V (pid P on host H) is stopped";
+  no rank says that every rank is alive, or names another rank as lost;
+- start-up: a rank stopped right after kv.init() (the others wait in their first
+  collectives), and a rank stopped before kv.init() (the others wait in MPI_Init, where
+  a watchdog ends them: MPI_Init holds the GIL, no deadline of Python's runs there).
+
+Whatever happens, the stopped process is killed at the end (SIGKILL ends a stopped
+process too) and so is the whole launch.
+"""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from mpirun import start
+
+T = 3.0
+JOB = Path(__file__).resolve().parent / "fault_job.py"
+ENV = {"KVCOLL_COMM_TIMEOUT": str(T), "KVCOLL_STARTUP_TIMEOUT": str(T)}
+STOPPED = "is stopped (SIGSTOP, Ctrl-Z or a debugger; kill -CONT {pid} resumes it)"
+
+
+class Job:
+    """A job under mpirun whose output lines are collected as they come; the pids its
+    ranks print ("rank R pid P ...") are killed, with the launch, by close()."""
+
+    def __init__(self, argv: list, env=None):
+        self.proc = start(2, argv, {**ENV, **(env or {})})
+        self.lines: list[str] = []
+        self.pids: dict[int, int] = {}
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            self.lines.append(line)
+            if m := re.match(r"rank (\d+) pid (\d+)", line):
+                self.pids[int(m[1])] = int(m[2])
+
+    def wait_for(self, pattern: str, timeout: float = 120):
+        rx = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if any(rx.search(line) for line in list(self.lines)):
+                return
+            time.sleep(0.02)
+        pytest.fail(f"no line matching {pattern!r}:\n{self.text()[-4000:]}")
+
+    def stop(self, rank: int) -> int:
+        os.kill(self.pids[rank], signal.SIGSTOP)
+        return self.pids[rank]
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the job did not end within {timeout:.0f}s of the stop:\n"
+                        f"{self.text()[-4000:]}")
+
+    def close(self):
+        for pid in self.pids.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self._reader.join(timeout=10)
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+    def errors(self) -> dict[int, list[str]]:
+        """The kvcoll errors printed, by the rank that raised them."""
+        out: dict[int, list[str]] = {}
+        for m in re.finditer(r"kvcoll\.errors\.\w+: rank (\d+)/2: (.*)$", self.text(),
+                             re.MULTILINE):
+            out.setdefault(int(m[1]), []).append(m[2])
+        return out
+
+
+@pytest.fixture()
+def job_factory():
+    jobs = []
+
+    def make(argv, env=None):
+        jobs.append(Job(argv, env))
+        return jobs[-1]
+
+    yield make
+    for j in jobs:
+        j.close()
+
+
+def check_named(job: Job, victim: int, pid: int, survivor_says=True):
+    """Every kvcoll error names the victim as lost and stopped; the survivor has one."""
+    said = job.errors()
+    report = job.text()[-6000:]
+    host = socket.gethostname()
+    if survivor_says:
+        assert 1 - victim in said, report
+    for rank, messages in said.items():
+        for msg in messages:
+            assert f"lost rank(s) [{victim}]" in msg, (rank, msg)
+            assert f"rank {victim} (pid {pid} on host {host}) " + STOPPED.format(pid=pid) \
+                in msg, (rank, msg)
+            assert "every rank is alive" not in msg and "different calls" not in msg, msg
+
+
+@pytest.mark.parametrize("mode,victim", [("bsp", 0), ("bsp", 1), ("ssp", 0), ("asp", 0)])
+def test_a_rank_stopped_while_training_is_named(job_factory, mode, victim):
+    job = job_factory([JOB, "--step-mode", mode, "--staleness", 2, "--log-every", 10])
+    job.wait_for(rf"^rank {victim} step 30$")
+    pid = job.stop(victim)
+    code = job.wait(T + 30)
+    assert code != 0, job.text()[-3000:]
+    check_named(job, victim, pid)
+    msg = job.errors()[1 - victim][0]
+    assert re.search(r"at step \d+|of step \d+", msg), msg
+    assert f"within {T:g}s" in msg, msg
+
+
+AFTER_INIT = """
+import os, signal, time, numpy as np, kvcoll as kv
+kv.init()
+print(f"rank {kv.rank()} pid {os.getpid()}", flush=True)
+if kv.rank() == 0:
+    os.kill(os.getpid(), signal.SIGSTOP)          # frozen before the first step
+kv.allreduce(np.ones(3))
+"""
+
+
+def test_a_rank_stopped_at_start_up_is_named(job_factory):
+    job = job_factory(["-c", AFTER_INIT])
+    job.wait_for(r"^rank 0 pid \d+")
+    code = job.wait(T + 30)
+    assert code != 0, job.text()[-3000:]
+    check_named(job, 0, job.pids[0])
+    assert "kv.allreduce did not complete within 3s" in job.errors()[1][0]
+
+
+BEFORE_INIT = """
+import os, signal, kvcoll as kv
+rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
+print(f"rank {rank} pid {os.getpid()}", flush=True)
+if rank == 0:
+    os.kill(os.getpid(), signal.SIGSTOP)          # frozen before it starts MPI
+kv.init()
+print(f"rank {rank} is up", flush=True)
+"""
+
+
+def test_a_rank_stopped_before_it_starts_mpi_ends_the_job_with_the_reason(job_factory):
+    job = job_factory(["-c", BEFORE_INIT])
+    job.wait_for(r"^rank 0 pid \d+")
+    job.wait_for(r"^rank 1 pid \d+")
+    t0 = time.monotonic()
+    code = job.wait(T + 30)
+    assert code != 0 and time.monotonic() - t0 < T + 20, job.text()[-3000:]
+    assert "is up" not in job.text(), job.text()[-3000:]
+    host, pid = socket.gethostname(), job.pids[1]
+    assert (f"kvcoll: rank 1/2 (pid {pid} on host {host}): starting MPI (MPI_Init, in "
+            f"kv.init()) did not complete within {T:g}s: it waits for every rank of the job, "
+            "and some rank has not started MPI: it is stopped, stuck or slow before "
+            f"kv.init(), or dead (on this host, process(es) [{job.pids[0]}] of the same "
+            "launcher are stopped") in job.text(), job.text()[-3000:]
