@@ -91,7 +91,7 @@ class Job:
     def errors(self) -> dict[int, list[str]]:
         """The kvcoll errors printed, by the rank that raised them."""
         out: dict[int, list[str]] = {}
-        for m in re.finditer(r"kvcoll\.errors\.\w+: rank (\d+)/2: (.*)$", self.text(),
+        for m in re.finditer(r"kvcoll\.errors\.\w+: rank (\d+)\b(.*)$", self.text(),
                              re.MULTILINE):
             out.setdefault(int(m[1]), []).append(m[2])
         return out
@@ -118,8 +118,8 @@ def check_named(job: Job, victim: int, pid: int, survivor_says=True):
     if survivor_says:
         assert 1 - victim in said, report
     for rank, messages in said.items():
-        for msg in messages:
-            assert f"lost rank(s) [{victim}]" in msg, (rank, msg)
+        for msg in messages:  # a service thread's error may name the rank without pinging
+            assert f"lost rank(s) [{victim}]" in msg or f"to rank {victim}'s pull" in msg, msg
             assert f"rank {victim} (pid {pid} on host {host}) " + STOPPED.format(pid=pid) \
                 in msg, (rank, msg)
             assert "every rank is alive" not in msg and "different calls" not in msg, msg
@@ -154,7 +154,7 @@ def test_a_rank_stopped_at_start_up_is_named(job_factory):
     code = job.wait(T + 30)
     assert code != 0, job.text()[-3000:]
     check_named(job, 0, job.pids[0])
-    assert "kv.allreduce did not complete within 3s" in job.errors()[1][0]
+    assert job.errors()[1][0].startswith("/2: kv.allreduce did not complete within 3s")
 
 
 BEFORE_INIT = """
