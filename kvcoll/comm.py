@@ -392,12 +392,10 @@ class _Liveness:
         msg.Recv([buf, MPI.BYTE])
         return (status.Get_source(), *self._unpack(buf))
 
-    def _answer_pings(self, heard: dict | None = None) -> None:
+    def _answer_pings(self) -> None:
         while (got := self._take(self._PING)) is not None:
-            src, _, seq, op, step = got
+            src, _, seq, _, _ = got
             self._send(self._pack(self._PONG, seq), src, self._PONG)
-            if heard is not None:
-                heard[src] = (op, step)
 
     def answer(self) -> None:
         """Answer the pings that have arrived (at most every 10 ms; never blocks)."""
