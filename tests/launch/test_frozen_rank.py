@@ -14,7 +14,7 @@ Two ranks on this host under mpirun, the step deadline KVCOLL_COMM_TIMEOUT = T =
   a watchdog ends them: MPI_Init holds the GIL, no deadline of Python's runs there).
 
 Whatever happens, the stopped process is killed at the end (SIGKILL ends a stopped
-process too) and so is the whole launch.
+process too), and so is every process left in the launch's session.
 """
 
 import os
@@ -74,16 +74,34 @@ class Job:
             pytest.fail(f"the job did not end within {timeout:.0f}s of the stop:\n"
                         f"{self.text()[-4000:]}")
 
+    def session(self) -> list[int]:
+        """Every process left in the launcher's session (the ranks have process groups
+        of their own there, so killpg would miss them)."""
+        left = []
+        for p in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if p.isdigit() and int(fields[3]) == self.proc.pid:
+                left.append(int(p))
+        return left
+
     def close(self):
-        for pid in self.pids.values():
+        """Kill the ranks (stopped or not: SIGKILL ends a stopped process), then
+        whatever else is left of the launch."""
+        for pid in [*self.pids.values(), *self.session()]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        self.proc.wait()
         self._reader.join(timeout=10)
+        deadline = time.monotonic() + 10
+        while self.session() and time.monotonic() < deadline:  # dying, or not yet reaped
+            time.sleep(0.05)
+        assert not self.session(), f"left running: {self.session()}"
 
     def text(self) -> str:
         return "\n".join(self.lines)
