@@ -465,14 +465,19 @@ class Comm:
         first = self._live is None and self.size > 1
         if first:  # until the channel exists, pings go over the parent (tags of our own)
             self._live = _Liveness(parent, owns=False, tags=_STARTUP_TAGS)
-        comm, req = parent.Idup()
-        self.wait(req, "dup (a new communicator: every rank must create it)")
-        self._comm = comm
-        if first:
-            live, req = comm.Idup()
-            self.wait(req, "dup (the liveness channel: every rank must create it)")
-            self._live, self._owns_live = _Liveness(live), True
-            self._live.peers = self.allgather_json(_identity(), op="dup:identities")
+        try:
+            comm, req = parent.Idup()
+            self.wait(req, "dup (a new communicator: every rank must create it)")
+            self._comm = comm
+            if first:
+                live, req = comm.Idup()
+                self.wait(req, "dup (the liveness channel: every rank must create it)")
+                self._live, self._owns_live = _Liveness(live), True
+                self._live.peers = self.allgather_json(_identity(), op="dup:identities")
+        except (CommError, CommTimeoutError):
+            if first:  # uncaught, end the job (else MPI_Finalize at exit waits for the lost
+                install_abort_hook(_ParentAbort(parent))  # rank forever)
+            raise
         self.timeout, self.kind = self.timeouts["step"], "step"
         self.thread_level = MPI.Query_thread()
 
@@ -962,6 +967,17 @@ class SendHandle:
         if self._req is not None:
             self._c.wait(self._req, self.op, peer=self.dest)
             self._req, self._buf = None, None
+
+
+class _ParentAbort:
+    """What install_abort_hook needs of a Comm, for the parent communicator of one that
+    could not be made."""
+
+    def __init__(self, parent):
+        self._parent, self.rank, self.size = parent, parent.Get_rank(), parent.Get_size()
+
+    def abort(self, code: int = 1) -> None:
+        self._parent.Abort(code)
 
 
 def install_abort_hook(comm: Comm) -> None:

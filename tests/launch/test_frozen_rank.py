@@ -10,8 +10,11 @@ Two ranks on this host under mpirun, the step deadline KVCOLL_COMM_TIMEOUT = T =
   other's error says "lost rank(s) [V]" and "rank V (pid P on host H) is stopped";
   no rank says that every rank is alive, or names another rank as lost;
 - start-up: a rank stopped right after kv.init() (the others wait in their first
-  collectives), and a rank stopped before kv.init() (the others wait in MPI_Init, where
-  a watchdog ends them: MPI_Init holds the GIL, no deadline of Python's runs there).
+  collective); one stopped after MPI is up but before kv.init() (the others wait in
+  kv.init()'s first communicator: named by its rank, its host not known yet; the job
+  ends, not hangs in MPI_Finalize); and one stopped before it starts MPI (the others wait
+  in MPI_Init, where a watchdog ends them: MPI_Init holds the GIL, no deadline of
+  Python's runs there).
 
 Whatever happens, the stopped process is killed at the end (SIGKILL ends a stopped
 process too), and so is every process left in the launch's session.
@@ -200,3 +203,31 @@ def test_a_rank_stopped_before_it_starts_mpi_ends_the_job_with_the_reason(job_fa
             "and some rank has not started MPI: it is stopped, stuck or slow before "
             f"kv.init(), or dead (on this host, process(es) [{job.pids[0]}] of the same "
             "launcher are stopped") in job.text(), job.text()[-3000:]
+
+
+IN_INIT = """
+import os, signal, mpi4py
+mpi4py.rc.thread_level = "multiple"
+from mpi4py import MPI                            # MPI up before kvcoll (as Horovod does)
+import kvcoll as kv
+print(f"rank {MPI.COMM_WORLD.Get_rank()} pid {os.getpid()}", flush=True)
+if MPI.COMM_WORLD.Get_rank() == 0:
+    os.kill(os.getpid(), signal.SIGSTOP)          # frozen before kv.init()
+kv.init()
+print(f"rank {kv.rank()} is up", flush=True)
+"""
+
+
+def test_a_rank_stopped_before_kvcoll_starts_is_named_by_its_rank(job_factory):
+    """MPI is up, kvcoll's channel not yet: the pings go over COMM_WORLD, and the rank
+    that never joined is named (its pid and host are not known yet)."""
+    job = job_factory(["-c", IN_INIT])
+    job.wait_for(r"^rank 0 pid \d+")
+    code = job.wait(T + 30)
+    assert code != 0 and "is up" not in job.text(), job.text()[-3000:]
+    msg = job.errors()[1][0]
+    assert msg.startswith("/2: dup (a new communicator: every rank must create it) did not "
+                          "complete within 3s: lost rank(s) [0], no progress and no sign of "
+                          "life within 2s: rank 0 (host not known: it has not joined "
+                          "kvcoll) is stopped, stuck or slow before kv.init(), dead, or cut "
+                          "off from this rank (raise the limit with KVCOLL_STARTUP_TIMEOUT)"), msg
