@@ -208,19 +208,25 @@ def _poll_until(ready, limit: float, message, spin: float = 0.0, idle=None) -> N
     yielding the core (and the GIL) between polls, so a peer that is a moment late
     costs microseconds, not a sleep; then it sleeps with back-off (20 us doubling to
     1 ms): a long wait never spins. idle(), if given, is called between the sleeps
-    (it answers the peers' liveness pings). Both phases count time on run_time(): a
-    pause of this process (stopped with SIGSTOP and continued, a paused VM), in either,
-    moves the deadline on, since no peer can be blamed for it."""
+    (it answers the peers' liveness pings). In both phases a gap of more than STALLED
+    seconds between two polls (which are at most 1 ms apart) is a pause of this process
+    (stopped with SIGSTOP and continued, a paused VM): it moves the deadline on, since
+    no peer can be blamed for it (as run_time() leaves it out)."""
     if ready():
         return
-    start = run_time()
-    deadline, spin_until = start + limit, start + min(spin, limit)
+    last = time.monotonic()
+    deadline, spin_until = last + limit, last + min(spin, limit)
     pause = 20e-6
     while True:
-        now = run_time()
+        now = time.monotonic()
+        if now - last > STALLED:  # this process did not run: no peer's fault
+            deadline += now - last
+            spin_until += now - last
+        last = now
         if now < spin_until:
             os.sched_yield()
         else:
+            run_time()  # the process-wide clock sees the pause too (for the error's note)
             if now > deadline:
                 raise CommTimeoutError(message())
             time.sleep(pause)
@@ -535,8 +541,10 @@ class Comm:
         """Wait for a request (polling, see _poll_until); raise CommTimeoutError after
         `timeout` s, naming the ranks that gave no sign of life (see `liveness`); `peer`:
         the rank a point-to-point request goes to."""
-        before = paused()
+        if req.Test():
+            return
         with self.waiting(op):
+            before = _run_paused  # read by waiting() just now
             _poll_until(req.Test, self.timeout,
                         lambda: self._timed_out(op, peer, paused() - before), spin=SPIN,
                         idle=self.answer_liveness)
