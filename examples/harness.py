@@ -172,6 +172,7 @@ class DemoRun(keras.callbacks.Callback):
         self.served = 0             # BSP: steps this rank joined with no data of its own
         self.train_time = self.first_step = self.eval_time = 0.0
         self.own_time, self.own_samples = 0.0, 0
+        self.samples = 0            # samples of this rank's own, every step (first included)
         self.timings0 = None
         self._last_log = None       # (step, train_time)
         self._pauses = 0
@@ -210,6 +211,7 @@ class DemoRun(keras.callbacks.Callback):
             self._pauses = len(self.evict.pauses)
         if mine:
             self.losses.append((step, eng.last_loss))
+            self.samples += eng.last_samples
         else:
             self.served += 1
         if step == self.start + 1:

@@ -331,7 +331,7 @@ def main(argv=None):
                                     demo.own_samples / demo.own_time if demo.own_time > 0
                                     else 0.0, len(demo.losses),
                                     getattr(ex, "staleness_observed", 0),
-                                    getattr(ex, "max_lead", 0)]], np.float64))
+                                    getattr(ex, "max_lead", 0), demo.samples]], np.float64))
     per_step = demo.per_step()
     timed = max(1, steps - start - 1 if eng.synchronous else len(demo.losses) - 1)
     if eng.synchronous:
@@ -344,6 +344,7 @@ def main(argv=None):
         "staleness": None if mode.name == "asp" else mode.staleness,
         "steps": steps, "served_steps": demo.served,
         "local_steps": [int(x) for x in rates[:, 2]],
+        "local_samples": [int(x) for x in rates[:, 5]],
         "steps_per_sec": [float(x) for x in rates[:, 0]],
         "max_staleness_observed": int(rates[:, 3].max()),
         "max_clock_lead": int(rates[:, 4].max()),

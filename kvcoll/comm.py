@@ -12,11 +12,23 @@ step's exchanges, "io" for checkpoints and exports, "startup" for bringing kvcol
 A collective that times out cannot say by itself which peer is missing, so the rank
 asks: on a liveness channel of its own (a second private communicator) it pings every
 peer and waits LIVENESS_GRACE seconds; a rank that waits in any kvcoll call answers
-at once with what it waits in and at which step. The error then names the ranks that
-gave no sign of life (dead, stopped, or cut off by the network), the operation and the
-step (`Comm.step`, which the exchanges keep current). If MPI_Abort cannot end the
-process (its launcher is unreachable), the process exits by itself ABORT_EXIT_AFTER
-seconds later, so a rank on a host cut off from the others never lingers.
+at once with what it waits in and at which step. Only an answer to this very ping is a
+sign of life (a ping a peer sent earlier is not: it may have stopped or died since).
+The error then names the ranks that made no progress and gave no sign of life, with
+their pid and host (every rank learns the others' when the communicator is made), and,
+for a rank on the same machine, what its process is doing (stopped, running outside
+kvcoll, exited: read from /proc); the operation; and the step (`Comm.step`, which the
+exchanges keep current). Before the channel exists (kv.init's own communicators) the
+ping goes over the parent communicator, with tags of kvcoll's own. MPI_Init itself
+waits for every rank of the job, in C, where no deadline of Python's runs: a watchdog
+process ends a rank whose MPI_Init outlives the start-up deadline, saying why.
+
+Deadlines count the time this process ran (`run_time`): a rank that was stopped
+(SIGSTOP, Ctrl-Z, a paused VM) and continued does not blame a peer for its own pause,
+and if it was paused during a wait that then timed out, the error says so. If MPI_Abort
+cannot end the process (its launcher is unreachable), the process exits by itself
+ABORT_EXIT_AFTER seconds later, so a rank on a host cut off from the others never
+lingers.
 
 Validate before a collective, never raise inside one on a single rank: `agree()`
 lets every rank learn that some rank's input was bad and raise the same error.
@@ -28,6 +40,8 @@ import contextlib
 import faulthandler
 import json
 import os
+import socket
+import subprocess
 import sys
 import threading
 import time
@@ -37,22 +51,98 @@ import numpy as np
 from ._buffers import aligned_empty
 from .errors import CommError, CommTimeoutError
 
-__all__ = ["Comm", "AllToAllHandle", "SendHandle"]
+__all__ = ["AllToAllHandle", "Comm", "SendHandle", "paused", "run_time"]
 
 _MPI = None
 
 
-def _mpi():
-    """Import mpi4py with full thread support (the SSP/ASP service thread needs it)."""
+def _mpi(limit: float | None = None):
+    """Import mpi4py with full thread support (the SSP/ASP service thread needs it).
+    limit: the start-up deadline for MPI_Init, which the import runs (see
+    _init_watchdog); None: no watchdog (MPI is up already, or a caller that needs none)."""
     global _MPI
     if _MPI is None:
         import mpi4py
 
         mpi4py.rc.thread_level = "multiple"
-        from mpi4py import MPI
-
+        dog = _init_watchdog(limit) if limit and "mpi4py.MPI" not in sys.modules else None
+        try:
+            from mpi4py import MPI
+        finally:
+            if dog is not None:
+                dog.stdin.close()          # MPI is up: the watchdog exits
+                try:
+                    dog.wait(timeout=5)
+                except subprocess.TimeoutExpired:  # pragma: no cover - a stuck watchdog
+                    dog.kill()
         _MPI = MPI
     return _MPI
+
+
+# The watchdog of MPI_Init (a separate process: MPI_Init holds the GIL, so no thread of
+# this process can run meanwhile). It waits for its stdin to close (MPI is up) for at
+# most the deadline; then it says why, and which processes of the job on this host are
+# stopped, and kills the rank, so that the launcher ends the whole job.
+_WATCHDOG = r"""
+import os, select, sys
+pid, limit, who, var = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.argv[4]
+if select.select([0], [], [], limit)[0]:
+    sys.exit(0)
+def stat(p):
+    try:
+        with open(f"/proc/{p}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+me = stat(pid)
+if me is None:
+    sys.exit(0)
+if me[0] in "Tt":
+    why = "this rank is itself stopped (SIGSTOP, Ctrl-Z or a debugger)"
+else:
+    stopped = sorted(int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != pid
+                     and (st := stat(p)) is not None and st[1] == me[1] and st[0] in "Tt")
+    here = (f"on this host, process(es) {stopped} of the same launcher are stopped "
+            f"(SIGSTOP, Ctrl-Z or a debugger; kill -CONT resumes them)" if stopped else
+            "no other process of the same launcher on this host is stopped")
+    why = (f"it waits for every rank of the job, and some rank has not started MPI: it is "
+           f"stopped, stuck or slow before kv.init(), or dead ({here})")
+sys.stderr.write(f"kvcoll: {who}: starting MPI (MPI_Init, in kv.init()) did not complete "
+                 f"within {limit:g}s: {why}; ending this rank so that the launcher ends the "
+                 f"job (raise the limit with {var})\n")
+sys.stderr.flush()
+os.kill(pid, 9)
+"""
+
+
+def _launch_rank() -> tuple[str | None, int]:
+    """This process's rank and the job's size as its launcher set them (before MPI is
+    up): (rank or None, size; 1 when not started by an MPI launcher)."""
+    env = os.environ
+    for rank, size in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                       ("PMI_RANK", "PMI_SIZE"), ("PMIX_RANK", "OMPI_UNIVERSE_SIZE")):
+        if rank in env:
+            try:
+                return env[rank], int(env.get(size, "0"))
+            except ValueError:
+                return env[rank], 0
+    return None, 1
+
+
+def _init_watchdog(limit: float):
+    """Start the watchdog of MPI_Init (see _WATCHDOG) when this process is one rank of
+    several; None otherwise (MPI_Init of a single process waits for nobody)."""
+    rank, size = _launch_rank()
+    if rank is None or size == 1:
+        return None
+    who = f"rank {rank}{f'/{size}' if size else ''} (pid {os.getpid()} on host " \
+          f"{socket.gethostname()})"
+    try:
+        return subprocess.Popen([sys.executable, "-I", "-S", "-c", _WATCHDOG, str(os.getpid()),
+                                 str(limit), who, _TIMEOUT_VARS["startup"]],
+                                stdin=subprocess.PIPE)
+    except OSError:  # pragma: no cover - no watchdog then, as before
+        return None
 
 
 def _mpi_type(dtype: np.dtype):
@@ -66,36 +156,156 @@ def _mpi_type(dtype: np.dtype):
     }[np.dtype(dtype)]
 
 
+_run_lock = threading.Lock()
+_run_last = time.monotonic()   # the last read of the clock, by any thread
+_run_paused = 0.0              # the gaps longer than STALLED between two reads
+_last_pause = (0.0, 0.0)       # the latest such gap within a wait: (run_time() at its end, s)
+_in_waits = 0                  # how many threads wait in kvcoll (Comm.waiting) right now
+
+
+def _read_clock(enter: int = 0) -> tuple[float, float]:
+    """(run_time, paused); enter: +1 / -1 as a thread starts / ends a wait."""
+    global _run_last, _run_paused, _last_pause, _in_waits
+    with _run_lock:
+        now = time.monotonic()
+        gap = now - _run_last
+        if gap > STALLED:
+            _run_paused += gap
+            if _in_waits:  # a pause for sure (a wait reads often), not a gap between waits
+                _last_pause = (now - _run_paused, gap)
+        _run_last = now
+        _in_waits += enter
+        return now - _run_paused, _run_paused
+
+
+def run_time() -> float:
+    """Seconds on a monotonic clock that stands still while this process does not run:
+    time.monotonic() less every gap longer than STALLED between two reads of it (by any
+    thread). Every wait of kvcoll's reads it at least every 50 ms, so a gap within a
+    wait is a pause of this process (stopped with SIGSTOP and continued, a paused VM),
+    never a peer's silence: a deadline on this clock does not pass while the process is
+    stopped. (Between waits gaps are normal: only differences within a wait count.)"""
+    return _read_clock()[0]
+
+
+def paused() -> float:
+    """Seconds this process did not run, summed over the gaps run_time() left out; the
+    difference over a wait is how long this process was stopped during it."""
+    return _read_clock()[1]
+
+
+def _pause_note(own: float) -> str:
+    """Words on this process's own pause of `own` seconds during a wait, or ''."""
+    if own <= 0:
+        return ""
+    return (f" (this rank itself did not run for {own:.0f}s of that: it was stopped or "
+            "paused, while its peers' deadlines ran on)")
+
+
 def _poll_until(ready, limit: float, message, spin: float = 0.0, idle=None) -> None:
     """Call ready() until it returns True; after `limit` seconds raise
     CommTimeoutError(message()). For the first `spin` seconds it polls back to back,
     yielding the core (and the GIL) between polls, so a peer that is a moment late
     costs microseconds, not a sleep; then it sleeps with back-off (20 us doubling to
     1 ms): a long wait never spins. idle(), if given, is called between the sleeps
-    (it answers the peers' liveness pings). A gap of more than STALLED seconds between
-    two polls is time this process did not run (stopped with SIGSTOP and continued, a
-    paused VM): it moves the deadline on, since no peer can be blamed for it."""
+    (it answers the peers' liveness pings). In both phases a gap of more than STALLED
+    seconds between two polls (which are at most 1 ms apart) is a pause of this process
+    (stopped with SIGSTOP and continued, a paused VM): it moves the deadline on, since
+    no peer can be blamed for it (as run_time() leaves it out)."""
     if ready():
         return
-    now = time.monotonic()
-    deadline, spin_until = now + limit, now + min(spin, limit)
-    while time.monotonic() < spin_until:
-        os.sched_yield()
+    last = time.monotonic()
+    deadline, spin_until = last + limit, last + min(spin, limit)
+    pause = 20e-6
+    while True:
+        now = time.monotonic()
+        if now - last > STALLED:  # this process did not run: no peer's fault
+            deadline += now - last
+            spin_until += now - last
+        last = now
+        if now < spin_until:
+            os.sched_yield()
+        else:
+            run_time()  # the process-wide clock sees the pause too (for the error's note)
+            if now > deadline:
+                raise CommTimeoutError(message())
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+            if idle is not None:
+                idle()
         if ready():
             return
-    pause = 20e-6
-    last = time.monotonic()
-    while not ready():
-        now = time.monotonic()
-        if now - last > STALLED:
-            deadline += now - last
-        last = now
-        if now > deadline:
-            raise CommTimeoutError(message())
-        time.sleep(pause)
-        pause = min(pause * 2, 1e-3)
-        if idle is not None:
-            idle()
+
+
+def _start_time(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, /proc/PID/stat field 22): with
+    the pid it names one process, even after the pid is reused. None: no such process."""
+    fields = _proc_stat(pid)
+    return None if fields is None else int(fields[19])
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state first), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _read(path: str, how=str.strip) -> str:
+    try:
+        with open(path) as f:
+            return how(f.read())
+    except OSError:
+        return ""
+
+
+def _identity() -> dict:
+    """This process as its peers name it (host, pid) and find it again (the boot and
+    the pid namespace: a peer that shares both sees this process in its own /proc;
+    the start time, against a reused pid)."""
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = ""
+    return {"host": socket.gethostname(), "pid": os.getpid(),
+            "boot": _read("/proc/sys/kernel/random/boot_id"), "pidns": ns,
+            "start": _start_time(os.getpid())}
+
+
+def _proc_state(ident: dict, me: dict | None = None) -> str | None:
+    """What the process `ident` (see _identity) is doing, seen from this one (`me`:
+    this process's identity): "stopped", "running" (or sleeping: not stopped), "exited",
+    or None when it cannot be seen from here (another machine or pid namespace)."""
+    me = me or _identity()
+    if not ident.get("boot") or not ident.get("pidns") or ident.get("start") is None \
+            or (ident["boot"], ident["pidns"]) != (me.get("boot"), me.get("pidns")):
+        return None
+    fields = _proc_stat(int(ident["pid"]))
+    if fields is None or int(fields[19]) != ident["start"] or fields[0] in "ZXx":
+        return "exited"
+    return "stopped" if fields[0] in "Tt" else "running"
+
+
+def _describe_silent(rank: int, ident: dict | None, me: dict | None = None) -> str:
+    """A rank that gave no sign of life, for an error: its pid and host, and what its
+    process is doing when this process can see it (same machine). ident: its identity
+    (None: it never joined, so neither is known)."""
+    if ident is None:
+        return (f"rank {rank} (host not known: it has not joined kvcoll) is stopped, stuck "
+                "or slow before kv.init(), dead, or cut off from this rank")
+    pid = ident["pid"]
+    who = f"rank {rank} (pid {pid} on host {ident['host']})"
+    state = _proc_state(ident, me)
+    if state == "stopped":
+        return f"{who} is stopped (SIGSTOP, Ctrl-Z or a debugger; kill -CONT {pid} resumes it)"
+    if state == "running":
+        return (f"{who} is running but not waiting in kvcoll: busy in other code or stuck "
+                "(a deadlock, a long computation, a blocking call)")
+    if state == "exited":
+        return f"{who} has exited"
+    return f"{who} is stopped, stuck outside kvcoll, dead, or cut off from this rank"
 
 
 # The setting that raises each kind of deadline.
@@ -119,18 +329,28 @@ STALLED = 1.0
 ABORT_EXIT_AFTER = 5.0
 
 
+# The tags of the liveness pings and answers on the parent communicator, before kvcoll's
+# own channel exists (kv.init's communicators): high, so that a user's tags never match
+# them (only a user's MPI.ANY_TAG receive could take one, and only once a start-up
+# deadline has passed and the job is ending anyway).
+_STARTUP_TAGS = (32761, 32762)
+
+
 class _Liveness:
     """The liveness channel: a private communicator, shared by a Comm and its dups, on
     which a rank whose collective timed out pings its peers (`diagnose`) and every rank
     waiting in kvcoll answers (`answer`, called between the sleeps of every wait) with
     the operation and step it waits in. Only non-blocking calls: a dead peer's messages
-    are never waited for."""
+    are never waited for. peers: every rank's identity (see _identity), once known.
+    owns: whether free() frees the communicator (not when it is the parent's, borrowed
+    with tags of its own until the channel exists)."""
 
-    _PING, _PONG = 31, 32
     _SIZE = 256  # bytes per message: kind, sequence, step (int64), then the op (utf-8)
 
-    def __init__(self, comm):
-        self.comm = comm
+    def __init__(self, comm, owns: bool = True, tags: tuple[int, int] = (31, 32)):
+        self.comm, self.owns = comm, owns
+        self._PING, self._PONG = tags
+        self.peers: list | None = None
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self._waits: dict[int, tuple[str, int | None]] = {}  # thread id -> (op, step)
         self._sends: list = []  # (request, buffer): kept alive until MPI is done with them
@@ -178,12 +398,10 @@ class _Liveness:
         msg.Recv([buf, MPI.BYTE])
         return (status.Get_source(), *self._unpack(buf))
 
-    def _answer_pings(self, heard: dict | None = None) -> None:
+    def _answer_pings(self) -> None:
         while (got := self._take(self._PING)) is not None:
-            src, _, seq, op, step = got
+            src, _, seq, _, _ = got
             self._send(self._pack(self._PONG, seq), src, self._PONG)
-            if heard is not None:
-                heard[src] = (op, step)
 
     def answer(self) -> None:
         """Answer the pings that have arrived (at most every 10 ms; never blocks)."""
@@ -197,8 +415,10 @@ class _Liveness:
             self._lock.release()
 
     def diagnose(self, grace: float) -> dict:
-        """Ping every peer and wait up to `grace` seconds: {rank: (op, step)} of the
-        peers that answered (or pinged: they are diagnosing too). The others are lost."""
+        """Ping every peer and wait up to `grace` seconds (of run_time): {rank: (op,
+        step)} of the peers that answered this ping. The others are lost. A ping that a
+        peer sent is answered but is no sign of life: it may be from before the peer
+        stopped or died (a peer diagnosing at the same time answers this ping too)."""
         with self._lock:
             self._seq += 1
             seq = self._seq
@@ -206,9 +426,9 @@ class _Liveness:
                 if peer != self.rank:
                     self._send(self._pack(self._PING, seq), peer, self._PING)
             heard: dict = {}
-            deadline = time.monotonic() + grace
-            while len(heard) < self.size - 1 and time.monotonic() < deadline:
-                self._answer_pings(heard)
+            deadline = run_time() + grace
+            while len(heard) < self.size - 1 and run_time() < deadline:
+                self._answer_pings()
                 while (got := self._take(self._PONG)) is not None:
                     src, _, answered, op, step = got
                     if answered == seq:
@@ -217,7 +437,8 @@ class _Liveness:
             return heard
 
     def free(self) -> None:
-        self.comm.Free()
+        if self.owns:
+            self.comm.Free()
 
 
 def _at(step) -> str:
@@ -236,9 +457,9 @@ class Comm:
 
     def __init__(self, parent=None, timeout: float = 300.0, timeouts: dict | None = None,
                  _live: _Liveness | None = None):
-        MPI = _mpi()
         self.timeouts = {"step": float(timeout), "io": float(timeout),
                          "startup": float(timeout), **(timeouts or {})}
+        MPI = _mpi(self.timeouts["startup"])
         self.timeout, self.kind = self.timeouts["startup"], "startup"
         self.rank = -1
         self.size = 0
@@ -247,15 +468,35 @@ class Comm:
         self._live, self._owns_live = _live, False
         parent = parent if parent is not None else MPI.COMM_WORLD
         self.rank, self.size = parent.Get_rank(), parent.Get_size()
-        comm, req = parent.Idup()
-        self.wait(req, "dup (a new communicator: every rank must create it)")
-        self._comm = comm
-        if self._live is None and self.size > 1:
-            live, req = comm.Idup()
-            self.wait(req, "dup (the liveness channel: every rank must create it)")
-            self._live, self._owns_live = _Liveness(live), True
+        first = self._live is None and self.size > 1
+        if first:  # until the channel exists, pings go over the parent (tags of our own)
+            self._live = _Liveness(parent, owns=False, tags=_STARTUP_TAGS)
+        try:
+            comm, req = parent.Idup()
+            self.wait(req, "dup (a new communicator: every rank must create it)")
+            self._comm = comm
+            if first:
+                live, req = comm.Idup()
+                self.wait(req, "dup (the liveness channel: every rank must create it)")
+                self._live, self._owns_live = _Liveness(live), True
+                self._live.peers = self.allgather_json(_identity(), op="dup:identities")
+        except (CommError, CommTimeoutError):
+            if first:  # uncaught, end the job (else MPI_Finalize at exit waits for the lost
+                install_abort_hook(_ParentAbort(parent))  # rank forever)
+            raise
         self.timeout, self.kind = self.timeouts["step"], "step"
         self.thread_level = MPI.Query_thread()
+
+    @property
+    def peers(self) -> list[dict]:
+        """Every rank's process, in rank order: {"host", "pid", ...} (see _identity)."""
+        live = self._live
+        return live.peers if live is not None and live.peers is not None else [_identity()]
+
+    @property
+    def hosts(self) -> list[str]:
+        """Every rank's host name, in rank order."""
+        return [p["host"] for p in self.peers]
 
     @classmethod
     def local(cls, timeout: float = 300.0) -> "Comm":
@@ -300,13 +541,17 @@ class Comm:
         """Wait for a request (polling, see _poll_until); raise CommTimeoutError after
         `timeout` s, naming the ranks that gave no sign of life (see `liveness`); `peer`:
         the rank a point-to-point request goes to."""
+        if req.Test():
+            return
         with self.waiting(op):
-            _poll_until(req.Test, self.timeout, lambda: self._timed_out(op, peer), spin=SPIN,
+            before = _run_paused  # read by waiting() just now
+            _poll_until(req.Test, self.timeout,
+                        lambda: self._timed_out(op, peer, paused() - before), spin=SPIN,
                         idle=self.answer_liveness)
 
-    def _timed_out(self, op: str, peer: int | None) -> str:
+    def _timed_out(self, op: str, peer: int | None, own_pause: float = 0.0) -> str:
         head = (f"rank {self.rank}/{self.size}: {op}{_at(self.step)} did not complete within "
-                f"{self.timeout:g}s")
+                f"{self.timeout:g}s{_pause_note(own_pause)}")
         lost, report = self.liveness()
         if lost is None:
             who = f"rank {peer}" if peer is not None else "a peer"
@@ -323,19 +568,26 @@ class Comm:
         peers' liveness pings. For waits of one's own (a loop on a condition); call
         answer_liveness() in the loop."""
         live = self._live
-        with live.waiting(op, self.step) if live else contextlib.nullcontext():
-            yield
+        _read_clock(+1)  # a gap since the last read is no pause within this wait
+        try:
+            with live.waiting(op, self.step) if live else contextlib.nullcontext():
+                yield
+        finally:
+            _read_clock(-1)
 
     def answer_liveness(self) -> None:
-        """Answer the peers' liveness pings that have arrived (never blocks)."""
+        """Answer the peers' liveness pings that have arrived (never blocks). Waits of
+        one's own call it every few ms: it reads run_time() too, to notice a pause."""
+        run_time()
         if self._live is not None:
             self._live.answer()
 
     def liveness(self, grace: float | None = None) -> tuple[list | None, str]:
         """Ask every peer whether it is alive, waiting up to `grace` s (default
         LIVENESS_GRACE, at most the deadline): (the ranks that gave no sign of life, a
-        sentence saying who is lost and what the others wait in); (None, "") without a
-        liveness channel (one rank)."""
+        sentence saying who is lost, with the pid and host of each and what its process
+        is doing when it runs on this machine, and what the others wait in); (None, "")
+        without a liveness channel (one rank)."""
         if self._live is None:
             return None, ""
         grace = min(LIVENESS_GRACE, self.timeout) if grace is None else grace
@@ -344,9 +596,29 @@ class Comm:
         alive = "; ".join(f"rank {r} waits in {o}{_at(s)}"
                           for r, (o, s) in sorted(heard.items()))
         if not lost:
-            return lost, f"every rank is alive ({alive})"
-        return lost, (f"lost rank(s) {lost}, no sign of life within {grace:g}s (dead, stopped, "
-                      f"or cut off from rank {self.rank})" + (f"; alive: {alive}" if alive else ""))
+            return lost, f"every rank is alive ({alive})" + self._recent_pause()
+        return lost, (f"lost rank(s) {lost}, no progress and no sign of life within "
+                      f"{grace:g}s: {self.describe(lost)}" + (f"; alive: {alive}" if alive else "")
+                      + self._recent_pause())
+
+    def describe(self, ranks) -> str:
+        """The given ranks, as a timeout error names a lost rank: each with its pid and
+        host, and, for one on this machine, whether its process is stopped, running
+        outside kvcoll or has exited (read from /proc; nothing is sent)."""
+        live = self._live
+        peers = live.peers if live is not None else None
+        me = peers[self.rank] if peers else _identity()
+        return "; ".join(_describe_silent(r, peers[r] if peers else None, me) for r in ranks)
+
+    def _recent_pause(self) -> str:
+        """Words on a pause of this process that ended within the deadline (and the
+        liveness check) before now, or '': its peers may have given up on it meanwhile."""
+        ended, length = _last_pause
+        ago = run_time() - ended
+        if not length or ago > self.timeout + 2 * LIVENESS_GRACE:
+            return ""
+        return (f"; and this rank itself did not run for {length:.0f}s until {ago:.0f}s ago "
+                "(it was stopped or paused: its peers' deadlines ran on meanwhile)")
 
     def dup(self) -> "Comm":
         """Another private communicator over the same ranks (e.g. for a service thread):
@@ -517,8 +789,11 @@ class Comm:
 
         who = "any rank" if source < 0 else f"rank {source}"
 
+        before = paused()
+
         def message():
-            head = f"rank {self.rank}/{self.size}: {op}: no answer from {who} within {limit:g}s"
+            head = (f"rank {self.rank}/{self.size}: {op}: no answer from {who} within "
+                    f"{limit:g}s{_pause_note(paused() - before)}")
             lost, report = self.liveness(min(LIVENESS_GRACE, limit))
             if lost is None:
                 report = f"{who} died, stopped serving or is cut off from rank {self.rank}"
@@ -700,6 +975,17 @@ class SendHandle:
         if self._req is not None:
             self._c.wait(self._req, self.op, peer=self.dest)
             self._req, self._buf = None, None
+
+
+class _ParentAbort:
+    """What install_abort_hook needs of a Comm, for the parent communicator of one that
+    could not be made."""
+
+    def __init__(self, parent):
+        self._parent, self.rank, self.size = parent, parent.Get_rank(), parent.Get_size()
+
+    def abort(self, code: int = 1) -> None:
+        self._parent.Abort(code)
 
 
 def install_abort_hook(comm: Comm) -> None:

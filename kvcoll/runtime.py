@@ -8,7 +8,6 @@ any rank end the whole job.
 from __future__ import annotations
 
 import atexit
-import socket
 import sys
 import threading
 
@@ -38,8 +37,7 @@ def init(argv: list[str] | None = None, **settings) -> Config:
     ids.configure(cfg.id_hash)
     comm = Comm(timeout=cfg.comm_timeout, timeouts=cfg.timeouts)
     install_abort_hook(comm)
-    with comm.deadline("startup"):
-        hosts = comm.allgather_json(socket.gethostname(), "init:hosts")
+    hosts = comm.hosts  # learnt with the communicator (every rank's pid and host)
     mine = [r for r, h in enumerate(hosts) if h == hosts[comm.rank]]
     _state.update(config=cfg, comm=comm, local=(mine.index(comm.rank), len(mine)))
     atexit.register(_at_exit)

@@ -574,9 +574,8 @@ class SspExchange:
                     handle, _, dest, clock = replies[0]
                     raise CommTimeoutError(
                         f"rank {self._rank}/{self._world}: ssp:reply to rank {dest}'s pull of "
-                        f"step {clock} was not taken within {self._rep.timeout:g}s; rank "
-                        f"{dest} died, stopped or is cut off from rank {self._rank} (raise the "
-                        "limit with KVCOLL_COMM_TIMEOUT)")
+                        f"step {clock} was not taken within {self._rep.timeout:g}s; "
+                        f"{self._rep.describe([dest])} (raise the limit with KVCOLL_COMM_TIMEOUT)")
         except BaseException as exc:  # noqa: BLE001 - reported to the training thread
             with self._cv:
                 self._error = exc

@@ -30,7 +30,10 @@ def run(world: int, argv: list, timeout: float, what: str, env_extra=None, launc
     return code, out
 
 
-def _run(world: int, argv: list, timeout: float, what: str, env_extra, launcher):
+def start(world: int, argv: list, env_extra=None, launcher=None) -> subprocess.Popen:
+    """Start `python argv...` on `world` ranks and return at once: the launcher's process,
+    in a session of its own (os.killpg(proc.pid, ...) reaches every rank), its stdout
+    and stderr merged into proc.stdout (text)."""
     launcher = launcher or [str(MPIRUN), "--oversubscribe", "--bind-to", "none"]
     cmd = [*map(str, launcher), "-np", str(world), sys.executable, *map(str, argv)]
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
@@ -38,8 +41,12 @@ def _run(world: int, argv: list, timeout: float, what: str, env_extra, launcher)
                PYTHONPATH=str(ROOT))
     env.pop("KVCOLL_STEP_MODE", None)
     env.update(env_extra or {})
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True, cwd=ROOT)
+
+
+def _run(world: int, argv: list, timeout: float, what: str, env_extra, launcher):
+    proc = start(world, argv, env_extra, launcher)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -3,21 +3,24 @@ liveness check of kvcoll/comm.py), on one host under mpirun; and a rank whose MP
 cannot end it exits by itself.
 
 - rank 2 stops taking part (it sleeps outside kvcoll): ranks 0 and 1 time out in the
-  step's collective and both say "lost rank(s) [2]", what the other survivor waits in,
-  and the step;
+  step's collective and both say "lost rank(s) [2]", its pid and host, that its process
+  runs outside kvcoll, what the other survivor waits in, and the step (a stopped rank:
+  tests/launch/test_frozen_rank.py);
 - every rank is alive but rank 1 waits for something else: the error says so (no rank
   is lost; the calls differ);
 - MPI_Abort that never returns (as when the launcher is out of reach): the rank exits
   ABORT_EXIT_AFTER seconds later all the same.
 """
 
+import re
 import time
 
 from mpirun import run
 
 LOST = """
-import time, numpy as np, kvcoll as kv
+import os, socket, time, numpy as np, kvcoll as kv
 kv.init(argv=[], comm_timeout=2.0)
+print(f"rank {kv.rank()} pid {os.getpid()} host {socket.gethostname()}", flush=True)
 c = kv.runtime.comm()
 c.step = 41                                   # as the exchange sets it
 kv.allreduce(np.ones(1))
@@ -31,11 +34,14 @@ def test_a_timed_out_collective_names_the_lost_rank_and_the_step():
     t0 = time.monotonic()
     code, out = run(3, ["-c", LOST], 120, "a rank that stops taking part")
     assert code != 0, out[-3000:]
+    pid, host = re.search(r"rank 2 pid (\d+) host (\S+)", out).groups()
     for r, other in ((0, 1), (1, 0)):
         assert (f"rank {r}/3: kv.allreduce at step 41 did not complete within 2s: lost "
-                f"rank(s) [2], no sign of life within 2s (dead, stopped, or cut off from "
-                f"rank {r}); alive: rank {other} waits in kv.allreduce at step 41 (raise "
-                "the limit with KVCOLL_COMM_TIMEOUT)") in out, out[-3000:]
+                f"rank(s) [2], no progress and no sign of life within 2s: rank 2 (pid {pid} "
+                f"on host {host}) is running but not waiting in kvcoll: busy in other code "
+                "or stuck (a deadlock, a long computation, a blocking call); alive: rank "
+                f"{other} waits in kv.allreduce at step 41 (raise the limit with "
+                "KVCOLL_COMM_TIMEOUT)") in out, out[-3000:]
     assert time.monotonic() - t0 < 25
 
 

@@ -31,7 +31,8 @@ TIMEOUT = float(os.environ.get("KVCOLL_TEST_TRAIN_TIMEOUT", "400"))
 CONVERGENCE_ARGS = ["--eval-samples", "50000"]
 
 REQUIRED = ("world_size", "step_mode", "staleness", "steps", "global_batch_size",
-            "samples_per_sec", "final_loss", "eval_auc", "loss_curve", "tables")
+            "local_steps", "local_samples", "samples_per_sec", "final_loss", "eval_auc",
+            "loss_curve", "tables")
 
 
 def run_train(world: int, args, timeout: float = TIMEOUT, script=None):
@@ -44,7 +45,13 @@ def check_metrics(m: dict, world: int, synthetic: bool = True):
     assert not missing, f"metrics lack {missing}: {sorted(m)}"
     assert m["world_size"] == world
     assert m["step_mode"] == "bsp" and m["staleness"] == 0
-    assert m["samples_per_sec"] > 0
+    # every step trained the whole global batch, split over the ranks as evenly as can be
+    # (counts, not a rate: speed is bench/'s, not a test's)
+    batch, steps = m["global_batch_size"], m["steps"]
+    assert m["local_steps"] == [steps] * world, m["local_steps"]
+    assert sum(m["local_samples"]) == steps * batch, m["local_samples"]
+    assert all(n in (steps * (batch // world), steps * (batch // world + 1))
+               for n in m["local_samples"]), m["local_samples"]
     assert len(m["loss_curve"]) == m["steps"]
     assert [s for s, _ in m["loss_curve"]] == list(range(1, m["steps"] + 1))
     assert sorted(m["tables"]) == sorted(f"C{i}" for i in range(1, 27))
@@ -120,6 +127,7 @@ def test_uneven_data(tmp_path):
     assert code == 0, f"exit {code}:\n{out[-8000:]}"
     m = json.loads(out_json.read_text())
     assert m["steps"] == 5 and m["served_steps"] == 2          # rank 0 ran 3, served 2
+    assert m["local_steps"] == [3, 5] and m["local_samples"] == [3 * 256, 5 * 256]
     assert [s for s, _ in m["loss_curve"]] == [1, 2, 3]         # rank 0's own steps
     # every rank joins every global step, so the periodic evaluation (a collective) goes
     # on after rank 0's data ran out

@@ -1,7 +1,5 @@
 """Collectives at any world size: every rank derives all inputs from one seed."""
 
-import time
-
 import numpy as np
 import pytest
 
@@ -77,10 +75,41 @@ def test_timeout_names_rank_and_operation(comm):
     if comm.rank == 0:
         with pytest.raises(CommTimeoutError, match=r"rank 0/\d+: lonely-barrier did not complete"):
             c.barrier("lonely-barrier")
+        for r in range(1, comm.size):  # only now may the others join
+            comm.isend(np.zeros(1, np.uint8), r, tag=73, op="rank 0 timed out").wait()
     else:
-        time.sleep(1.0)
+        comm.recv(0, 73, op="rank 0's timeout", timeout=60.0)
         c.barrier("lonely-barrier")  # matches rank 0's abandoned request
     comm.barrier()
+    c.free()
+
+
+def test_a_ping_left_from_earlier_is_no_sign_of_life(comm):
+    """A peer is alive only if it answers this very check: a ping it sent earlier (it
+    checked, then stopped or died) is no sign of life now. Rank 1 checks while rank 0 is
+    busy outside kvcoll (rank 1's ping stays unanswered in rank 0's queue); then rank 1 is
+    busy outside kvcoll while rank 0 checks: rank 0 must find rank 1 silent, and say that
+    its process runs (it is on this host) outside kvcoll."""
+    if comm.size == 1:
+        pytest.skip("needs a peer")
+    from mpi4py import MPI
+
+    world, c = MPI.COMM_WORLD, comm.dup()   # the user's own messages; c shares the channel
+    if comm.rank == 1:
+        lost, report = c.liveness(grace=0.5)
+        assert lost == [0], report
+        world.send(b"checked", dest=0, tag=71)   # rank 0 may check now
+        world.recv(source=0, tag=72)             # busy outside kvcoll meanwhile
+    elif comm.rank == 0:
+        world.recv(source=1, tag=71)             # busy outside kvcoll while rank 1 checks
+        lost, report = c.liveness(grace=0.5)
+        world.send(b"checked", dest=1, tag=72)
+        assert lost == [1], report               # before: rank 1's old ping counted
+        host = comm.hosts[1]
+        assert f"rank 1 (pid {comm.peers[1]['pid']} on host {host}) is running but not " \
+            "waiting in kvcoll" in report, report
+    comm.barrier()
+    c.free()
 
 
 def test_allgatherv_variable_rows(comm):

@@ -2,10 +2,11 @@
 
 - no update is lost: SGD, a fixed gradient per id and per dense slice, uneven step
   counts; the final rows and dense vector equal the initial ones minus every push;
-- SSP's bound: with the last rank slowed, every other rank's lead reaches exactly S and
-  never more, checked against the other ranks' recorded step times, and the staleness
+- SSP's bound: with the last rank held at its first step, every other rank's lead
+  reaches exactly S and never more, checked against the other ranks' recorded step times, and the staleness
   observed stays <= S (S = 0: BSP's schedule);
-- ASP: a slowed rank holds nobody back;
+- ASP: a rank held at its first step holds nobody back: the others run all their steps;
+- (no sleep decides an outcome: a rank is held back by waiting for the others' messages);
 - the Trainer in SSP/ASP: uneven data and a rank finishing early end without a hang and
   with the same final dense model on every rank; unsupported dense optimizers are
   refused with a clear error.
@@ -48,15 +49,17 @@ def steps_of(rank):
     return 4 + 2 * rank
 
 
-def drive(ex, rank, steps, pause=0.0, dense_init=None):
+def drive(ex, rank, steps, dense_init=None, after_pull=None):
+    """Run `steps` steps; after_pull(step), if given, runs between a step's pull and its
+    push (where a test holds a rank back, or says how far it got)."""
     ex.start_dense(dense_init if dense_init is not None else np.zeros(DENSE, np.float32))
     for step in range(1, steps + 1):
         ids = ids_of(rank, step)
         pulled = ex.pull(ids)
         assert pulled.step == ex.step == step
         assert pulled.dense is None or pulled.dense.shape == (DENSE,)
-        if pause:
-            time.sleep(pause)
+        if after_pull is not None:
+            after_pull(step)
         grads = {n: grad_of(p.uniq, DIMS[n]) for n, p in pulled.items()}
         ex.push(pulled, grads, np.full(DENSE, rank + 1.0, np.float32))
     return ex.finish()
@@ -99,7 +102,19 @@ def test_ssp_bound_is_exact(comm, S):
     steps, slow = 10, world - 1
     tables = make_tables()
     ex = SspExchange(comm, tables, S, dense_size=DENSE, dense_optimizer=kv.optimizers.SGD(LR))
-    drive(ex, rank, steps, pause=0.04 if rank == slow else 0.0)
+    side = comm.dup()   # the test's own messages
+
+    def hold(step):
+        """The slow rank stays before its first push until every other rank has started
+        step S + 1 (its lead over the slow rank's clock 0 is then S: the bound); those
+        go no further until it pushes (the gate of step S + 2)."""
+        if rank == slow and step == 1:
+            for r in range(world - 1):
+                side.recv(r, 81, op=f"rank {r} at step {S + 1}", timeout=60.0)
+        elif rank != slow and step == S + 1:
+            side.isend(np.zeros(1, np.uint8), slow, 81, op=f"at step {S + 1}").wait()
+
+    drive(ex, rank, steps, after_pull=hold)
     assert ex.staleness_observed <= S
     leads = [tr.lead for tr in ex.trace]
     if rank != slow:
@@ -115,6 +130,7 @@ def test_ssp_bound_is_exact(comm, S):
                 finished = int((ends[k] < starts[w][t - 1]).sum())
                 assert finished >= min(steps, t - S - 1), (w, t, k, finished)
     ex.close()
+    side.free()
     for t in tables.values():
         t.close()
 
@@ -185,13 +201,25 @@ def test_asp_nobody_waits_for_a_slow_rank(comm):
     steps, slow = 10, world - 1
     tables = make_tables()
     ex = SspExchange(comm, tables, None, dense_size=DENSE, dense_optimizer=kv.optimizers.SGD(LR))
-    # the slow rank takes 5x as long per step
-    drive(ex, rank, steps, pause=0.05 if rank == slow else 0.01)
-    ends = comm.allgather(np.array([tr.t_end for tr in ex.trace]))
-    for w in range(world - 1):
-        done_slow = int((ends[slow] <= ends[w][-1]).sum())
-        assert done_slow < steps / 2, (w, done_slow)
+    side = comm.dup()   # the test's own messages
+
+    def hold(step):
+        """The slow rank stays before its first push until every other rank has pulled
+        its last step: were anyone to wait for it (a gate, a pull served late), that rank
+        would never get there and this receive would time out."""
+        if rank == slow and step == 1:
+            for r in range(world - 1):
+                side.recv(r, 82, op=f"rank {r} at its last step, rank {slow} held at its first",
+                          timeout=60.0)
+        elif rank != slow and step == steps:
+            side.isend(np.zeros(1, np.uint8), slow, 82, op=f"at step {steps}").wait()
+
+    drive(ex, rank, steps, after_pull=hold)
+    if rank != slow:  # it ran all its steps ahead of the held rank's clock 0, and was served
+        assert max(tr.lead for tr in ex.trace) == steps - 1, [tr.lead for tr in ex.trace]
+        assert ex.staleness_observed == steps - 1
     ex.close()
+    side.free()
     for t in tables.values():
         t.close()
 
