@@ -32,6 +32,7 @@ import numpy as np
 from .._buffers import aligned_empty
 from ..comm import Comm
 from ..errors import InvalidArgumentError
+from ..routing import owners_for
 from ..table import KvTable
 from .kernels import TableSet
 
@@ -175,12 +176,15 @@ class BspExchange:
     array is fine (the rank still answers its peers).
 
     step: the last step this rank started (restore sets it with set_step).
+    owners: the kvcoll.routing.OwnerMap ids are routed by (default: the even map of
+    comm.size).
     """
 
     synchronous = True
 
-    def __init__(self, comm: Comm, tables: dict[str, KvTable]):
+    def __init__(self, comm: Comm, tables: dict[str, KvTable], owners=None):
         self.comm = comm
+        self.owners = owners_for(comm, owners)
         self.tables = dict(tables)
         self._names = list(self.tables)
         self._set = TableSet([self.tables[n] for n in self._names])
@@ -214,14 +218,13 @@ class BspExchange:
         return self._pull(ids, self.step, False, header, proceed)
 
     def _pull(self, ids, step, create, header, proceed):
-        world = self.comm.size
         if set(ids) != set(self._names):
             unknown = sorted(set(ids) - set(self._names))
             missing = sorted(set(self._names) - set(ids))
             raise InvalidArgumentError(f"pull: ids must name every table exactly; unknown "
                                        f"{unknown}, missing {missing}")
         given = [np.ascontiguousarray(ids[n], np.int64) for n in self._names]
-        plan = self._set.plan(given, world)
+        plan = self._set.plan(given, self.owners)
         send, counts = plan[0], plan[1]
         self.comm.step = step  # named by a timeout error of this step's collectives
         handle = self.comm.alltoallv(send, counts, op="pull:ids", header=header)
