@@ -63,12 +63,12 @@ class OwnerMap:
 
     def __init__(self, array, world: int | None = None):
         a = np.asarray(array).reshape(-1)
-        if a.dtype.kind not in "iu":
-            raise errors.InvalidArgumentError(
-                f"an owner map must hold integer ranks, got dtype {a.dtype}")
         if not 1 <= a.size <= MAX_BUCKETS:
             raise errors.InvalidArgumentError(
                 f"an owner map needs 1 to {MAX_BUCKETS} buckets, got {a.size}")
+        if a.dtype.kind not in "iu":
+            raise errors.InvalidArgumentError(
+                f"an owner map must hold integer ranks, got dtype {a.dtype}")
         top = int(a.max()) + 1
         world = top if world is None else _int(world, "world", 1, 1 << 30)
         if int(a.min()) < 0 or top > world:
