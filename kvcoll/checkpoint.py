@@ -194,6 +194,17 @@ def _write_shard(path: str, rows: dict, removed: np.ndarray, buckets: int) -> di
     return _shards.write_shard(path, rows, removed, buckets)
 
 
+def _check_owned(name: str, keys: np.ndarray, owners: OwnerMap, rank: int) -> None:
+    """InvalidArgumentError unless the owner map gives every key to `rank`: a file holds
+    only its writer's buckets (what a restore reads by)."""
+    theirs = owners.owner_of(keys) != rank
+    if theirs.any():
+        raise InvalidArgumentError(
+            f"table {name!r} on rank {rank} holds {int(theirs.sum())} keys that the owner "
+            f"map gives other ranks (e.g. {int(keys[theirs][0])}): the Checkpointer's "
+            "owners= must be the map the tables were filled by (the exchange's .owners)")
+
+
 ADMISSION_ARRAYS = ("keys", "counts", "steps", "bloom", "bloom_adds")
 
 
@@ -444,6 +455,9 @@ class Checkpointer:
                                rows["last_step"], rows["counts"], removed])
                     info = {"sha256": sha, "bytes": nbytes, "rows": int(rows["keys"].size)}
                 else:
+                    # a key whose bucket went to another rank is no longer ours to remove
+                    removed = removed[self.owners.owner_of(removed) == comm.rank]
+                    _check_owned(name, rows["keys"], self.owners, comm.rank)
                     info = _write_shard(path, rows, removed, self.owners.buckets)
                 files[fname] = {**info, "table": name, "rank": comm.rank, "world": comm.size}
                 del rows
@@ -716,13 +730,14 @@ class _TablePlan:
     def __init__(self, name: str, table: KvTable):
         self.name, self.table = name, table
         self.paths: list[str] = []
+        self.writers: list = []   # per file: (its writer's map array, rank) or None
         self.parts: list[np.ndarray] = []
         self.pages = np.zeros(0, _PAGE)
         self.nk = 0   # replay keys: 0..nk-1 (format 2: the gcd so far; 0: no file yet)
         self.cached = None  # the pages' verified bytes, if pass 1 kept them
 
     def add(self, member: int, path: str, index: np.ndarray, buckets: int,
-            read: np.ndarray, filt: np.ndarray) -> None:
+            read: np.ndarray, filt: np.ndarray, writer=None) -> None:
         index, filt = index[read], filt[read]
         rec = np.zeros(index.size, _PAGE)
         rec["member"], rec["file"] = member, len(self.paths)
@@ -732,6 +747,7 @@ class _TablePlan:
         rec["length"] = _shards.page_length(index["kind"], index["count"], self.table.dim,
                                             self.table.slot_floats)
         self.paths.append(path)
+        self.writers.append(writer)
         self.parts.append(rec)
 
     def done(self, model_buckets: int | None) -> None:
@@ -820,7 +836,7 @@ class _Replay:
                             index = _shards.read_index(path, info, t.dim, t.slot_floats,
                                                        self.owners.buckets)
                             read, filt = self._select_v3(path, index, writers[member], s)
-                            b = self.owners.buckets
+                            b, writer = self.owners.buckets, (writers[member].array, s)
                         else:
                             b = info.get("buckets")
                             if not isinstance(b, int) or not 1 <= b <= _shards.MAX_BUCKETS_V2:
@@ -833,8 +849,9 @@ class _Replay:
                             index = _shards.read_index(path, info, t.dim, t.slot_floats, b,
                                                        version=2)
                             read, filt = self._select_v2(index, b)
+                            writer = None  # format 2: the keys' buckets are checked
                         nbytes_index += int(info["index"]["bytes"])
-                        plan.add(member, path, index, b, read, filt)
+                        plan.add(member, path, index, b, read, filt, writer)
                 plan.done(self.owners.buckets if self.version >= 3 else None)
                 self.plans.append(plan)
             self._verify()
@@ -846,21 +863,24 @@ class _Replay:
     # -- which pages --------------------------------------------------------------------
 
     def _select_v3(self, path: str, index: np.ndarray, writers: OwnerMap, s: int):
-        """(read, filter) per page of a format-3 file of writer rank s: its pages must
-        hold only buckets s owned; read those that meet this rank's buckets, filter the
-        ones that also hold others'."""
+        """(read, filter) per page of a format-3 file of writer rank s. A page's keys
+        are in buckets s owned, from its first bucket to its last (a map that is not
+        contiguous leaves other ranks' buckets in between, which the file does not
+        hold): read the pages where such a bucket is one of this rank's, filter those
+        where one is not."""
         first, last = index["first"].astype(np.int64), index["last"].astype(np.int64)
-        a = writers.array
-        run = np.concatenate([[0], np.cumsum(a[1:] != a[:-1])])  # run id of each bucket
-        bad = (a[first] != s) | (run[first] != run[last])
+        owned = writers.array == s
+        bad = ~owned[first] | ~owned[last]
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             raise CheckpointError(
                 f"checkpoint file {path}: the page at byte {int(index['offset'][i])} holds "
-                f"buckets {int(first[i])}..{int(last[i])}, not all owned by its writer, rank "
-                f"{s}, in its checkpoint's owner map (not a shard file kvcoll wrote)")
-        n = self._mine_at[last + 1] - self._mine_at[first]
-        return n > 0, n < last - first + 1
+                f"buckets {int(first[i])}..{int(last[i])}, which its writer, rank {s}, did "
+                "not own in its checkpoint's owner map (not a shard file kvcoll wrote)")
+        at = np.concatenate([[0], np.cumsum(owned)])
+        both = np.concatenate([[0], np.cumsum(owned & self.mine)])
+        n_both = both[last + 1] - both[first]
+        return n_both > 0, n_both < at[last + 1] - at[first]
 
     def _residues_of(self, g: int) -> np.ndarray:
         """How many of this rank's buckets have each residue modulo g."""
@@ -905,12 +925,15 @@ class _Replay:
                     n = int(pages["count"][i])
                     keys = view[:8 * n].view(np.int64)
                     b = bucket_of(keys, int(pages["buckets"][i]))
-                    if ((b < pages["first"][i]) | (b > pages["last"][i])).any():
+                    writer = plan.writers[int(pages["file"][i])]
+                    if ((b < pages["first"][i]) | (b > pages["last"][i])).any() or \
+                            (writer is not None and (writer[0][b] != writer[1]).any()):
                         raise CheckpointError(
                             f"checkpoint file {plan.paths[int(pages['file'][i])]}: the page "
                             f"at byte {int(pages['offset'][i])} holds keys outside its "
-                            f"buckets {int(pages['first'][i])}..{int(pages['last'][i])} "
-                            "(not a shard file kvcoll wrote)")
+                            f"buckets {int(pages['first'][i])}..{int(pages['last'][i])}, or "
+                            "of buckets its writer did not own (not a shard file kvcoll "
+                            "wrote)")
                     if pages["kind"][i] == _shards.ROWS:
                         cols = _shards.split_page(view, _shards.ROWS, n, plan.table.dim,
                                                   plan.table.slot_floats)

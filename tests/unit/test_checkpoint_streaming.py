@@ -63,15 +63,23 @@ def reference(steps, keys=KEYS, dims=(4, 3, 2)):
     return out
 
 
-def save_chain(d, world, *, version=3, steps=5, full_at=2, keys=KEYS, dims=(4, 3, 2)):
-    """Train `steps` steps on `world` thread ranks; a full save at `full_at`, a delta at
-    every later step. Returns the SaveInfos of rank 0."""
+def save_chain(d, world, *, version=3, steps=5, full_at=2, keys=KEYS, dims=(4, 3, 2),
+               owners=None):
+    """Train `steps` steps on `world` thread ranks, routed by `owners` (default: the
+    even map); a full save at `full_at`, a delta at every later step. Returns the
+    SaveInfos of rank 0."""
     def rank_main(comm):
         tables = make_tables(dims)
-        c = Checkpointer(tables, comm, version=version)
+        c = Checkpointer(tables, comm, version=version, owners=owners)
         infos = []
         for step in range(1, steps + 1):
-            play(tables, comm.size, comm.rank, step, keys)
+            if owners is None:
+                play(tables, comm.size, comm.rank, step, keys)
+            else:  # this rank's keys under the map: play on one rank, keep them
+                play(tables, 1, 0, step, keys)
+                for t in tables.values():
+                    e = t.export()
+                    t.delete(e["keys"][owners.owner_of(e["keys"]) != comm.rank])
             if step >= full_at:
                 infos.append(c.save(d, step, incremental=step > full_at))
         close(tables)
@@ -137,6 +145,44 @@ def test_restore_under_a_map_that_is_not_the_even_split(chain, uneven):
     assert owners != OwnerMap.even(2) and owners.world == 2
     _, state = restore_on(chain, 2, owners=owners)
     same(state, reference(5))
+
+
+@pytest.mark.parametrize("writer", ["4-without-1", "random"])
+def test_chain_written_under_a_map_that_is_not_even(tmp_path, writer):
+    """The writer's map is recorded and its files hold its (scattered) buckets; the
+    chain restores on the same map (each rank reads its own files only), on 1 and 2
+    ranks and under another uneven map."""
+    owners = OwnerMap.even(4).without([1]) if writer == "4-without-1" else \
+        OwnerMap(np.random.default_rng(3).integers(0, 3, BUCKETS), 3)
+    save_chain(tmp_path, 3, owners=owners)
+    m = json.loads((tmp_path / "ckpt-0000000005" / "manifest.json").read_text())
+    assert OwnerMap.from_json(m["owners"]) == owners
+    want = reference(5)
+    infos, state = restore_on(tmp_path, 3, owners=owners)
+    same(state, want)
+    for rank, info in enumerate(infos):
+        own = sum(f.stat().st_size for c in info.chain
+                  for f in (tmp_path / c).glob(f"*.r{rank}-of-3.kvs"))
+        assert info.bytes == own
+    for world, reader in ((1, None), (2, None), (2, UNEVEN["random"]())):
+        _, state = restore_on(tmp_path, world, owners=reader)
+        same(state, want)
+
+
+def test_a_save_refuses_keys_its_map_gives_another_rank(tmp_path):
+    """A Checkpointer whose map is not the one the tables were filled by fails the save
+    on every rank, naming the table and the fix; the previous checkpoint stays."""
+    def rank_main(comm):
+        tables = make_tables()
+        play(tables, comm.size, comm.rank, 1)  # filled by the even map
+        Checkpointer(tables, comm).save(tmp_path, 1)
+        other = Checkpointer(tables, comm, owners=UNEVEN["random"]())
+        with pytest.raises(kv.CheckpointError, match=r"table 'a' on rank \d holds \d+ keys "
+                           r"that the owner map gives other ranks .*the exchange's .owners"):
+            other.save(tmp_path, 2)
+        close(tables)
+    run_ranks(2, rank_main)
+    assert ck.latest(tmp_path) == "ckpt-0000000001"
 
 
 def _index_and_page_bytes(ckdir: Path) -> tuple[int, int]:
