@@ -280,10 +280,10 @@ def _parse_index(path, tail: bytes, offset: int, dim, slot_floats, buckets, info
                               f"{version or 3} kvcoll shard file (corrupt, or another "
                               "kind of file)")
     if version == 3:
-        magic, at, t_dim, t_sf, t_buckets, _ = _TRAILER.unpack(tail[-TRAILER_BYTES:])
+        _, at, t_dim, t_sf, t_buckets, _ = _TRAILER.unpack(tail[-TRAILER_BYTES:])
         trailer, dtype = TRAILER_BYTES, INDEX_DTYPE
     else:
-        magic, at, t_dim, t_sf = _TRAILER_V2.unpack(tail[-_TRAILER_V2.size:])
+        _, at, t_dim, t_sf = _TRAILER_V2.unpack(tail[-_TRAILER_V2.size:])
         t_buckets = buckets if buckets is not None else MAX_BUCKETS_V2
         trailer, dtype = _TRAILER_V2.size, INDEX_DTYPE_V2
     want = (offset, dim, slot_floats, buckets)

@@ -33,8 +33,15 @@ from . import errors
 from ._c import check, ffi, lib, ptr
 from .ids import as_keys
 
-__all__ = ["BUCKETS", "OwnerMap", "owners_for", "owner_of", "bucket_of",
-           "unique_partition", "segment_sum"]
+__all__ = [
+    "BUCKETS",
+    "OwnerMap",
+    "bucket_of",
+    "owner_of",
+    "owners_for",
+    "segment_sum",
+    "unique_partition",
+]
 
 BUCKETS = 1 << 16
 MAX_BUCKETS = int(lib.KV_MAX_BUCKETS)
@@ -59,7 +66,7 @@ class OwnerMap:
         m.grow(4)                     # rank 3 added: only the buckets it takes move
     """
 
-    __slots__ = ("buckets", "world", "array", "_ptr")
+    __slots__ = ("_ptr", "array", "buckets", "world")
 
     def __init__(self, array, world: int | None = None):
         a = np.asarray(array).reshape(-1)
@@ -84,7 +91,7 @@ class OwnerMap:
     # -- construction ------------------------------------------------------------------
 
     @classmethod
-    def even(cls, world: int, buckets: int = BUCKETS) -> "OwnerMap":
+    def even(cls, world: int, buckets: int = BUCKETS) -> OwnerMap:
         """The even split: rank r owns the contiguous buckets [ceil(r B / W),
         ceil((r + 1) B / W)), so every rank has floor or ceil of B / W."""
         world = _int(world, "world", 1, 1 << 30)
@@ -97,7 +104,7 @@ class OwnerMap:
                 _EVEN[(world, buckets)] = m
         return m
 
-    def without(self, lost_ranks) -> "OwnerMap":
+    def without(self, lost_ranks) -> OwnerMap:
         """The map after losing `lost_ranks`: the survivors are renumbered densely in
         their old order (as MPI_Comm_shrink does: survivor s becomes the number of
         survivors before it), keep every bucket they had, and share the lost ranks'
@@ -125,7 +132,7 @@ class OwnerMap:
         new[freed] = np.repeat(np.arange(survivors.size), quota)
         return OwnerMap(new, survivors.size)
 
-    def grow(self, new_world: int) -> "OwnerMap":
+    def grow(self, new_world: int) -> OwnerMap:
         """The map after adding ranks world .. new_world - 1: the new ranks take
         buckets from the most loaded ranks until the world is as even as it can be
         without moving any bucket between old ranks (within one bucket of even if this
@@ -190,7 +197,7 @@ class OwnerMap:
         return {"buckets": self.buckets, "world": self.world, "runs": runs.tolist()}
 
     @classmethod
-    def from_json(cls, d) -> "OwnerMap":
+    def from_json(cls, d) -> OwnerMap:
         """The map to_json wrote; InvalidArgumentError naming what is wrong otherwise."""
         if not isinstance(d, dict) or not {"buckets", "world", "runs"} <= set(d):
             raise errors.InvalidArgumentError(

@@ -18,8 +18,7 @@ from kvcoll import KvTable
 from kvcoll.errors import InvalidArgumentError
 from kvcoll.exchange.kernels import TableSet
 from kvcoll.ids import hash64
-from kvcoll.routing import (BUCKETS, OwnerMap, bucket_of, owner_of, owners_for,
-                            unique_partition)
+from kvcoll.routing import BUCKETS, OwnerMap, bucket_of, owner_of, owners_for, unique_partition
 
 
 def test_bucket_and_owner_are_the_hash_bits_and_the_map():
