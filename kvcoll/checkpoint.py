@@ -84,7 +84,7 @@ buffer_bytes / 4 (pass 2 reads and verifies the next batch on a thread while it
 applies this one; when all the rank's pages fit in one, pass 1 keeps them and pass 2
 reads nothing), the rows of the current group that a later delta removes (about
 buffer_bytes / 4: a file row is a table row), a page's copies when it filters by key,
-and its plan (about 100 bytes per page it reads): at most about buffer_bytes in all,
+and its plan (about 200 bytes per page it reads): at most about buffer_bytes in all,
 whatever the number of ranks that wrote the checkpoint or the length of the chain.
 Two things are outside it: the C table's own growth (it builds its new index before it
 frees the old one: under 5 bytes a row, once), and a bucket whose pages over the chain
@@ -844,7 +844,7 @@ class _Replay:
                                     f"{path}: its bucket count {b!r} in the manifest is not "
                                     f"an integer in [1, {_shards.MAX_BUCKETS_V2}] (corrupt "
                                     "manifest)")
-                            if not self._v2_file_meets(info):
+                            if not self._v2_file_meets(info, path):
                                 continue
                             index = _shards.read_index(path, info, t.dim, t.slot_floats, b,
                                                        version=2)
@@ -888,14 +888,14 @@ class _Replay:
             self._residues[g] = np.bincount(np.flatnonzero(self.mine) % g, minlength=g)
         return self._residues[g]
 
-    def _v2_file_meets(self, info: dict) -> bool:
+    def _v2_file_meets(self, info: dict, path: str) -> bool:
         """A format-2 file of rank s of N holds keys with (mix >> 40) mod N == s: their
         model buckets are s modulo gcd(N, B)."""
         rank, world = info.get("rank"), info.get("world")
         if not isinstance(world, int) or world < 1 or not isinstance(rank, int) or \
                 not 0 <= rank < world:
-            raise CheckpointError(f"{info.get('table')!r}: a file of rank {rank!r} of "
-                                  f"{world!r} (corrupt manifest)")
+            raise CheckpointError(f"{path}: the manifest says it was written by rank "
+                                  f"{rank!r} of {world!r} (corrupt manifest)")
         g = math.gcd(world, self.owners.buckets)
         return bool(self._residues_of(g)[rank % g])
 
