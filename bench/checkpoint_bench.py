@@ -12,17 +12,18 @@ good part of the cost, and a save measured in a warm process (or a restore in a 
 one) would not compare.
 
 One rank:
-- full save in format 1 (the format before this one, written as kvcoll wrote it: six
-  .npy records, a sha256 per file) and in format 2 (bucketed pages, a sha256 per page);
-  both export every row, write, hash and fsync every file, commit; then, in the format-2
-  process, an incremental save after updating --ckpt-changed (1%) of the rows;
-- restore into a fresh table: format 1, the format-2 full checkpoint, and its full +
+- full save in format 1 (the first format, written as kvcoll wrote it: six .npy
+  records, a sha256 per file) and in format 3 (pages sorted by the model's bucket, a
+  sha256 per page); both export every row, write, hash and fsync every file, commit;
+  then, in the format-3 process, an incremental save after updating --ckpt-changed (1%)
+  of the rows;
+- restore into a fresh table: format 1, the format-3 full checkpoint, and its full +
   delta chain;
 - export: kv.export of a one-table Keras model (SavedModel built from the dictionary's
   parts, and the dictionary).
 
 Across world sizes (mpirun): the same rows written on 2 ranks (format 1: today's full
-save; format 2 with a delta of 1% changed rows), then restored on 1 and on 3 ranks, the
+save; format 3 with a delta of 1% changed rows), then restored on 1 and on 3 ranks, the
 full checkpoint and the full + delta chain, with the default restore buffer (256 MiB),
 and the format-1 checkpoint on 3 ranks for comparison. Each rank reports its seconds,
 rows, bytes read, and its peak RSS growth during the restore (VmHWM reset before it)
@@ -30,7 +31,7 @@ next to its table's final bytes: extra = growth - table, to hold against the bou
 buffer, plus the table's old index while its index grows: under 5 bytes a row).
 
 Writes bench/results/checkpoint.json and checkpoint.md. Targets: an incremental save of
-1% dirty rows at least 20x faster than a full save; a format-2 restore on another world
+1% dirty rows at least 20x faster than a full save; a format-3 restore on another world
 size within the memory bound on every rank, at a throughput (rows / seconds of the
 slowest rank) at least that of today's full save (format 1 on the 2 writing ranks, in
 the same run).
@@ -183,7 +184,7 @@ def worker(argv=None) -> None:
     p.add_argument("--rows", type=int, required=True)
     p.add_argument("--dim", type=int, required=True)
     p.add_argument("--changed", type=float, default=0.0)
-    p.add_argument("--version", type=int, default=2)
+    p.add_argument("--version", type=int, default=None, help="default: kvcoll's")
     p.add_argument("--delta", action="store_true")
     p.add_argument("--ckpt")
     p.add_argument("--out", required=True)
@@ -191,7 +192,7 @@ def worker(argv=None) -> None:
     import numpy as np
 
     import kvcoll as kv
-    from kvcoll.checkpoint import RESTORE_BUFFER, Checkpointer
+    from kvcoll.checkpoint import RESTORE_BUFFER, VERSION, Checkpointer
     from kvcoll.routing import owner_of
 
     kv.init(argv=[])
@@ -211,7 +212,7 @@ def worker(argv=None) -> None:
     t = _table(args.dim)
     if args.role == "write":
         _fill(t, mine)
-        ck = Checkpointer({"t": t}, comm, version=args.version)
+        ck = Checkpointer({"t": t}, comm, version=args.version or VERSION)
         comm.barrier()
         info = ck.save(args.dir, 1)
         record(args.what, info.seconds, rows=info.rows, bytes=info.bytes)
@@ -263,20 +264,22 @@ BEFORE = "format 1 (before)"
 
 
 def run(args) -> None:
+    from kvcoll.checkpoint import VERSION
+
     rows = 200_000 if args.quick else args.ckpt_rows
     out_dir = args.out or (tempfile.mkdtemp() if args.quick else common.RESULTS)
     tmp = tempfile.mkdtemp(prefix="kvbench-ckpt-", dir=tempfile.gettempdir())
-    v1, v2 = os.path.join(tmp, "v1"), os.path.join(tmp, "v2")
+    v1, cur = os.path.join(tmp, "v1"), os.path.join(tmp, "cur")
     base = {"rows": rows, "dim": args.ckpt_dim, "changed": args.ckpt_changed}
     print(f"[checkpoint] {rows:,} rows at dim {args.ckpt_dim}, "
           f"{args.ckpt_changed:.0%} changed; every measurement in a fresh process", flush=True)
     records = []
     one_rank = [
         ("save", f"save full, {BEFORE}", {"version": 1, "dir": v1}),
-        ("save", "save full", {"version": 2, "dir": v2, "delta": True}),
+        ("save", "save full", {"version": VERSION, "dir": cur, "delta": True}),
         ("restore", f"restore full, {BEFORE}", {"dir": v1}),
-        ("restore", "restore full", {"dir": v2, "ckpt": FULL}),
-        ("restore", "restore full + delta", {"dir": v2}),
+        ("restore", "restore full", {"dir": cur, "ckpt": FULL}),
+        ("restore", "restore full + delta", {"dir": cur}),
         ("export", "export", {"dir": tmp}),
     ]
     try:
@@ -288,18 +291,18 @@ def run(args) -> None:
             records += got
             if error:
                 records.append({"what": "error", "error": f"{what}: {error}"})
-        for d in (v1, v2):
+        for d in (v1, cur):
             shutil.rmtree(d, ignore_errors=True)
         out = os.path.join(tmp, "records.jsonl")
         common_args = ["--rows", rows, "--dim", args.ckpt_dim, "--out", out]
         jobs = [
             (2, ["write", "--dir", v1, "--what", f"save full, {BEFORE}", "--version", 1]),
-            (2, ["write", "--dir", v2, "--what", "save full", "--delta",
+            (2, ["write", "--dir", cur, "--what", "save full", "--delta",
                  "--changed", args.ckpt_changed]),
         ]
         for world in (1, 3):
-            jobs += [(world, ["restore", "--dir", v2, "--ckpt", FULL, "--what", "restore full"]),
-                     (world, ["restore", "--dir", v2, "--what", "restore full + delta"])]
+            jobs += [(world, ["restore", "--dir", cur, "--ckpt", FULL, "--what", "restore full"]),
+                     (world, ["restore", "--dir", cur, "--what", "restore full + delta"])]
         jobs.append((3, ["restore", "--dir", v1, "--what", f"restore full, {BEFORE}"]))
         for world, job in jobs:
             print(f"[checkpoint] {world} rank(s): {job[0]} {job[4]}", flush=True)
@@ -343,8 +346,8 @@ def markdown(records, rows, dim, changed, machine) -> str:
         f"{dim} slot floats per row), tables only; {machine['cpu']}, "
         f"{machine['cores']} cores, {machine['memory_gib']} GiB, {machine.get('date', '')}.",
         "Saves write, sha256 and fsync every file; restores read and verify every page they "
-        "use (format 2: twice, once to verify and once to replay). Format 1 is the format "
-        "before this one (today's save until format 2). Every save and restore runs in a "
+        "use (format 3: twice, once to verify and once to replay). Format 1 is the first "
+        "format (kvcoll's save before format 2). Every save and restore runs in a "
         "fresh process.",
         "",
         "One rank:",

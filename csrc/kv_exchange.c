@@ -2,8 +2,8 @@
  * kv_exchange.c - one BSP exchange's work on either side of the all-to-alls, for every
  * table in one call (see kv_exchange.h for the layouts).
  *
- * kv_xplan runs kv_unique_partition per table (unique ids grouped by owner, first
- * appearance inside a group), then walks the segments r-major to copy the unique ids
+ * kv_xplan runs kv_unique_partition per table (unique ids grouped by their owner under
+ * the bucket -> rank map, first appearance inside a group), then walks the segments r-major to copy the unique ids
  * into the send payload and to number the rows each group's matrix will hold: a
  * group's rows are its tables' segments in payload order, so a running base per group
  * gives every unique id its row (upos), and pos = upos[inverse].
@@ -43,10 +43,13 @@ static int bad_counts(int32_t ntab, int32_t world, const int64_t *counts, int64_
     return 0;
 }
 
-int kv_xplan(int32_t ntab, int32_t world, const int64_t *const *ids, const int64_t *n,
-             const int32_t *group, int64_t *send_ids, int64_t *counts, int64_t *inverse,
-             int64_t *upos, int64_t *pos, int64_t *n_unique) {
-    if (ntab < 1 || world < 1 || !ids || !n || !group || !counts || !n_unique) return KV_EINVAL;
+int kv_xplan(int32_t ntab, const int32_t *owners, int32_t buckets, int32_t world,
+             const int64_t *const *ids, const int64_t *n, const int32_t *group,
+             int64_t *send_ids, int64_t *counts, int64_t *inverse, int64_t *upos, int64_t *pos,
+             int64_t *n_unique) {
+    if (ntab < 1 || world < 1 || buckets < 1 || buckets > KV_MAX_BUCKETS ||
+        (world > 1 && !owners) || !ids || !n || !group || !counts || !n_unique)
+        return KV_EINVAL;
     int64_t total = 0;
     for (int32_t t = 0; t < ntab; t++) {
         if (n[t] < 0 || n[t] > XMAX_N - total || (n[t] > 0 && !ids[t])) return KV_EINVAL;
@@ -62,7 +65,8 @@ int kv_xplan(int32_t ntab, int32_t world, const int64_t *const *ids, const int64
     int64_t off = 0, us = 0;
     for (int32_t t = 0; t < ntab; t++) {
         int64_t nu = 0;
-        int rc = kv_unique_partition(ids[t], n[t], world, uq + us, inverse + off, cnt, &nu);
+        int rc = kv_unique_partition(ids[t], n[t], owners, buckets, world, uq + us,
+                                     inverse + off, cnt, &nu);
         if (rc != KV_OK) {
             kv_free(uq);
             return rc;
@@ -161,7 +165,7 @@ int kv_xserve(kv_table_t *const *tables, int32_t ntab, int32_t world, const int6
         if (m > most) most = m;
         if (m * dims[t] > most_rows) most_rows = m * dims[t];
     }
-    int64_t *keys = kv_malloc((size_t)(2 * most + world + 1) * sizeof(int64_t));
+    int64_t *keys = kv_malloc((size_t)(2 * most + 1) * sizeof(int64_t));
     float *rows = kv_malloc((size_t)(most_rows ? most_rows : 1) * sizeof(float));
     if (!keys || !rows) {
         kv_free(keys);
@@ -169,7 +173,7 @@ int kv_xserve(kv_table_t *const *tables, int32_t ntab, int32_t world, const int6
         kv_free(id_at);
         return KV_ENOMEM;
     }
-    int64_t *inv = keys + most, *cnt = inv + most;
+    int64_t *inv = keys + most;
     for (int32_t t = 0; rc == KV_OK && t < ntab; t++) {
         size_t d = (size_t)dims[t];
         int64_t m = 0, nu = 0;
@@ -180,7 +184,7 @@ int kv_xserve(kv_table_t *const *tables, int32_t ntab, int32_t world, const int6
             m += recv_counts[k];
         }
         ustart[t] = us;
-        rc = kv_unique_partition(keys, m, 1, ukeys + us, inv, cnt, &nu);
+        rc = kv_unique(keys, m, ukeys + us, inv, &nu);
         if (rc == KV_OK)
             rc = kv_table_find_or_create_gen(tables[t], ukeys + us, nu, rows, step, NULL,
                                              urefs + us, &gens[t]);

@@ -38,7 +38,9 @@
 
 /*
  * Plan a pull.
- *   ntab, world      tables (>= 1), ranks (>= 1)
+ *   ntab             tables (>= 1)
+ *   owners, buckets, world   the bucket -> rank map of kv_route.h (owners[buckets],
+ *                    every entry in [0, world); NULL allowed when world == 1)
  *   ids[t], n[t]     table t's ids (duplicates allowed; n[t] >= 0)
  *   group[t]         table t's group, 0 <= group[t] < ntab
  *   send_ids         out, capacity sum(n): the unique ids, segment (r, t) = table t's
@@ -51,11 +53,13 @@
  *                    sum(nu[<t]) + u), its row in group[t]'s matrix
  *   pos              out, sum(n): upos of each id (the row its embedding will be in)
  *   n_unique         out [ntab]: unique ids per table
- * Returns KV_OK, KV_EINVAL (sizes, groups, NULL buffers), KV_ENOMEM.
+ * Returns KV_OK, KV_EINVAL (sizes, groups, NULL buffers, an owner outside the world),
+ * KV_ENOMEM.
  */
-int kv_xplan(int32_t ntab, int32_t world, const int64_t *const *ids, const int64_t *n,
-             const int32_t *group, int64_t *send_ids, int64_t *counts, int64_t *inverse,
-             int64_t *upos, int64_t *pos, int64_t *n_unique);
+int kv_xplan(int32_t ntab, const int32_t *owners, int32_t buckets, int32_t world,
+             const int64_t *const *ids, const int64_t *n, const int32_t *group,
+             int64_t *send_ids, int64_t *counts, int64_t *inverse, int64_t *upos, int64_t *pos,
+             int64_t *n_unique);
 
 /*
  * Serve a pull on the owner.

@@ -1,5 +1,5 @@
 /*
- * kv_route.c - hashing, owner choice, unique + partition, and segment sums.
+ * kv_route.c - hashing, buckets and owners, unique + partition, and segment sums.
  *
  * Deduplication (kv_unique_partition, kv_segment_sum) uses a scratch
  * open-addressing set: a power-of-two array of uint32 slots, at most half full,
@@ -9,8 +9,9 @@
  * assigns every distinct key its first-appearance id and writes that id as the
  * provisional inverse.
  *
- * kv_unique_partition then groups the distinct keys by owner with a stable
- * counting sort (counts per owner, exclusive prefix sums, one scatter), so that
+ * kv_unique_partition then looks up each distinct key's owner in the bucket -> rank
+ * map (checking it is a rank of the world) and groups the distinct keys by owner with
+ * a stable counting sort (counts per owner, exclusive prefix sums, one scatter), so that
  * inside each owner's group the keys keep first-appearance order, and rewrites
  * every inverse entry through the id -> grouped position map. Total work O(n +
  * world); scratch memory about 8 bytes per slot-or-key, freed before returning.
@@ -33,10 +34,31 @@ int kv_hash_batch(const int64_t *keys, int64_t n, uint64_t *out) {
     return KV_OK;
 }
 
-int kv_owner_batch(const int64_t *keys, int64_t n, int32_t world, int32_t *owner) {
-    if (n < 0 || world < 1 || (n > 0 && (!keys || !owner))) return KV_EINVAL;
-    for (int64_t i = 0; i < n; i++) owner[i] = kv_owner_of_hash(kv_mix64((uint64_t)keys[i]), world);
+static int bad_map(const int32_t *owners, int32_t buckets, int32_t world) {
+    return buckets < 1 || buckets > KV_MAX_BUCKETS || world < 1 || (world > 1 && !owners);
+}
+
+int kv_bucket_batch(const int64_t *keys, int64_t n, int32_t buckets, int32_t *bucket) {
+    if (n < 0 || buckets < 1 || buckets > KV_MAX_BUCKETS || (n > 0 && (!keys || !bucket)))
+        return KV_EINVAL;
+    for (int64_t i = 0; i < n; i++) bucket[i] = kv_bucket_of_hash(kv_mix64((uint64_t)keys[i]), buckets);
     return KV_OK;
+}
+
+int kv_owner_batch(const int64_t *keys, int64_t n, const int32_t *owners, int32_t buckets,
+                   int32_t world, int32_t *owner) {
+    if (n < 0 || bad_map(owners, buckets, world) || (n > 0 && (!keys || !owner))) return KV_EINVAL;
+    if (world == 1) {
+        if (n) memset(owner, 0, (size_t)n * sizeof(int32_t));
+        return KV_OK;
+    }
+    uint32_t bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int32_t w = owners[kv_bucket_of_hash(kv_mix64((uint64_t)keys[i]), buckets)];
+        bad |= (uint32_t)w >= (uint32_t)world;
+        owner[i] = w;
+    }
+    return bad ? KV_EINVAL : KV_OK;
 }
 
 /* The scratch set: slots hold (id + 1), ids index `first` (the distinct keys). */
@@ -70,24 +92,40 @@ static inline uint32_t dedup_id(dedup_set_t *s, int64_t *first, int64_t *n_first
     }
 }
 
-int kv_unique_partition(const int64_t *keys, int64_t n, int32_t world, int64_t *uniq,
-                        int64_t *inverse, int64_t *counts, int64_t *n_unique) {
-    if (n < 0 || n > ROUTE_MAX_N || world < 1 || !counts || !n_unique) return KV_EINVAL;
+int kv_unique(const int64_t *keys, int64_t n, int64_t *uniq, int64_t *inverse,
+              int64_t *n_unique) {
+    if (n < 0 || n > ROUTE_MAX_N || !n_unique || (n > 0 && (!keys || !uniq || !inverse)))
+        return KV_EINVAL;
+    dedup_set_t s;
+    if (dedup_init(&s, n) != KV_OK) return KV_ENOMEM;
+    int64_t nu = 0;
+    for (int64_t i = 0; i < n; i++) inverse[i] = dedup_id(&s, uniq, &nu, keys[i]);
+    kv_free(s.slots);
+    *n_unique = nu;
+    return KV_OK;
+}
+
+int kv_unique_partition(const int64_t *keys, int64_t n, const int32_t *owners,
+                        int32_t buckets, int32_t world, int64_t *uniq, int64_t *inverse,
+                        int64_t *counts, int64_t *n_unique) {
+    if (n < 0 || n > ROUTE_MAX_N || bad_map(owners, buckets, world) || !counts || !n_unique)
+        return KV_EINVAL;
     if (n > 0 && (!keys || !uniq || !inverse)) return KV_EINVAL;
+    if (world == 1) { /* first-appearance order is the answer */
+        int rc = kv_unique(keys, n, uniq, inverse, n_unique);
+        counts[0] = rc == KV_OK ? *n_unique : 0;
+        return rc;
+    }
     dedup_set_t s;
     int64_t *first = NULL, *pos = NULL;
     if (dedup_init(&s, n) != KV_OK) return KV_ENOMEM;
-    if (world > 1) {
-        first = kv_malloc((size_t)n * sizeof(int64_t));
-        pos = kv_malloc(((size_t)n + (size_t)world) * sizeof(int64_t));
-        if (!first || !pos) {
-            kv_free(s.slots);
-            kv_free(first);
-            kv_free(pos);
-            return KV_ENOMEM;
-        }
-    } else {
-        first = uniq; /* world 1: first-appearance order is the answer */
+    first = kv_malloc((size_t)n * sizeof(int64_t));
+    pos = kv_malloc(((size_t)n + (size_t)world) * sizeof(int64_t));
+    if (!first || !pos) {
+        kv_free(s.slots);
+        kv_free(first);
+        kv_free(pos);
+        return KV_ENOMEM;
     }
 
     int64_t nu = 0;
@@ -95,16 +133,16 @@ int kv_unique_partition(const int64_t *keys, int64_t n, int32_t world, int64_t *
     kv_free(s.slots);
 
     memset(counts, 0, (size_t)world * sizeof(int64_t));
-    if (world == 1) {
-        counts[0] = nu;
-        *n_unique = nu;
-        return KV_OK;
-    }
     /* pos[0..nu) = owner of each distinct key, then its grouped position;
      * pos[nu..nu+world) = running write offset of each owner. */
     int64_t *next = pos + nu;
     for (int64_t u = 0; u < nu; u++) {
-        int32_t w = kv_owner_of_hash(kv_mix64((uint64_t)first[u]), world);
+        int32_t w = owners[kv_bucket_of_hash(kv_mix64((uint64_t)first[u]), buckets)];
+        if ((uint32_t)w >= (uint32_t)world) {
+            kv_free(first);
+            kv_free(pos);
+            return KV_EINVAL;
+        }
         pos[u] = w;
         counts[w]++;
     }

@@ -695,10 +695,10 @@ static int create_absent(kv_table_t *t, const int64_t *keys, int64_t n, uint32_t
     if (!scratch) return KV_ENOMEM;
     int64_t *absent = scratch, *uniq = scratch + n_absent, *inv = scratch + 2 * n_absent;
     uint8_t *take = (uint8_t *)(scratch + 3 * n_absent);
-    int64_t m = 0, count, nu;
+    int64_t m = 0, nu;
     for (int64_t i = 0; i < n; i++)
         if (!ids[i]) absent[m++] = keys[i];
-    int rc = kv_unique_partition(absent, n_absent, 1, uniq, inv, &count, &nu);
+    int rc = kv_unique(absent, n_absent, uniq, inv, &nu);
     uint64_t n_take = (uint64_t)nu, n_new_pend = 0;
     if (rc == KV_OK && admit) {
         n_take = 0;
@@ -1142,10 +1142,10 @@ int kv_table_apply_gradients_ref(kv_table_t *t, const int64_t *keys, const uint3
                 u32[u] = (uint32_t)uniq[u];
             }
             if (rc == KV_OK && n_zero) {
-                int64_t z = 0, cnt;
+                int64_t z = 0;
                 for (int64_t i = 0; i < n; i++)
                     if (!ref[i]) as_key[z++] = keys[i];
-                rc = kv_unique_partition(as_key, z, 1, zu, zi, &cnt, &n_miss);
+                rc = kv_unique(as_key, z, zu, zi, &n_miss);
             }
             ids = u32;
             g = sums;

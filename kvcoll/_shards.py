@@ -1,38 +1,39 @@
-"""Checkpoint shard files: the bytes of one table's rows from one rank, in the two
+"""Checkpoint shard files: the bytes of one table's rows from one rank, in the three
 formats kvcoll has written. checkpoint.py decides what goes in them and when; this
 module writes them, reads them back and verifies them.
 
-Format 2 (bucketed pages). Every key has a bucket, (mix(key) >> 40) mod B, the same
-hash bits that choose its owner rank ((mix(key) >> 40) mod world, kvcoll.routing), so
-when the world size divides B every key of a bucket has one owner, on any world size.
-B is per file, chosen by its writer (choose_buckets): the largest of BUCKET_LADDER
-(11520 = 2^8 * 3^2 * 5, then halves down to 90, then 30, 6, 1; each divides the ones
-before it) whose buckets would average at least BUCKET_BYTES over the whole table
-(this file's size times the number of files), counting a removed key as a row (a
-removal can keep a row alive during a restore, see checkpoint.py). So a page is large
-enough for its per-page costs (a hash, a C call) not to matter, a large table gets
-many buckets (at 11520 every world of 1-6, 8-10, 12, 15, 16, 18, 20, 24, 30, 32, ...
-256 ranks divides B), and a small delta few. (With few buckets, a restore on a world
-size B does not divide reads a bit more than its share, and keeps its own keys.)
-A file is a run of pages, then an index, then a trailer:
+Format 3 (pages by model bucket). Every key has a bucket among the model's B buckets
+(kvcoll.routing: (mix(key) >> 40) mod B, B = routing.BUCKETS = 65,536 unless the run
+chose another, fixed for the life of a model and recorded in every manifest); the
+bucket -> rank map (routing.OwnerMap) decides which rank owns it. A file holds the keys
+of the buckets its writer owned, sorted by bucket, in pages of at most PAGE_BYTES: a
+page holds consecutive rows of that order, so it covers a run of buckets [first,
+last] (a big bucket spans several pages, a small delta is one page whatever B is).
+A reader that owns some buckets reads only the pages whose runs meet them, and keeps
+only its keys from a page that also holds others'. A file is a run of pages, then an
+index, then a trailer:
 
-    page 0 | page 1 | ... | index (.npy record) | trailer (32 bytes)
+    page 0 | page 1 | ... | index (.npy record) | trailer (40 bytes)
 
-- A page holds one bucket's rows or its removed keys, at most PAGE_BYTES (a bucket
-  with more takes several pages); pages are in bucket order, removed keys before rows,
-  each starts on an 8-byte boundary (zero padding in between):
+- The removed-keys pages come first, then the rows pages, each in bucket order; each
+  page starts on an 8-byte boundary (zero padding in between):
     rows page of n rows:  keys int64[n] | last_step uint32[n] | counts uint32[n] |
                           values float32[n, dim] | slots float32[n, slot_floats]
     removed page of m:    keys int64[m]
   Columns are contiguous, so a page read into memory goes to KvTable.import_ as it is.
-- The index is a structured array (INDEX_DTYPE), one entry per page: its byte offset,
-  its count, its bucket, its kind (REMOVED or ROWS) and the sha256 of its bytes
-  (padding excluded).
-- The trailer is MAGIC, the index's offset, dim and slot_floats: read_shard needs
-  nothing else. The manifest holds the sha256 of the index and trailer together.
+- The index is a structured array (INDEX_DTYPE), one entry per page, in file order:
+  its byte offset, its count, the first and last bucket of its keys, its kind (REMOVED
+  or ROWS) and the sha256 of its bytes (padding excluded).
+- The trailer is MAGIC, the index's offset, dim, slot_floats and B (then 4 zero
+  bytes): read_shard needs nothing else. The manifest holds the sha256 of the index
+  and trailer together.
 
-A rank restoring on M ranks reads the index of each file that can hold its keys, then
-only the pages of its buckets, verifying each page's sha256 (PageReader).
+Format 2 (version 2 checkpoints, read only). Every page held one bucket of B2 per file
+(a file's own count, 1 to 11520, chosen by its writer from its size), a key's bucket
+being (mix(key) >> 40) mod B2, and the owner of a key on N ranks (mix(key) >> 40) mod
+N. The same layout with a 32-byte trailer (magic kvcoll-shard-2, no B) and an index of
+(offset, count, bucket, kind, sha256) per page. read_index returns it as a format-3
+index whose pages each cover [bucket, bucket] of B2.
 
 Format 1 (version 1 checkpoints): six .npy records, one after the other: keys int64
 [n], values float32 [n, dim], slots float32 [n, slot_floats], last_step uint32 [n],
@@ -54,18 +55,20 @@ import struct
 import numpy as np
 
 from .errors import CheckpointError
-from .routing import owner_of
+from .routing import MAX_BUCKETS, bucket_of
 
 REMOVED, ROWS = 0, 1
 PAGE_BYTES = 1 << 20
-MAGIC = b"kvcoll-shard-2\n\0"
-_TRAILER = struct.Struct("<16sQII")  # MAGIC, index offset, dim, slot_floats
+MAGIC = b"kvcoll-shard-3\n\0"
+MAGIC_V2 = b"kvcoll-shard-2\n\0"
+_TRAILER = struct.Struct("<16sQIIII")  # MAGIC, index offset, dim, slot_floats, buckets, 0
+_TRAILER_V2 = struct.Struct("<16sQII")  # MAGIC_V2, index offset, dim, slot_floats
 TRAILER_BYTES = _TRAILER.size
-INDEX_DTYPE = np.dtype([("offset", "<u8"), ("count", "<u8"), ("bucket", "<u4"),
-                        ("kind", "<u4"), ("sha256", "u1", (32,))])
-MAX_BUCKETS = 1 << 16
-BUCKET_LADDER = (11520, 5760, 2880, 1440, 720, 360, 180, 90, 30, 6, 1)
-BUCKET_BYTES = 128 << 10
+INDEX_DTYPE = np.dtype([("offset", "<u8"), ("count", "<u8"), ("first", "<u4"),
+                        ("last", "<u4"), ("kind", "<u4"), ("sha256", "u1", (32,))])
+INDEX_DTYPE_V2 = np.dtype([("offset", "<u8"), ("count", "<u8"), ("bucket", "<u4"),
+                           ("kind", "<u4"), ("sha256", "u1", (32,))])
+MAX_BUCKETS_V2 = 1 << 16
 _WRITE_BUFFER = 8 << 20
 _CHUNK = 16 << 20
 V1_ARRAYS = ("keys", "values", "slots", "last_step", "counts", "removed")
@@ -74,14 +77,6 @@ V1_ARRAYS = ("keys", "values", "slots", "last_step", "counts", "removed")
 def row_bytes(dim: int, slot_floats: int) -> int:
     """Bytes of one row in a rows page (the C table's row: a 16-byte header and floats)."""
     return 16 + 4 * (dim + slot_floats)
-
-
-def choose_buckets(rows: int, removed: int, dim: int, slot_floats: int, files: int) -> int:
-    """The bucket count of a file of `rows` rows and `removed` removed keys, one of
-    `files` alike: the largest of BUCKET_LADDER whose buckets would average at least
-    BUCKET_BYTES over them all, a removed key counted as a row (1 when tiny)."""
-    total = (rows + removed) * row_bytes(dim, slot_floats) * files
-    return next((b for b in BUCKET_LADDER if total >= b * BUCKET_BYTES), 1)
 
 
 def page_length(kind, count, dim: int, slot_floats: int):
@@ -95,9 +90,9 @@ def _pad8(n: int) -> int:
 
 
 def buckets_of(keys: np.ndarray, buckets: int) -> np.ndarray:
-    """The bucket of each key: (mix(key) >> 40) mod buckets (what owner_of computes
-    for a world of `buckets` ranks)."""
-    return owner_of(keys, buckets)
+    """The bucket of each key among `buckets`: (mix(key) >> 40) mod buckets (the model
+    bucket in format 3, a file's bucket in format 2)."""
+    return bucket_of(keys, buckets)
 
 
 def _write_all(fd: int, data) -> None:
@@ -121,13 +116,25 @@ def split_page(view, kind: int, count: int, dim: int, slot_floats: int) -> dict:
             "slots": view[d:d + 4 * n * slot_floats].view(np.float32).reshape(n, slot_floats)}
 
 
-# -- format 2: write ----------------------------------------------------------------------
+# -- format 3: write ----------------------------------------------------------------------
+
+def _by_bucket(keys: np.ndarray, buckets: int) -> tuple[np.ndarray, np.ndarray]:
+    """(order, the sorted buckets): keys[order] sorted by bucket, stable (so a bucket's
+    keys keep the table's order); a radix sort when buckets fit 16 bits."""
+    b = buckets_of(keys, buckets)
+    if buckets <= MAX_BUCKETS_V2:
+        b = b.astype(np.uint16)
+    order = np.argsort(b, kind="stable")
+    return order, b[order]
+
 
 def write_shard(path: str, rows: dict, removed: np.ndarray, buckets: int) -> dict:
-    """Write rows (keys, values, slots, last_step, counts) and removed keys as a format-2
-    shard file with `buckets` buckets, fsync it, and return what the manifest records:
-    {"bytes", "rows", "removed", "buckets", "pages", "index": {"offset", "bytes",
+    """Write rows (keys, values, slots, last_step, counts) and removed keys as a format-3
+    shard file of a model with `buckets` buckets, fsync it, and return what the manifest
+    records: {"bytes", "rows", "removed", "pages", "index": {"offset", "bytes",
     "sha256"}}."""
+    if not 1 <= buckets <= MAX_BUCKETS:
+        raise ValueError(f"buckets must be in [1, {MAX_BUCKETS}], got {buckets}")
     keys = np.ascontiguousarray(rows["keys"], np.int64)
     values, slots = rows["values"], rows["slots"]
     last, counts = rows["last_step"], rows["counts"]
@@ -135,16 +142,10 @@ def write_shard(path: str, rows: dict, removed: np.ndarray, buckets: int) -> dic
     n, dim, sf = keys.size, values.shape[1], slots.shape[1]
     per_page = max(1, PAGE_BYTES // row_bytes(dim, sf))
     per_removed = PAGE_BYTES // 8
-    small = np.uint16 if buckets <= MAX_BUCKETS else np.int32  # a radix sort for uint16
-    b_rows = buckets_of(keys, buckets).astype(small)
-    order = np.argsort(b_rows, kind="stable")
-    b_rem = buckets_of(removed, buckets).astype(small)
-    removed = removed[np.argsort(b_rem, kind="stable")]
-    n_rows = np.bincount(b_rows, minlength=buckets)
-    n_rem = np.bincount(b_rem, minlength=buckets)
-    del b_rows, b_rem
-    start_rows = np.concatenate([[0], np.cumsum(n_rows)])
-    start_rem = np.concatenate([[0], np.cumsum(n_rem)])
+    order, b_rows = _by_bucket(keys, buckets)
+    rem_order, b_rem = _by_bucket(removed, buckets)
+    removed = removed[rem_order]
+    del rem_order
 
     entries = []
     buf = np.empty(max(_WRITE_BUFFER, _pad8(per_page * row_bytes(dim, sf))), np.uint8)
@@ -161,40 +162,41 @@ def write_shard(path: str, rows: dict, removed: np.ndarray, buckets: int) -> dic
                 fill = 0
             return fill
 
-        for b in np.flatnonzero(n_rows + n_rem).tolist():
-            for s in range(int(start_rem[b]), int(start_rem[b + 1]), per_removed):
-                e = min(s + per_removed, int(start_rem[b + 1]))
-                length = 8 * (e - s)
-                o = room(_pad8(length))
-                buf[o:o + length].view(np.int64)[:] = removed[s:e]
-                entries.append(_entry(written + o, e - s, b, REMOVED, buf[o:o + length]))
-                buf[o + length:o + _pad8(length)] = 0
-                fill = o + _pad8(length)
-            for s in range(int(start_rows[b]), int(start_rows[b + 1]), per_page):
-                e = min(s + per_page, int(start_rows[b + 1]))
-                idx = order[s:e]
-                length = (e - s) * row_bytes(dim, sf)
-                o = room(_pad8(length))
-                cols = split_page(buf[o:o + length], ROWS, e - s, dim, sf)
-                np.take(keys, idx, out=cols["keys"], mode="clip")
-                np.take(last, idx, out=cols["last_step"], mode="clip")
-                np.take(counts, idx, out=cols["counts"], mode="clip")
-                np.take(values, idx, axis=0, out=cols["values"], mode="clip")
-                if sf:
-                    np.take(slots, idx, axis=0, out=cols["slots"], mode="clip")
-                entries.append(_entry(written + o, e - s, b, ROWS, buf[o:o + length]))
-                buf[o + length:o + _pad8(length)] = 0
-                fill = o + _pad8(length)
+        for s in range(0, removed.size, per_removed):
+            e = min(s + per_removed, removed.size)
+            length = 8 * (e - s)
+            o = room(_pad8(length))
+            buf[o:o + length].view(np.int64)[:] = removed[s:e]
+            entries.append(_entry(written + o, e - s, b_rem[s], b_rem[e - 1], REMOVED,
+                                  buf[o:o + length]))
+            buf[o + length:o + _pad8(length)] = 0
+            fill = o + _pad8(length)
+        for s in range(0, n, per_page):
+            e = min(s + per_page, n)
+            idx = order[s:e]
+            length = (e - s) * row_bytes(dim, sf)
+            o = room(_pad8(length))
+            cols = split_page(buf[o:o + length], ROWS, e - s, dim, sf)
+            np.take(keys, idx, out=cols["keys"], mode="clip")
+            np.take(last, idx, out=cols["last_step"], mode="clip")
+            np.take(counts, idx, out=cols["counts"], mode="clip")
+            np.take(values, idx, axis=0, out=cols["values"], mode="clip")
+            if sf:
+                np.take(slots, idx, axis=0, out=cols["slots"], mode="clip")
+            entries.append(_entry(written + o, e - s, b_rows[s], b_rows[e - 1], ROWS,
+                                  buf[o:o + length]))
+            buf[o + length:o + _pad8(length)] = 0
+            fill = o + _pad8(length)
         _write_all(fd, buf[:fill])
         index_offset = written + fill
         index = np.array(entries, INDEX_DTYPE)
         head = io.BytesIO()
         np.lib.format.write_array(head, index, allow_pickle=False)
-        tail = head.getvalue() + _TRAILER.pack(MAGIC, index_offset, dim, sf)
+        tail = head.getvalue() + _TRAILER.pack(MAGIC, index_offset, dim, sf, buckets, 0)
         _write_all(fd, tail)
         os.fsync(fd)
     return {"bytes": index_offset + len(tail), "rows": int(n), "removed": int(removed.size),
-            "buckets": int(buckets), "pages": int(index.size),
+            "pages": int(index.size),
             "index": {"offset": int(index_offset), "bytes": len(tail),
                       "sha256": hashlib.sha256(tail).hexdigest()}}
 
@@ -214,11 +216,12 @@ def _npy_header(fp, path: str, what: str) -> tuple:
                               "restore an earlier checkpoint") from None
 
 
-def _entry(offset: int, count: int, bucket: int, kind: int, data) -> tuple:
-    return (offset, count, bucket, kind, np.frombuffer(hashlib.sha256(data).digest(), np.uint8))
+def _entry(offset: int, count: int, first: int, last: int, kind: int, data) -> tuple:
+    return (offset, count, int(first), int(last), kind,
+            np.frombuffer(hashlib.sha256(data).digest(), np.uint8))
 
 
-# -- format 2: read ----------------------------------------------------------------------
+# -- formats 3 and 2: read ---------------------------------------------------------------
 
 def check_size(path: str, size: int) -> None:
     """CheckpointError unless the file exists with `size` bytes."""
@@ -231,14 +234,17 @@ def check_size(path: str, size: int) -> None:
                               f"says {size}: it is truncated or was replaced")
 
 
-def read_index(path: str, info: dict, dim: int, slot_floats: int, buckets: int) -> np.ndarray:
-    """The verified page index of a format-2 file whose manifest entry is `info`:
-    size, the index's sha256, the trailer, and every entry's bounds, kind, bucket and
-    counts against the manifest. Raises CheckpointError."""
+def read_index(path: str, info: dict, dim: int, slot_floats: int, buckets: int,
+               version: int = 3) -> np.ndarray:
+    """The verified page index (INDEX_DTYPE) of a format-3 (or, with version=2, format-2)
+    file whose manifest entry is `info`, of `buckets` buckets (the model's; format 2: the
+    file's): size, the index's sha256, the trailer, and every entry's bounds, kind,
+    buckets and counts against the manifest. Raises CheckpointError."""
     check_size(path, info["bytes"])
     ix = info["index"]
     offset, nbytes = int(ix["offset"]), int(ix["bytes"])
-    if offset < 0 or nbytes < TRAILER_BYTES or offset + nbytes != info["bytes"]:
+    trailer = TRAILER_BYTES if version >= 3 else _TRAILER_V2.size
+    if offset < 0 or nbytes < trailer or offset + nbytes != info["bytes"]:
         raise CheckpointError(f"checkpoint file {path}: the manifest's index range "
                               f"({offset}, {nbytes} bytes) does not end the file")
     with open(path, "rb") as f:
@@ -249,26 +255,64 @@ def read_index(path: str, info: dict, dim: int, slot_floats: int, buckets: int) 
     if hashlib.sha256(tail).hexdigest() != ix["sha256"]:
         raise CheckpointError(f"checkpoint file {path}: its index fails its sha256 check "
                               "(corrupt); restore an earlier checkpoint")
-    return _parse_index(path, tail, offset, dim, slot_floats, buckets, info)
+    return _parse_index(path, tail, offset, dim, slot_floats, buckets, info, version)
 
 
-def _parse_index(path, tail: bytes, offset: int, dim, slot_floats, buckets, info=None):
-    magic, at, t_dim, t_sf = _TRAILER.unpack(tail[-TRAILER_BYTES:])
-    if magic != MAGIC or at != offset or (dim is not None and (t_dim, t_sf) != (dim, slot_floats)):
+def _file_version(tail: bytes) -> int:
+    """3 or 2 by the trailer's magic at the end of `tail`, else 0."""
+    if len(tail) >= TRAILER_BYTES and tail[-TRAILER_BYTES:][:len(MAGIC)] == MAGIC:
+        return 3
+    if len(tail) >= _TRAILER_V2.size and tail[-_TRAILER_V2.size:][:len(MAGIC_V2)] == MAGIC_V2:
+        return 2
+    return 0
+
+
+def _parse_index(path, tail: bytes, offset: int, dim, slot_floats, buckets, info=None,
+                 version=None):
+    """The index at the start of `tail` (the file from `offset` on), as INDEX_DTYPE.
+    dim, slot_floats and buckets None: take the trailer's (format 2: buckets is
+    MAX_BUCKETS_V2); version None: the trailer's."""
+    found = _file_version(tail)
+    if version is None:
+        version = found
+    if found != version or version not in (2, 3):
+        raise CheckpointError(f"checkpoint file {path}: its trailer is not that of a format "
+                              f"{version or 3} kvcoll shard file (corrupt, or another "
+                              "kind of file)")
+    if version == 3:
+        _, at, t_dim, t_sf, t_buckets, _ = _TRAILER.unpack(tail[-TRAILER_BYTES:])
+        trailer, dtype = TRAILER_BYTES, INDEX_DTYPE
+    else:
+        _, at, t_dim, t_sf = _TRAILER_V2.unpack(tail[-_TRAILER_V2.size:])
+        t_buckets = buckets if buckets is not None else MAX_BUCKETS_V2
+        trailer, dtype = _TRAILER_V2.size, INDEX_DTYPE_V2
+    want = (offset, dim, slot_floats, buckets)
+    if at != offset or (dim is not None and (t_dim, t_sf) != (dim, slot_floats)) or \
+            (buckets is not None and t_buckets != buckets) or \
+            not 1 <= t_buckets <= MAX_BUCKETS:
         raise CheckpointError(f"checkpoint file {path}: its trailer says index at {at}, dim "
-                              f"{t_dim}, {t_sf} slot floats; expected {offset}, {dim}, "
-                              f"{slot_floats} (not a matching kvcoll shard file)")
-    dim, slot_floats = t_dim, t_sf
-    fp = io.BytesIO(tail[:-TRAILER_BYTES])
-    shape, fortran, dtype = _npy_header(fp, path, "the index")
-    if dtype != INDEX_DTYPE or fortran or len(shape) != 1 or \
-            fp.tell() + shape[0] * INDEX_DTYPE.itemsize != len(tail) - TRAILER_BYTES:
-        raise CheckpointError(f"checkpoint file {path}: the index has dtype {dtype} and "
-                              f"shape {shape}, expected {INDEX_DTYPE} [pages]")
-    index = np.frombuffer(tail, INDEX_DTYPE, shape[0], fp.tell())
+                              f"{t_dim}, {t_sf} slot floats, {t_buckets} buckets; expected "
+                              f"{', '.join(str(w) for w in want if w is not None)} (not a "
+                              "matching kvcoll shard file)")
+    dim, slot_floats, buckets = t_dim, t_sf, t_buckets
+    fp = io.BytesIO(tail[:-trailer])
+    shape, fortran, got = _npy_header(fp, path, "the index")
+    if got != dtype or fortran or len(shape) != 1 or \
+            fp.tell() + shape[0] * dtype.itemsize != len(tail) - trailer:
+        raise CheckpointError(f"checkpoint file {path}: the index has dtype {got} and "
+                              f"shape {shape}, expected {dtype} [pages]")
+    raw = np.frombuffer(tail, dtype, shape[0], fp.tell())
+    if version == 2:
+        index = np.empty(raw.size, INDEX_DTYPE)
+        for f in ("offset", "count", "kind", "sha256"):
+            index[f] = raw[f]
+        index["first"] = index["last"] = raw["bucket"]
+    else:
+        index = raw
     # offset and count are untrusted uint64: bound them before any arithmetic can wrap
     unit = np.where(index["kind"] == ROWS, row_bytes(dim, slot_floats), 8).astype(np.uint64)
-    bad = (index["kind"] > ROWS) | (index["count"] == 0) | (index["bucket"] >= buckets) | \
+    bad = (index["kind"] > ROWS) | (index["count"] == 0) | (index["last"] >= buckets) | \
+        (index["first"] > index["last"]) | \
         (index["offset"] % 8 != 0) | (index["offset"] > np.uint64(offset)) | \
         (index["count"] > (np.uint64(offset) - np.minimum(index["offset"], offset)) // unit)
     length = page_length(index["kind"], np.where(bad, 0, index["count"]), dim, slot_floats)
@@ -277,7 +321,7 @@ def _parse_index(path, tail: bytes, offset: int, dim, slot_floats, buckets, info
         bad[1:] |= index["offset"][1:].astype(np.int64) < ends[:-1]
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        raise CheckpointError(f"checkpoint file {path}: index entry {i} ({index[i]}) is "
+        raise CheckpointError(f"checkpoint file {path}: index entry {i} ({raw[i]}) is "
                               f"not a valid page of {buckets} buckets (corrupt)")
     if info is not None:
         got = {k: int(index["count"][index["kind"] == kind].sum())
@@ -513,23 +557,25 @@ def check_finite(values: np.ndarray, slots: np.ndarray, path: str, where: str) -
                                   "corrupt, restore an earlier checkpoint")
 
 
-# -- either format, without a manifest --------------------------------------------------------
+# -- any format, without a manifest ----------------------------------------------------------
 
 def read_shard(path: str) -> dict:
     """A shard file's arrays by name (keys, values, slots, last_step, counts, removed),
-    in file order, from either format. Format 2 pages are checked against their own
+    in file order, from any format. Format 3 and 2 pages are checked against their own
     index's sha256; the index itself (and a format-1 file) is verified only by a
     restore, against the manifest."""
     with open(path, "rb") as f:
         data = f.read()
-    if len(data) < TRAILER_BYTES or data[-TRAILER_BYTES:][:len(MAGIC)] != MAGIC:
+    version = _file_version(data)
+    if not version:
         buf = np.frombuffer(data, np.uint8)
         return check_records_v1(parse_records_v1(buf, path), path, None, None)
-    _, offset, dim, sf = _TRAILER.unpack(data[-TRAILER_BYTES:])
-    if offset > len(data) - TRAILER_BYTES:
+    trailer = TRAILER_BYTES if version == 3 else _TRAILER_V2.size
+    _, offset, dim, sf = _TRAILER_V2.unpack(data[-trailer:][:_TRAILER_V2.size])
+    if offset > len(data) - trailer:
         raise CheckpointError(f"checkpoint file {path}: its trailer puts the index at byte "
                               f"{offset}, past the end of its {len(data)} bytes (corrupt)")
-    index = _parse_index(path, data[offset:], offset, None, None, MAX_BUCKETS)
+    index = _parse_index(path, data[offset:], offset, None, None, None, version=version)
     buf = np.frombuffer(data, np.uint8)
     parts = {k: [] for k in V1_ARRAYS}
     for e in index:

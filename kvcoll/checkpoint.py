@@ -15,22 +15,24 @@ Layout of a checkpoint directory:
     DIR/latest                       the name of the newest complete checkpoint + "\\n"
     DIR/ckpt-0000000400/             one checkpoint (full or delta), complete
         manifest.json                format, version, kind, parent, step, world size,
-                                     table specs, every file with its size and sha256 (a
-                                     shard file: its index's, its rows and bucket count),
-                                     id_hash: how string ids became keys (kvcoll.ids;
-                                     absent: "xxh64", what kvcoll used before)
+                                     the model's bucket count and the owner map of the
+                                     run that wrote it, table specs, every file with its
+                                     size and sha256 (a shard file: its index's and its
+                                     rows), id_hash: how string ids became keys
+                                     (kvcoll.ids; absent: "xxh64", what kvcoll used before)
         dense.index, dense.data-*    the Keras model and its optimizer (kvcoll.keras.dense_state)
         000-user.r1-of-2.kvs         table "user", written by rank 1 of 2
     DIR/ckpt-0000000500.tmp-<hex>/   a save in progress, or one a crash abandoned
 
-A shard file (`.kvs`, format version 2) holds the rows a rank owned, and (in a delta)
-the keys removed since the parent, in pages grouped by bucket: a key's bucket is
-(mix(key) >> 40) mod B, the same hash bits that choose its owner, so for any world size
-M dividing B a bucket's keys all belong to rank bucket mod M. B is the file's (its
-"buckets" in the manifest), chosen by its writer from its size, up to 11520 for a large
-table, few for a small delta (kvcoll._shards.choose_buckets). An index at the end of
-the file gives every page's bucket, offset, count and sha256; kvcoll._shards describes
-the bytes. `read_shard(path)` reads one file whole.
+A shard file (`.kvs`, format version 3) holds the rows a rank owned, and (in a delta)
+the keys removed since the parent, sorted by the model's bucket (kvcoll.routing: a
+key's bucket is (mix(key) >> 40) mod B, B = 65,536 for the life of the model; its
+owner is the owner map's rank of that bucket) in pages of at most 1 MiB, each covering
+a run of buckets. The manifest records B ("buckets") and the map ("owners": runs of
+consecutive buckets of one rank, kvcoll.routing.OwnerMap.to_json), so a restore knows
+which file holds which buckets without opening it. An index at the end of the file
+gives every page's first and last bucket, offset, count and sha256; kvcoll._shards
+describes the bytes. `read_shard(path)` reads one file whole.
 
 Atomicity. Every rank writes its files under the temporary directory and fsyncs them;
 the ranks agree that every part is durable; only then does rank 0 write the manifest,
@@ -58,47 +60,61 @@ evicted and then created again before the save ends up present, and one evicted 
 good ends up absent. A save must not run concurrently with table changes (BSP saves
 run between steps).
 
-Restore on any world size, in bounded memory. On M ranks, rank r reads the index of
-each shard file that can hold its keys (a file of rank s of N: s = r mod gcd(N, M)),
-then only the pages of its buckets (bucket = r mod gcd(B, M)); when M divides B those
-hold exactly its keys, otherwise it keeps those with owner_of(key, M) == r. It reads
-in two passes through buffers of `buffer_bytes` / 4 (default RESTORE_BUFFER = 256 MiB;
-at least MIN_RESTORE_BUFFER):
-1. verify: the chain of manifests, the format version, the table specs against the
-   tables, every file's size, every index's and every page's sha256, every key's
-   bucket, the dense variables' names and shapes. Nothing changes; every rank raises
-   the same CheckpointError if any rank found a problem.
-2. replay, group by group: buckets are counted modulo G, the gcd of the bucket counts
-   of the table's files over the chain (a key's bucket mod G is the same in every
-   file); a group is a run of this rank's buckets whose pages over the whole chain fit
-   the buffer; its pages are read (and their sha256 checked again), then applied in
-   chain order (each checkpoint's removals, then its rows), straight from the buffer
-   into the table. Keys of different buckets never meet, so replaying group by group
-   equals replaying checkpoint by checkpoint; a row that a later delta removes lives
-   at most until the end of its group.
+Restore on any world size and any map, in bounded memory. A restore routes by the
+Checkpointer's owner map (`owners=`, by default the even map of the world size, the
+one the exchanges use): rank r reads, from each checkpoint of the chain, the index of
+each file whose writer owned a bucket that r owns now (by that checkpoint's map), then
+only the pages whose buckets meet r's; when a page also holds buckets of another rank
+it keeps only its own keys. On the map that wrote the checkpoint, that is its own files
+and nothing else. It reads in two passes through buffers of `buffer_bytes` / 4
+(default RESTORE_BUFFER = 256 MiB; at least MIN_RESTORE_BUFFER):
+1. verify: the chain of manifests, the format version, the bucket count, the maps, the
+   table specs against the tables, every file's size, every index's and every page's
+   sha256, every page's buckets against its writer's map, every key's bucket against
+   its page's, the dense variables' names and shapes. Nothing changes; every rank
+   raises the same CheckpointError if any rank found a problem.
+2. replay, group by group: a group is a run of consecutive buckets whose pages over
+   the whole chain fill about the buffer; the pages that meet it are read (and their
+   sha256 checked again), then applied in chain order (each checkpoint's removals,
+   then its rows), straight from the buffer into the table, a page that reaches
+   outside the group keeping only the group's keys (it is read again for the next
+   group: about one page per group and checkpoint). Keys of different buckets never
+   meet, so replaying group by group equals replaying checkpoint by checkpoint; a row
+   that a later delta removes lives at most until the end of its group. A chain
+   without removals is one group.
 The memory bound. Beyond the tables it fills, a restore holds two read buffers of
 buffer_bytes / 4 (pass 2 reads and verifies the next batch on a thread while it
 applies this one; when all the rank's pages fit in one, pass 1 keeps them and pass 2
-reads nothing), the rows of the current group that a later delta removes (at most
+reads nothing), the rows of the current group that a later delta removes (about
 buffer_bytes / 4: a file row is a table row), a page's copies when it filters by key,
-and its plan (80 bytes per page it reads): at most buffer_bytes in all, whatever the
-number of ranks that wrote the checkpoint or the length of the chain. Two things are
-outside it: the C table's own growth (it builds its new index before it frees the
-old one: under 5 bytes a row, once), and a bucket whose pages over the chain exceed
-buffer_bytes / 4, whose rows a later delta removes may live until the end of the
-bucket: at most that delta's removals in the bucket, which choose_buckets keeps near
-BUCKET_BYTES' worth of rows (128 KiB to 768 KiB), except in a table above 11520 x
-64 MiB = 740 GB with the default buffer. If a file changes between the two passes,
-every rank clears its tables and raises CheckpointError: restore again.
+and its plan (about 200 bytes per page it reads): at most about buffer_bytes in all,
+whatever the number of ranks that wrote the checkpoint or the length of the chain.
+Two things are outside it: the C table's own growth (it builds its new index before it
+frees the old one: under 5 bytes a row, once), and a bucket whose pages over the chain
+exceed buffer_bytes / 4 (a group is at least one bucket), whose rows a later delta
+removes may live until the end of the bucket: 1/65,536 of the table, so only in a
+table above 65,536 x 64 MiB = 4 TB with the default buffer. If a file changes between
+the two passes, every rank clears its tables and raises CheckpointError: restore again.
+
+Version 2 checkpoints (each file with its own bucket count, keys routed by (mix(key)
+>> 40) mod world) still restore: a page of bucket b of B holds keys whose model bucket
+is b mod gcd(B, 65,536), so a rank reads the pages of the residues it owns, and keeps
+its own keys; with the even map that is every page of every file (each rank owns a
+contiguous block of buckets, which meets every residue): restoring a version 2
+checkpoint reads it all on every rank once, still in bounded memory. The next save
+is full and in version 3. Replay groups go by the residues modulo the gcd of the
+chain's bucket counts.
 
 Version 1 checkpoints (whole-file checksums, no buckets) still restore, through the
-old reader: every rank reads every file it may need whole, in memory.
+old reader: every rank reads every file whole, in memory, and keeps its own keys
+(their files were routed by world size, not by the map).
 `Checkpointer(version=1)` writes them, for a kvcoll that reads only version 1.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -111,14 +127,14 @@ import numpy as np
 
 from . import _shards, ids
 from .errors import CheckpointError, InvalidArgumentError
-from .routing import owner_of
+from .routing import OwnerMap, bucket_of, owners_for
 from .table import KvTable
 
 __all__ = ["latest", "Checkpointer", "SaveInfo", "RestoreInfo",
            "read_shard", "FORMAT", "VERSION", "RESTORE_BUFFER", "MIN_RESTORE_BUFFER"]
 
 FORMAT = "kvcoll-checkpoint"
-VERSION = 2
+VERSION = 3
 RESTORE_BUFFER = 256 << 20
 MIN_RESTORE_BUFFER = 4 * _shards.PAGE_BYTES
 LATEST = "latest"
@@ -176,8 +192,19 @@ def _write_bytes(path: str, data: bytes) -> None:
 
 
 def _write_shard(path: str, rows: dict, removed: np.ndarray, buckets: int) -> dict:
-    """One table's shard file of this rank (format 2; tests replace it to fail a save)."""
+    """One table's shard file of this rank (format 3; tests replace it to fail a save)."""
     return _shards.write_shard(path, rows, removed, buckets)
+
+
+def _check_owned(name: str, keys: np.ndarray, owners: OwnerMap, rank: int) -> None:
+    """InvalidArgumentError unless the owner map gives every key to `rank`: a file holds
+    only its writer's buckets (what a restore reads by)."""
+    theirs = owners.owner_of(keys) != rank
+    if theirs.any():
+        raise InvalidArgumentError(
+            f"table {name!r} on rank {rank} holds {int(theirs.sum())} keys that the owner "
+            f"map gives other ranks (e.g. {int(keys[theirs][0])}): the Checkpointer's "
+            "owners= must be the map the tables were filled by (the exchange's .owners)")
 
 
 ADMISSION_ARRAYS = ("keys", "counts", "steps", "bloom", "bloom_adds")
@@ -197,10 +224,17 @@ def _write_admission(tmp: str, shard: str, t: KvTable, name: str, comm) -> dict:
                     "world": comm.size, "rows": 0, "admission": True}}
 
 
-def _read_admission(directory: str, m: dict, tables: dict, comm) -> dict:
-    """{table: admission state for this rank} from checkpoint m (verified): its own
-    file on the world that wrote it; else every file's pending keys it now owns, and
-    the Bloom filters merged (never admits later than the saved run)."""
+def _read_admission(directory: str, m: dict, tables: dict, comm, owners=None) -> dict:
+    """{table: admission state for this rank} from checkpoint m (verified), under the
+    owner map `owners` (default: the even map of comm.size): its own file when m was
+    written on the same map; else the pending keys it now owns from every file whose
+    writer owned one of its buckets (every file before version 3, routed by world
+    size), and their Bloom filters merged (never admits later than the saved run)."""
+    owners = owners_for(comm, owners)
+    writers = _manifest_owners(m, owners) if m.get("version", 0) >= 3 else None
+    same = writers is not None and writers == owners
+    meets = None if writers is None else \
+        np.bincount(writers.array[owners.array == comm.rank], minlength=writers.world) > 0
     out = {}
     for name, t in tables.items():
         adm = [f for f in m["tables"][name].get("admission", [])]
@@ -209,14 +243,15 @@ def _read_admission(directory: str, m: dict, tables: dict, comm) -> dict:
         parts = []
         for fname in adm:
             info = m["files"][fname]
-            same = info["world"] == comm.size
             if same and info["rank"] != comm.rank:
                 continue
+            if meets is not None and not meets[_writer_rank(info, writers, m, fname)]:
+                continue  # its writer owned none of this rank's buckets
             path = os.path.join(directory, m["_name"], fname)
             buf = _shards.read_verified(path, info["sha256"], info["bytes"])
             recs = _check_admission(path, _shards.parse_records_v1(buf, path), t)
             if not same:
-                keep = owner_of(recs["keys"], comm.size) == comm.rank
+                keep = owners.owner_of(recs["keys"]) == comm.rank
                 recs.update(keys=recs["keys"][keep], counts=recs["counts"][keep],
                             steps=recs["steps"][keep])
             parts.append(recs)
@@ -236,6 +271,38 @@ def _read_admission(directory: str, m: dict, tables: dict, comm) -> dict:
             state["bloom_adds"] = int(max(int(p["bloom_adds"][0]) for p in parts))
         out[name] = state
     return out
+
+
+def _manifest_owners(m: dict, owners: OwnerMap) -> OwnerMap:
+    """The owner map of the run that wrote version-3 checkpoint m, checked against the
+    manifest's world size and against the current map's bucket count."""
+    where = os.path.join(m["_name"], MANIFEST)
+    buckets = m.get("buckets")
+    try:
+        writers = OwnerMap.from_json(m.get("owners"))
+    except InvalidArgumentError as exc:
+        raise CheckpointError(f"{where}: its owner map is not valid ({exc}): corrupt "
+                              "manifest; restore an earlier checkpoint") from None
+    if buckets != writers.buckets or m.get("world_size") != writers.world:
+        raise CheckpointError(f"{where}: its owner map has {writers.buckets} buckets over "
+                              f"{writers.world} ranks, the manifest says {buckets!r} buckets "
+                              f"and world size {m.get('world_size')!r} (corrupt manifest)")
+    if buckets != owners.buckets:
+        raise CheckpointError(
+            f"{where}: the model was saved with {buckets} buckets, this run routes keys "
+            f"by {owners.buckets}; a model keeps its bucket count for life: restore with "
+            f"owners=kvcoll.routing.OwnerMap.even(world, buckets={buckets})")
+    return writers
+
+
+def _writer_rank(info: dict, writers: OwnerMap, m: dict, fname: str) -> int:
+    """The rank of the writer of file `fname` of version-3 checkpoint m, checked."""
+    rank, world = info.get("rank"), info.get("world")
+    if world != writers.world or not isinstance(rank, int) or not 0 <= rank < world:
+        raise CheckpointError(f"{os.path.join(m['_name'], MANIFEST)}: {fname} was written "
+                              f"by rank {rank!r} of {world!r}, not a rank of its owner map's "
+                              f"{writers.world} (corrupt manifest)")
+    return rank
 
 
 def _check_admission(path: str, records: list, t: KvTable) -> dict:
@@ -335,25 +402,23 @@ class Checkpointer:
     are relative to. kv.save / kv.restore keep one per Trainer; use this class
     directly for tables without a Keras model (bench, engine-only scripts).
 
-    buckets: the bucket count of every shard file it writes (1 .. 65536; a restore on a
-    world size dividing it reads exactly its own keys); None (the default) chooses per
-    file from its size (kvcoll._shards.choose_buckets).
+    owners: the kvcoll.routing.OwnerMap the tables are sharded by (default: the even
+    map of comm.size, the exchanges' default): a save records it and groups each file
+    by its buckets; a restore gives each rank the keys it owns under it.
     restore_buffer: the bytes a restore may use beyond the tables (default 256 MiB).
-    version: the format it writes (2, or 1 for a kvcoll that reads only version 1)."""
+    version: the format it writes (3, or 1 for a kvcoll that reads only version 1;
+    version 2 is read, no longer written)."""
 
-    def __init__(self, tables: dict, comm, dense=None, *, buckets: int | None = None,
+    def __init__(self, tables: dict, comm, dense=None, *, owners: OwnerMap | None = None,
                  restore_buffer: int = RESTORE_BUFFER, version: int = VERSION):
-        if version not in (1, 2):
-            raise InvalidArgumentError(f"checkpoint format version must be 1 or 2, got "
+        if version not in (1, VERSION):
+            raise InvalidArgumentError(f"checkpoint format version must be {VERSION} or 1 "
+                                       f"(format 2 is read but no longer written), got "
                                        f"{version!r}")
-        if buckets is not None and (not isinstance(buckets, int)
-                                    or not 1 <= buckets <= _shards.MAX_BUCKETS):
-            raise InvalidArgumentError(f"buckets must be None or an integer in [1, "
-                                       f"{_shards.MAX_BUCKETS}], got {buckets!r}")
         self.tables = dict(tables)
         self.comm = comm
         self.dense = dense
-        self.buckets = buckets
+        self.owners = owners_for(comm, owners)
         self.restore_buffer = _checked_buffer(restore_buffer)
         self.version = version
         self._parent = None  # (abs dir, name, version) the dirty bits are relative to
@@ -392,9 +457,10 @@ class Checkpointer:
                                rows["last_step"], rows["counts"], removed])
                     info = {"sha256": sha, "bytes": nbytes, "rows": int(rows["keys"].size)}
                 else:
-                    buckets = self.buckets or _shards.choose_buckets(
-                        rows["keys"].size, removed.size, t.dim, t.slot_floats, comm.size)
-                    info = _write_shard(path, rows, removed, buckets)
+                    # a key whose bucket went to another rank is no longer ours to remove
+                    removed = removed[self.owners.owner_of(removed) == comm.rank]
+                    _check_owned(name, rows["keys"], self.owners, comm.rank)
+                    info = _write_shard(path, rows, removed, self.owners.buckets)
                 files[fname] = {**info, "table": name, "rank": comm.rank, "world": comm.size}
                 del rows
                 if self.version >= 2 and t.admit_min_count >= 2:
@@ -408,8 +474,13 @@ class Checkpointer:
                     files[fname] = {"sha256": sha, "bytes": nbytes, "table": None}
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             err = f"rank {comm.rank}: saving {tmp} failed: {type(exc).__name__}: {exc}"
-        gathered = comm.allgather_json({"files": files, "error": err}, "checkpoint:files")
+        gathered = comm.allgather_json({"files": files, "error": err, "map": self._map_id()},
+                                       "checkpoint:files")
         errors = [g["error"] for g in gathered if g["error"]]
+        if len({g["map"] for g in gathered}) > 1:
+            errors.append(f"the ranks route by different owner maps "
+                          f"({[g['map'] for g in gathered]}, by rank): every rank must "
+                          "pass the same owners= (nothing was saved)")
         result = None
         if comm.rank == 0:
             if errors:
@@ -425,6 +496,11 @@ class Checkpointer:
         self._parent = (directory, plan["name"], self.version)
         return SaveInfo(os.path.join(directory, plan["name"]), plan["name"], plan["kind"],
                         int(step), result["rows"], result["bytes"], time.perf_counter() - t0)
+
+    def _map_id(self) -> str:
+        """A short digest of the owner map, to check every rank routes by the same."""
+        return hashlib.sha256(self.owners.array.tobytes()).hexdigest()[:16] + \
+            f"/{self.owners.world}"
 
     def _plan(self, directory: str, step: int, incremental: bool) -> dict:
         """Rank 0: the kind, the final and the temporary name; creates the tmp dir."""
@@ -469,8 +545,7 @@ class Checkpointer:
                 if adm:
                     tables[name]["admission"] = adm
             keep = ("sha256", "bytes", "rank", "world") if self.version == 1 else \
-                ("sha256", "bytes", "rank", "world", "rows", "removed", "buckets", "pages",
-                 "index")
+                ("sha256", "bytes", "rank", "world", "rows", "removed", "pages", "index")
             manifest = {
                 "format": FORMAT, "version": self.version, "kind": plan["kind"],
                 "parent": plan["parent"], "step": int(step), "world_size": self.comm.size,
@@ -480,8 +555,10 @@ class Checkpointer:
                 "files": {f: {k: v[k] for k in keep if k in v}
                           for f, v in sorted(files.items())},
             }
-            if self.version >= 2:
+            if self.version >= 3:
                 manifest["page_bytes"] = _shards.PAGE_BYTES
+                manifest["buckets"] = self.owners.buckets
+                manifest["owners"] = self.owners.to_json()
             _write_bytes(os.path.join(tmp, MANIFEST),
                          (json.dumps(manifest, indent=1) + "\n").encode())
             _fsync_dir(tmp)
@@ -620,10 +697,12 @@ class Checkpointer:
                 nbytes += info["bytes"]
             self.dense.check(os.path.join(directory, last["_name"]))
         if versions[0] == 1:
-            loaded = _V1Load(directory, chain, self.tables, self.comm, nbytes)
+            loaded = _V1Load(directory, chain, self.tables, self.comm, nbytes, self.owners)
         else:
-            loaded = _Replay(directory, chain, self.tables, self.comm, buffer_bytes, nbytes)
-        loaded.admission = _read_admission(directory, last, self.tables, self.comm)
+            loaded = _Replay(directory, chain, self.tables, self.comm, buffer_bytes, nbytes,
+                             self.owners)
+        loaded.admission = _read_admission(directory, last, self.tables, self.comm,
+                                           self.owners)
         loaded.id_hash = id_hash
         return loaded
 
@@ -652,45 +731,59 @@ def _checked_buffer(n) -> int:
     return int(n)
 
 
-# -- restore, format 2: verify every page, then replay group by group -----------------------
+# -- restore, formats 3 and 2: verify every page, then replay group by group -------------
 
 _PAGE = np.dtype([("member", "<u4"), ("file", "<u4"), ("offset", "<u8"), ("length", "<u8"),
-                  ("count", "<u8"), ("bucket", "<u4"), ("kind", "<u4"), ("buckets", "<u4"),
-                  ("filter", "u1"), ("sha256", "u1", (32,))], align=True)
+                  ("count", "<u8"), ("first", "<u4"), ("last", "<u4"), ("kind", "<u4"),
+                  ("buckets", "<u4"), ("klo", "<u4"), ("khi", "<u4"), ("filter", "u1"),
+                  ("sha256", "u1", (32,))], align=True)
 
 
 class _TablePlan:
     """The pages of one table this rank reads: from every checkpoint of the chain
-    (member), every file that can hold its keys, only its buckets. A page keeps its
-    file's bucket count, and whether this rank must filter its keys (when the world
-    size does not divide that count)."""
+    (member), every file that can hold its keys, only the pages that can. A page keeps
+    its file's bucket count (format 3: the model's; format 2: the file's), its buckets
+    [first, last], whether this rank must filter its keys by owner (the page also holds
+    other ranks' keys), and its run [klo, khi] of replay keys: the buckets of the
+    model (format 3) or their residues modulo `nk` (format 2: the gcd of the files'
+    bucket counts, the same for a key in every file)."""
 
-    def __init__(self, name: str, table: KvTable, rank: int, world: int):
-        self.name, self.table, self.rank, self.world = name, table, rank, world
+    def __init__(self, name: str, table: KvTable):
+        self.name, self.table = name, table
         self.paths: list[str] = []
+        self.writers: list = []   # per file: (its writer's map array, rank) or None
         self.parts: list[np.ndarray] = []
         self.pages = np.zeros(0, _PAGE)
-        self.coarse = 0   # G: the gcd of the files' bucket counts (0: no file yet)
+        self.nk = 0   # replay keys: 0..nk-1 (format 2: the gcd so far; 0: no file yet)
         self.cached = None  # the pages' verified bytes, if pass 1 kept them
 
-    def add(self, member: int, path: str, index: np.ndarray, buckets: int) -> None:
-        share = math.gcd(buckets, self.world)  # a rank's buckets are rank mod share
-        index = index[index["bucket"] % share == self.rank % share]
+    def add(self, member: int, path: str, index: np.ndarray, buckets: int,
+            read: np.ndarray, filt: np.ndarray, writer=None) -> None:
+        index, filt = index[read], filt[read]
         rec = np.zeros(index.size, _PAGE)
         rec["member"], rec["file"] = member, len(self.paths)
-        rec["buckets"], rec["filter"] = buckets, share < self.world
-        for f in ("offset", "count", "bucket", "kind", "sha256"):
+        rec["buckets"], rec["filter"] = buckets, filt
+        for f in ("offset", "count", "first", "last", "kind", "sha256"):
             rec[f] = index[f]
         rec["length"] = _shards.page_length(index["kind"], index["count"], self.table.dim,
                                             self.table.slot_floats)
         self.paths.append(path)
+        self.writers.append(writer)
         self.parts.append(rec)
-        self.coarse = math.gcd(self.coarse, buckets)
 
-    def done(self) -> None:
+    def done(self, model_buckets: int | None) -> None:
+        """model_buckets: format 3's bucket count (the replay keys); None: format 2."""
         if self.parts:
             self.pages = np.concatenate(self.parts)
         self.parts = []
+        if model_buckets is not None:
+            self.nk = model_buckets
+            self.pages["klo"], self.pages["khi"] = self.pages["first"], self.pages["last"]
+        else:
+            for b in np.unique(self.pages["buckets"]).tolist():
+                self.nk = math.gcd(self.nk, b)
+            self.nk = max(self.nk, 1)
+            self.pages["klo"] = self.pages["khi"] = self.pages["first"] % self.nk
 
 
 def _batches(order: np.ndarray, spans: np.ndarray, limit: int, cut=None):
@@ -707,39 +800,80 @@ def _batches(order: np.ndarray, spans: np.ndarray, limit: int, cut=None):
         yield order[start:]
 
 
+def _groups(klo: np.ndarray, khi: np.ndarray, spans: np.ndarray, nk: int, limit: int):
+    """Cut the replay keys 0..nk-1 into runs ("groups") of about `limit` bytes of pages,
+    a page's bytes spread evenly over its run [klo, khi]: (start of each group, group of
+    each key)."""
+    per = spans / (khi.astype(np.int64) - klo + 1)
+    dens = np.zeros(nk + 1)
+    np.add.at(dens, klo, per)
+    np.add.at(dens, khi.astype(np.int64) + 1, -per)
+    dens = np.cumsum(dens[:nk])
+    before = np.concatenate([[0.0], np.cumsum(dens)[:-1]])
+    raw = (before // limit).astype(np.int64)
+    starts = np.flatnonzero(np.concatenate([[True], raw[1:] != raw[:-1]]))
+    group_of = np.cumsum(np.concatenate([[0], (raw[1:] != raw[:-1]).astype(np.int64)]))
+    return starts, group_of
+
+
 class _Replay:
-    """A format-2 restore on this rank. Construction is pass 1 (plan and verify, no
-    change); apply() is pass 2 (replay into the tables)."""
+    """A format-3 (or format-2) restore on this rank, under the owner map `owners`.
+    Construction is pass 1 (plan and verify, no change); apply() is pass 2 (replay into
+    the tables)."""
 
     def __init__(self, directory: str, chain: list, tables: dict, comm, buffer_bytes: int,
-                 nbytes: int):
+                 nbytes: int, owners: OwnerMap | None = None):
         self.chain, self.comm = chain, comm
         self.rank, self.world = comm.rank, comm.size
+        self.owners = owners_for(comm, owners)
+        self.mine = self.owners.array == self.rank        # the buckets this rank reads
+        self._mine_at = np.concatenate([[0], np.cumsum(self.mine)])
+        self._residues: dict = {}
+        self.version = chain[0].get("version", VERSION)
         self.limit = buffer_bytes // 4
         self.reader = _shards.PageReader(self.limit)
         self.plans = []
         nbytes_index = 0
         try:
+            writers = [_manifest_owners(m, self.owners) if self.version >= 3 else None
+                       for m in chain]
             for name, t in tables.items():
-                plan = _TablePlan(name, t, self.rank, self.world)
+                plan = _TablePlan(name, t)
                 for member, m in enumerate(chain):
+                    meets = None
+                    if writers[member] is not None:  # per writer rank: owned one of ours?
+                        w = writers[member]
+                        meets = np.bincount(w.array[self.mine], minlength=w.world) > 0
                     for fname in m["tables"][name]["files"]:
                         info = m["files"].get(fname)
                         if info is None:
                             raise CheckpointError(f"{m['_name']}: {fname} is not in the "
                                                   "manifest")
-                        if (info["rank"] - self.rank) % math.gcd(info["world"], self.world):
-                            continue  # its writer's keys and ours are disjoint
                         path = os.path.join(directory, m["_name"], fname)
-                        b = info["buckets"]
-                        if not isinstance(b, int) or not 1 <= b <= _shards.MAX_BUCKETS:
-                            raise CheckpointError(
-                                f"{path}: its bucket count {b!r} in the manifest is not an "
-                                f"integer in [1, {_shards.MAX_BUCKETS}] (corrupt manifest)")
-                        index = _shards.read_index(path, info, t.dim, t.slot_floats, b)
+                        if meets is not None:
+                            s = _writer_rank(info, writers[member], m, fname)
+                            if not meets[s]:
+                                continue  # its writer's buckets and ours are disjoint
+                            index = _shards.read_index(path, info, t.dim, t.slot_floats,
+                                                       self.owners.buckets)
+                            read, filt = self._select_v3(path, index, writers[member], s)
+                            b, writer = self.owners.buckets, (writers[member].array, s)
+                        else:
+                            b = info.get("buckets")
+                            if not isinstance(b, int) or not 1 <= b <= _shards.MAX_BUCKETS_V2:
+                                raise CheckpointError(
+                                    f"{path}: its bucket count {b!r} in the manifest is not "
+                                    f"an integer in [1, {_shards.MAX_BUCKETS_V2}] (corrupt "
+                                    "manifest)")
+                            if not self._v2_file_meets(info, path):
+                                continue
+                            index = _shards.read_index(path, info, t.dim, t.slot_floats, b,
+                                                       version=2)
+                            read, filt = self._select_v2(index, b)
+                            writer = None  # format 2: the keys' buckets are checked
                         nbytes_index += int(info["index"]["bytes"])
-                        plan.add(member, path, index, b)
-                plan.done()
+                        plan.add(member, path, index, b, read, filt, writer)
+                plan.done(self.owners.buckets if self.version >= 3 else None)
                 self.plans.append(plan)
             self._verify()
         except BaseException:
@@ -747,12 +881,60 @@ class _Replay:
             raise
         self.nbytes = nbytes + nbytes_index + self.reader.bytes_read
 
+    # -- which pages --------------------------------------------------------------------
+
+    def _select_v3(self, path: str, index: np.ndarray, writers: OwnerMap, s: int):
+        """(read, filter) per page of a format-3 file of writer rank s. A page's keys
+        are in buckets s owned, from its first bucket to its last (a map that is not
+        contiguous leaves other ranks' buckets in between, which the file does not
+        hold): read the pages where such a bucket is one of this rank's, filter those
+        where one is not."""
+        first, last = index["first"].astype(np.int64), index["last"].astype(np.int64)
+        owned = writers.array == s
+        bad = ~owned[first] | ~owned[last]
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise CheckpointError(
+                f"checkpoint file {path}: the page at byte {int(index['offset'][i])} holds "
+                f"buckets {int(first[i])}..{int(last[i])}, which its writer, rank {s}, did "
+                "not own in its checkpoint's owner map (not a shard file kvcoll wrote)")
+        at = np.concatenate([[0], np.cumsum(owned)])
+        both = np.concatenate([[0], np.cumsum(owned & self.mine)])
+        n_both = both[last + 1] - both[first]
+        return n_both > 0, n_both < at[last + 1] - at[first]
+
+    def _residues_of(self, g: int) -> np.ndarray:
+        """How many of this rank's buckets have each residue modulo g."""
+        if g not in self._residues:
+            self._residues[g] = np.bincount(np.flatnonzero(self.mine) % g, minlength=g)
+        return self._residues[g]
+
+    def _v2_file_meets(self, info: dict, path: str) -> bool:
+        """A format-2 file of rank s of N holds keys with (mix >> 40) mod N == s: their
+        model buckets are s modulo gcd(N, B)."""
+        rank, world = info.get("rank"), info.get("world")
+        if not isinstance(world, int) or world < 1 or not isinstance(rank, int) or \
+                not 0 <= rank < world:
+            raise CheckpointError(f"{path}: the manifest says it was written by rank "
+                                  f"{rank!r} of {world!r} (corrupt manifest)")
+        g = math.gcd(world, self.owners.buckets)
+        return bool(self._residues_of(g)[rank % g])
+
+    def _select_v2(self, index: np.ndarray, buckets: int):
+        """(read, filter) per page of a format-2 file of `buckets` buckets: a page of
+        bucket b holds keys whose model buckets are b modulo gcd(buckets, B)."""
+        g = math.gcd(buckets, self.owners.buckets)
+        n = self._residues_of(g)[index["first"] % g]
+        return n > 0, n < self.owners.buckets // g
+
+    # -- pass 1 -------------------------------------------------------------------------
+
     def _spans(self, plan: _TablePlan) -> np.ndarray:
         return (plan.pages["length"].astype(np.int64) + 7) & ~7
 
     def _verify(self) -> None:
         """Pass 1: read every page once, in file order, checking its sha256 and that its
-        keys are in its bucket. Keeps them when they all fit the buffer."""
+        keys are in its buckets. Keeps them when they all fit the buffer."""
         keep = sum(int(self._spans(p).sum()) for p in self.plans) <= self.limit
         for plan in self.plans:
             pages, spans = plan.pages, self._spans(plan)
@@ -763,12 +945,16 @@ class _Replay:
                 for i, view in zip(batch.tolist(), got):
                     n = int(pages["count"][i])
                     keys = view[:8 * n].view(np.int64)
-                    if (_shards.buckets_of(keys, int(pages["buckets"][i]))
-                            != pages["bucket"][i]).any():
+                    b = bucket_of(keys, int(pages["buckets"][i]))
+                    writer = plan.writers[int(pages["file"][i])]
+                    if ((b < pages["first"][i]) | (b > pages["last"][i])).any() or \
+                            (writer is not None and (writer[0][b] != writer[1]).any()):
                         raise CheckpointError(
                             f"checkpoint file {plan.paths[int(pages['file'][i])]}: the page "
                             f"at byte {int(pages['offset'][i])} holds keys outside its "
-                            f"bucket {int(pages['bucket'][i])} (not a shard file kvcoll wrote)")
+                            f"buckets {int(pages['first'][i])}..{int(pages['last'][i])}, or "
+                            "of buckets its writer did not own (not a shard file kvcoll "
+                            "wrote)")
                     if pages["kind"][i] == _shards.ROWS:
                         cols = _shards.split_page(view, _shards.ROWS, n, plan.table.dim,
                                                   plan.table.slot_floats)
@@ -778,6 +964,8 @@ class _Replay:
                     if keep:
                         views[i] = view
             plan.cached = views
+
+    # -- pass 2 -------------------------------------------------------------------------
 
     def apply(self) -> None:
         """Pass 2: clear each table and replay its pages group by group (see the module
@@ -789,39 +977,51 @@ class _Replay:
             pages, spans = plan.pages, self._spans(plan)
             if not pages.size:
                 continue
-            coarse = pages["bucket"] % plan.coarse  # the same for a key in every file
-            per_bucket = np.bincount(coarse, weights=spans, minlength=plan.coarse)
-            group_of = np.zeros(plan.coarse, np.int64)
-            g, acc = 0, 0
-            for b in np.flatnonzero(per_bucket).tolist():
-                if acc and acc + per_bucket[b] > self.limit:
-                    g, acc = g + 1, 0
-                group_of[b] = g
-                acc += per_bucket[b]
-            gid = group_of[coarse]
-            order = np.lexsort((pages["offset"], pages["file"], pages["kind"],
-                                pages["member"], gid))
-            batches = _batches(order, spans, self.limit, gid)
+            klo, khi = pages["klo"].astype(np.int64), pages["khi"].astype(np.int64)
+            if (pages["kind"] == _shards.REMOVED).any():
+                starts, group_of = _groups(klo, khi, spans, plan.nk, self.limit)
+            else:  # nothing is removed: no row lives longer than the replay needs it
+                starts, group_of = np.zeros(1, np.int64), np.zeros(plan.nk, np.int64)
+            ends = np.append(starts[1:], plan.nk) - 1          # each group's last key
+            g0, g1 = group_of[klo], group_of[khi]               # a page meets g0..g1
+            reps = g1 - g0 + 1
+            page = np.repeat(np.arange(pages.size), reps)       # (page, group) pairs
+            gid = np.repeat(g0, reps) + np.arange(page.size) - np.repeat(np.cumsum(reps) -
+                                                                        reps, reps)
+            outside = (klo[page] < starts[gid]) | (khi[page] > ends[gid])
+            order = np.lexsort((pages["offset"][page], pages["file"][page],
+                                pages["kind"][page], pages["member"][page], gid))
+            page, gid, outside = page[order], gid[order], outside[order]
+            batches = _batches(np.arange(page.size), spans[page], self.limit, gid)
             if plan.cached is not None:
-                batches = ((b, [plan.cached[i] for i in b.tolist()]) for b in batches)
+                batches = ((b, [plan.cached[i] for i in page[b].tolist()]) for b in batches)
             else:  # the next batch is read (and verified) while this one is applied
-                batches = self.reader.batches(plan.paths, pages, batches)
+                batches = self.reader.batches(plan.paths, pages[page], batches)
             try:
                 for batch, views in batches:
-                    for i, view in zip(batch.tolist(), views):
-                        self._apply_page(plan, pages[i], view)
+                    for j, view in zip(batch.tolist(), views):
+                        g = int(gid[j])
+                        keys = (int(starts[g]), int(ends[g])) if outside[j] else None
+                        self._apply_page(plan, pages[page[j]], view, keys)
             finally:
                 batches.close()  # on an error: wait for the read ahead before close()
             plan.cached = None
 
-    def _apply_page(self, plan: _TablePlan, page, view: np.ndarray) -> None:
+    def _apply_page(self, plan: _TablePlan, page, view: np.ndarray, keys=None) -> None:
+        """Apply one page: only this rank's keys when it holds others' (filter), and
+        only those of replay keys keys[0]..keys[1] when it reaches outside its group."""
         t, kind = plan.table, int(page["kind"])
         cols = _shards.split_page(view, kind, int(page["count"]), t.dim, t.slot_floats)
+        ids = cols["removed" if kind == _shards.REMOVED else "keys"]
+        keep = None
         if page["filter"]:
-            keys = cols["removed" if kind == _shards.REMOVED else "keys"]
-            mine = owner_of(keys, self.world) == self.rank
-            if not mine.all():
-                cols = {k: v[mine] for k, v in cols.items()}
+            keep = self.owners.owner_of(ids) == self.rank
+        if keys is not None:
+            k = bucket_of(ids, plan.nk)
+            inside = (k >= keys[0]) & (k <= keys[1])
+            keep = inside if keep is None else keep & inside
+        if keep is not None and not keep.all():
+            cols = {c: v[keep] for c, v in cols.items()}
         if kind == _shards.REMOVED:
             t.delete(cols["removed"])
         else:
@@ -837,12 +1037,13 @@ class _Replay:
 # -- restore, format 1: every file this rank may need, whole, in memory ---------------------
 
 class _V1Load:
-    """A version-1 restore: reads and verifies every file this rank may need (its own
-    when the world size is the writer's, every file otherwise) and keeps its rows in
+    """A version-1 restore: reads and verifies every file (their keys were routed by
+    world size, not by the owner map) and keeps this rank's rows under `owners` in
     memory until apply()."""
 
-    def __init__(self, directory: str, chain: list, tables: dict, comm, nbytes: int):
-        rank, world = comm.rank, comm.size
+    def __init__(self, directory: str, chain: list, tables: dict, comm, nbytes: int,
+                 owners: OwnerMap | None = None):
+        rank, owners = comm.rank, owners_for(comm, owners)
         self.chain, self.tables, self.per_ckpt = chain, tables, []
         for m in chain:
             rows = {}
@@ -852,17 +1053,14 @@ class _V1Load:
                     info = m["files"].get(fname)
                     if info is None:
                         raise CheckpointError(f"{m['_name']}: {fname} is not in the manifest")
-                    if info["world"] == world and info["rank"] != rank:
-                        continue  # same partition: only this rank's own file
                     path = os.path.join(directory, m["_name"], fname)
                     buf = _shards.read_verified(path, info["sha256"], info["bytes"])
                     nbytes += buf.size
                     a = _shards.check_records_v1(_shards.parse_records_v1(buf, path), path,
                                                  t.dim, t.slot_floats)
-                    if info["world"] != world:  # another partition: keep what is ours now
-                        keep = owner_of(a["keys"], world) == rank
-                        a = {k: v[owner_of(v, world) == rank] if k == "removed" else v[keep]
-                             for k, v in a.items()}
+                    keep = owners.owner_of(a["keys"]) == rank
+                    a = {k: v[owners.owner_of(v) == rank] if k == "removed" else v[keep]
+                         for k, v in a.items()}
                     parts.append(a)
                 if len(parts) == 1:
                     rows[name] = parts[0]

@@ -8,7 +8,9 @@ Layout of export_dir:
     saved_model/                 tf.saved_model.load(...) in a process that imports only
                                  TensorFlow: no kvcoll, no MPI, no custom op
     embeddings/index.json        per table: dim, rows, the default vector unknown ids get
-                                 (zeros), and its parts (file names, rank, rows)
+                                 (zeros), and its parts (file names, rank, rows); and
+                                 "owners", the bucket -> rank map that put each id in
+                                 part owners[bucket(id)] (kvcoll.routing.OwnerMap.to_json)
     embeddings/<n>-<table>.part-<r>-of-<W>.ids.npy      int64 [n_r]: the ids rank r held
     embeddings/<n>-<table>.part-<r>-of-<W>.vectors.npy  float32 [n_r, dim]; row i is the
                                                         vector of ids[i]
@@ -58,6 +60,7 @@ import numpy as np
 
 from . import ids as _ids
 from .errors import InvalidArgumentError
+from .routing import OwnerMap
 
 __all__ = ["export", "DICTIONARY_DIR", "SAVED_MODEL_DIR", "serving_bytes"]
 
@@ -268,6 +271,8 @@ def _plan(directory: str, sizes: dict, totals: dict, saved_model: bool, limit) -
 
 def _write_index(path: str, eng, parts: dict, world: int) -> None:
     index = {"format": "kvcoll-embeddings", "version": 2, "world_size": world, "tables": {}}
+    owners = getattr(getattr(eng, "ex", None), "owners", None)  # the exchange's map
+    index["owners"] = (owners or OwnerMap.even(world)).to_json()
     for name, plist in parts.items():
         t = eng.tables[name]
         index["tables"][name] = {

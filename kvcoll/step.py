@@ -461,10 +461,11 @@ class Loop:
         if inflight is not None:
             self.ex.abandon(inflight)
 
-    def replan(self, comm) -> None:
-        """Continue on communicator `comm` (a world that changed), between steps."""
+    def replan(self, comm, owners=None) -> None:
+        """Continue on communicator `comm` (a world that changed) and owner map `owners`
+        (default: the even map of its size), between steps."""
         self.abandon()
-        self.ex.replan(comm)
+        self.ex.replan(comm, owners)
         if not self.ex.synchronous:
             self._dense_started = False
 

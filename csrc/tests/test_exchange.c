@@ -13,6 +13,8 @@
  *   - NaN gradients, bad arguments and failed allocations leave every table as it was
  *     (apply) or fail cleanly (plan, serve);
  *   - a row freed between serve and apply (generation change) is handled by key;
+ *   - ids go to the owner a bucket -> rank map gives them (an uneven map of 60
+ *     buckets: the modulo path; a bad map entry is refused);
  *   - kv_xrowgrad sums gather gradients per row exactly as a plain loop does, for
  *     narrow and wide rows, and refuses bad indices.
  */
@@ -26,6 +28,8 @@
 #define NT 3
 #define MAXW 4
 #define B 400 /* ids per table per rank */
+
+#define NB 60 /* buckets of the map (not a power of two: the modulo path) */
 
 static const int32_t DIMS[NT] = {3, 5, 3};
 static const int32_t GROUP[NT] = {0, 1, 0};
@@ -48,6 +52,7 @@ static kv_table_config_t config(int32_t t) {
 
 typedef struct {
     int world;
+    int32_t owners[NB]; /* bucket -> rank: uneven, not bucket % world */
     kv_table_t *shard[MAXW][NT], *ref[NT];
     int64_t ids[MAXW][NT][B];
     /* per rank: plan outputs */
@@ -78,6 +83,7 @@ static int64_t seg_at(const int64_t *counts, int world, int r, int t, int floats
 
 static void make_tables(int world) {
     S.world = world;
+    for (int b = 0; b < NB; b++) S.owners[b] = (b * 7 + b / 5) % world;
     for (int t = 0; t < NT; t++) {
         kv_table_config_t c = config(t);
         CHECK_EQ_INT(kv_table_create(&c, &S.ref[t]), KV_OK);
@@ -109,8 +115,8 @@ static int plan_and_route(void) {
             ptrs[t] = S.ids[r][t];
             n[t] = B;
         }
-        int rc = kv_xplan(NT, w, ptrs, n, GROUP, S.send[r], S.counts[r], S.inverse[r],
-                          S.upos[r], S.pos[r], S.nu[r]);
+        int rc = kv_xplan(NT, S.owners, NB, w, ptrs, n, GROUP, S.send[r], S.counts[r],
+                          S.inverse[r], S.upos[r], S.pos[r], S.nu[r]);
         if (rc != KV_OK) return rc;
     }
     for (int o = 0; o < w; o++) {
@@ -272,6 +278,20 @@ static void test_round_trip(int world, int universe) {
             for (int r = 0; r < world; r++) parts[r] = S.shard[r][t];
             CHECK(same_tables(S.ref[t], parts, world));
         }
+        /* every shard holds only keys the map gives its rank */
+        int owned = 1;
+        for (int r = 0; r < world; r++)
+            for (int t = 0; t < NT; t++) {
+                int64_t cur = 0, got = 0, keys[256];
+                static float vals[256 * 5];
+                do {
+                    kv_table_export(S.shard[r][t], &cur, 256, 0, keys, vals, NULL, NULL, NULL,
+                                    NULL, &got);
+                    for (int64_t i = 0; i < got; i++)
+                        owned &= S.owners[kv_bucket_of_hash(kv_mix64((uint64_t)keys[i]), NB)] == r;
+                } while (got == 256);
+            }
+        CHECK(owned);
     }
     free_tables();
 }
@@ -349,12 +369,28 @@ static void test_errors(void) {
     const int64_t *ptrs[NT] = {S.ids[0][0], S.ids[0][1], S.ids[0][2]};
     int64_t n[NT] = {B, B, B}, nbad[NT] = {B, -1, B};
     int32_t gbad[NT] = {0, 3, 0};
-    CHECK_EQ_INT(kv_xplan(NT, 0, ptrs, n, GROUP, S.send[0], S.counts[0], S.inverse[0], S.upos[0],
-                          S.pos[0], S.nu[0]), KV_EINVAL);
-    CHECK_EQ_INT(kv_xplan(NT, 2, ptrs, nbad, GROUP, S.send[0], S.counts[0], S.inverse[0],
+    int32_t map[NB] = {0}, badmap[NB] = {0};
+    for (int b = 0; b < NB; b++) map[b] = b % 2;
+    badmap[NB - 1] = 2; /* a rank outside a world of 2 */
+    CHECK_EQ_INT(kv_xplan(NT, map, NB, 0, ptrs, n, GROUP, S.send[0], S.counts[0], S.inverse[0],
                           S.upos[0], S.pos[0], S.nu[0]), KV_EINVAL);
-    CHECK_EQ_INT(kv_xplan(NT, 2, ptrs, n, gbad, S.send[0], S.counts[0], S.inverse[0], S.upos[0],
-                          S.pos[0], S.nu[0]), KV_EINVAL);
+    CHECK_EQ_INT(kv_xplan(NT, map, 0, 2, ptrs, n, GROUP, S.send[0], S.counts[0], S.inverse[0],
+                          S.upos[0], S.pos[0], S.nu[0]), KV_EINVAL);
+    CHECK_EQ_INT(kv_xplan(NT, NULL, NB, 2, ptrs, n, GROUP, S.send[0], S.counts[0], S.inverse[0],
+                          S.upos[0], S.pos[0], S.nu[0]), KV_EINVAL);
+    CHECK_EQ_INT(kv_xplan(NT, map, NB, 2, ptrs, nbad, GROUP, S.send[0], S.counts[0], S.inverse[0],
+                          S.upos[0], S.pos[0], S.nu[0]), KV_EINVAL);
+    CHECK_EQ_INT(kv_xplan(NT, map, NB, 2, ptrs, n, gbad, S.send[0], S.counts[0], S.inverse[0],
+                          S.upos[0], S.pos[0], S.nu[0]), KV_EINVAL);
+    int hit = 0; /* some id of the batch must fall in the bad bucket for the check to bite */
+    for (int t = 0; t < NT; t++)
+        for (int i = 0; i < B; i++)
+            hit |= kv_bucket_of_hash(kv_mix64((uint64_t)S.ids[0][t][i]), NB) == NB - 1;
+    CHECK(hit);
+    CHECK_EQ_INT(kv_xplan(NT, badmap, NB, 2, ptrs, n, GROUP, S.send[0], S.counts[0],
+                          S.inverse[0], S.upos[0], S.pos[0], S.nu[0]), KV_EINVAL);
+    CHECK_EQ_INT(kv_xplan(NT, NULL, NB, 1, ptrs, n, GROUP, S.send[0], S.counts[0], S.inverse[0],
+                          S.upos[0], S.pos[0], S.nu[0]), KV_OK); /* world 1: no map needed */
     int64_t negc[2 * NT] = {1, -1, 0, 0, 0, 0};
     CHECK_EQ_INT(kv_xserve(S.shard[0], NT, 2, S.recv[0], negc, 1, 1, S.reply[0], S.uidx[0],
                            S.ukeys[0], S.urefs[0], S.ustart[0], S.gens[0]), KV_EINVAL);

@@ -48,6 +48,7 @@ class Exchange(Protocol):
     """What every step mode's exchange does (BspExchange, SspExchange; ASP is SSP with no
     staleness bound).
 
+    owners: the kvcoll.routing.OwnerMap that says which rank owns each key's bucket.
     synchronous: True for BSP (every step is a collective; dense parameters are every
         rank's own); False for SSP/ASP (dense parameters live in slices on their owners
         and come with the pull as Pull.dense).
@@ -91,19 +92,21 @@ class Exchange(Protocol):
         """SSP/ASP: the whole dense vector, gathered (a collective, after finish());
         BSP: None (every rank holds it)."""
 
-    def replan(self, comm) -> None:
-        """Continue on another communicator (a new world), between steps."""
+    def replan(self, comm, owners=None) -> None:
+        """Continue on another communicator (a new world) and owner map (a
+        kvcoll.routing.OwnerMap; default the even map of its size), between steps."""
 
     def close(self) -> None:
         """Release threads and communicators (after finish(), or when giving up)."""
 
 
 def make_exchange(comm, tables: dict, mode: StepMode, dense_size: int = 0,
-                  dense_optimizer=None) -> Exchange:
+                  dense_optimizer=None, owners=None) -> Exchange:
     """The exchange of step mode `mode` over `tables` (SSP/ASP: with a dense vector of
-    `dense_size` floats updated on its owners by `dense_optimizer`). SSP/ASP start a
-    service thread and duplicate the communicator: a collective."""
+    `dense_size` floats updated on its owners by `dense_optimizer`), routing keys by the
+    owner map `owners` (default: the even map of comm's size). SSP/ASP start a service
+    thread and duplicate the communicator: a collective."""
     if mode.name == "bsp":
-        return BspExchange(comm, tables)
+        return BspExchange(comm, tables, owners=owners)
     return SspExchange(comm, tables, mode.staleness, dense_size=dense_size,
-                       dense_optimizer=dense_optimizer)
+                       dense_optimizer=dense_optimizer, owners=owners)

@@ -32,6 +32,7 @@ import numpy as np
 from .._buffers import aligned_empty
 from ..comm import Comm
 from ..errors import InvalidArgumentError
+from ..routing import owners_for
 from ..table import KvTable
 from .agreement import Agreement
 from .kernels import TableSet
@@ -187,12 +188,15 @@ class BspExchange:
     array is fine (the rank still answers its peers).
 
     step: the last step this rank started (restore sets it with set_step).
+    owners: the kvcoll.routing.OwnerMap ids are routed by (default: the even map of
+    comm.size).
     """
 
     synchronous = True
 
-    def __init__(self, comm: Comm, tables: dict[str, KvTable]):
+    def __init__(self, comm: Comm, tables: dict[str, KvTable], owners=None):
         self.comm = comm
+        self.owners = owners_for(comm, owners)
         self.tables = dict(tables)
         self._names = list(self.tables)
         self._set = TableSet([self.tables[n] for n in self._names])
@@ -233,7 +237,7 @@ class BspExchange:
             raise InvalidArgumentError(f"pull: ids must name every table exactly; unknown "
                                        f"{unknown}, missing {missing}")
         given = [np.ascontiguousarray(ids[n], np.int64) for n in self._names]
-        plan = self._set.plan(given, self.comm.size)
+        plan = self._set.plan(given, self.owners)
         step = self.step + 1 if create else self.step
         self.comm.step = step  # named by a timeout error of this step's collectives
         handle = self.comm.alltoallv(plan[0], plan[1], op="pull:ids",
@@ -321,11 +325,13 @@ class BspExchange:
         """None: every rank holds the dense parameters (SSP/ASP return them gathered)."""
         return None
 
-    def replan(self, comm: Comm) -> None:
-        """Continue on another communicator (a new world): the next step is planned for
-        its ranks. The rows each rank holds stay; moving the rows whose owner changed is
-        the caller's (the elastic runtime's)."""
+    def replan(self, comm: Comm, owners=None) -> None:
+        """Continue on another communicator (a new world) and owner map (default: the
+        even map of its size): the next step is planned for them. The rows each rank
+        holds stay; moving the rows whose owner changed is the caller's (the elastic
+        runtime's)."""
         self.comm = comm
+        self.owners = owners_for(comm, owners)
 
     def close(self) -> None:
         """Nothing to release: BSP holds no thread and no communicator of its own."""

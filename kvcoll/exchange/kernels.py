@@ -14,6 +14,7 @@ import numpy as np
 from .. import errors
 from .._buffers import aligned_empty
 from .._c import EMPTY, check, ffi, lib, ptr, step32
+from ..routing import OwnerMap
 
 __all__ = ["TableSet", "gather_grad"]
 
@@ -40,9 +41,14 @@ class TableSet:
     def _handles(self):
         return ffi.new("kv_table_t *[]", [t._handle() for t in self.tables])
 
-    def plan(self, ids: list, world: int):
-        """Sender side of a pull (kv_xplan): returns (send_ids, counts (world, ntab),
-        inverse, upos, pos, n_unique); ids[t] are int64 C-contiguous arrays."""
+    def plan(self, ids: list, owners: OwnerMap):
+        """Sender side of a pull (kv_xplan): each id goes to its owner under `owners`
+        (a kvcoll.routing.OwnerMap); returns (send_ids, counts (world, ntab), inverse,
+        upos, pos, n_unique); ids[t] are int64 C-contiguous arrays."""
+        if not isinstance(owners, OwnerMap):
+            raise errors.InvalidArgumentError(
+                f"exchange: plan needs a kvcoll.routing.OwnerMap, got {owners!r:.100}")
+        world = owners.world
         ntab = len(self.tables)
         n = np.array([a.size for a in ids], np.int64)
         bufs = [ffi.from_buffer(a if a.size else EMPTY) for a in ids]
@@ -54,7 +60,7 @@ class TableSet:
         upos = np.empty(total, np.int64)
         pos = np.empty(total, np.int64)
         nu = np.empty(ntab, np.int64)
-        check(lib.kv_xplan(ntab, int(world), ptrs, ptr("int64_t *", n),
+        check(lib.kv_xplan(ntab, owners._ptr, owners.buckets, world, ptrs, ptr("int64_t *", n),
                            ptr("int32_t *", self.group), ptr("int64_t *", send),
                            ptr("int64_t *", counts), ptr("int64_t *", inverse),
                            ptr("int64_t *", upos), ptr("int64_t *", pos),

@@ -59,6 +59,7 @@ import numpy as np
 
 from ..comm import SPIN, Comm
 from ..errors import CommError, CommTimeoutError, InvalidArgumentError
+from ..routing import owners_for
 from ..table import KvTable
 from .._buffers import aligned_empty
 from .bsp import BspExchange, Pull
@@ -130,17 +131,21 @@ class SspExchange:
 
     step: the last step this rank started (its clock once pushed); set_step(s) makes
     every worker's clock s (a restore: every rank restores the same step).
+    owners: the kvcoll.routing.OwnerMap ids are routed by (default: the even map of
+    comm.size).
     """
 
     synchronous = False
 
     def __init__(self, comm: Comm, tables: dict[str, KvTable], staleness: int | None,
-                 dense_size: int = 0, dense_optimizer=None, max_inflight_steps: int = 4):
+                 dense_size: int = 0, dense_optimizer=None, max_inflight_steps: int = 4,
+                 owners=None):
         if staleness is not None and (not isinstance(staleness, int) or staleness < 0):
             raise InvalidArgumentError(
                 f"staleness must be an int >= 0 or None (ASP), got {staleness!r}")
         comm.require_threads("SSP/ASP (a service thread per rank)")
         self.comm = comm
+        self.owners = owners_for(comm, owners)
         self.tables = dict(tables)
         self._names = list(self.tables)
         self._set = TableSet([self.tables[n] for n in self._names])
@@ -291,7 +296,7 @@ class SspExchange:
             raise InvalidArgumentError(f"pull: ids must name every table exactly; got {sorted(ids)}, "
                              f"tables {self._names}")
         given = [np.ascontiguousarray(ids[n], np.int64) for n in self._names]
-        plan = self._set.plan(given, world)
+        plan = self._set.plan(given, self.owners)
         send, counts = plan[0], plan[1]                     # ids by owner, then table
         id_at, fl_at = self._offsets(counts)
         flags = (_F_CREATE if create else 0) | (_F_DENSE if dense and self.dense_size else 0)
@@ -444,8 +449,9 @@ class SspExchange:
         """The dense vector's initial values (see start_dense)."""
         self.start_dense(flat, state, updates, replace=replace)
 
-    def replan(self, comm: Comm) -> None:
-        """Continue on another communicator (a new world), between steps: the service
+    def replan(self, comm: Comm, owners=None) -> None:
+        """Continue on another communicator (a new world) and owner map (default: the
+        even map of its size), between steps: the service
         thread and its communicators are rebuilt for it, every worker's clock restarts at
         this rank's step, and the dense slices are cut anew: give the dense vector again
         with set_dense before the next step. Moving rows whose owner changed is the
@@ -453,7 +459,7 @@ class SspExchange:
         step = self.step
         self.close()
         self.__init__(comm, self.tables, self.staleness, self.dense_size, self._dense_opt,
-                      self._inflight_limit // max(1, self._world))
+                      self._inflight_limit // max(1, self._world), owners=owners)
         self.set_step(step)
 
     def _send(self, comm: Comm, msg: np.ndarray, dest: int, op: str) -> None:

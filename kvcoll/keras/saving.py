@@ -31,7 +31,8 @@ def engine_for(obj) -> Engine:
 def _checkpointer(eng: Engine) -> Checkpointer:
     ck = _checkpointers.get(eng)
     if ck is None:
-        ck = Checkpointer(eng.tables, eng.comm, dense=DenseState(eng.model, eng.optimizer))
+        ck = Checkpointer(eng.tables, eng.comm, dense=DenseState(eng.model, eng.optimizer),
+                          owners=eng.loop.ex.owners)   # the exchange's owner map
         _checkpointers[eng] = ck
     return ck
 

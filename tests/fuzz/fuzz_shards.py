@@ -4,16 +4,18 @@ how kvcoll.checkpoint's restore uses them).
 
 An input is a 24-byte header and a payload. The header's first byte picks what the
 payload is and which reader gets it; the rest says what the manifest records (dim and
-row optimizer of the table, writer's and reader's world and rank, bucket count, rows,
-removed keys, index bytes):
+row optimizer of the table, writer's and reader's world and rank, whether the reader's
+owner map is the even one, bucket count, rows, removed keys, index bytes):
 
-    0  a format-2 shard file, restored through checkpoint._Replay (pass 1 reads the
-       index and verifies every page, pass 2 replays into a KvTable)
-    1  a format-2 shard file, through read_shard (no manifest)
+    0  a format-3 shard file, restored through checkpoint._Replay (pass 1 reads the
+       index and verifies every page, pass 2 replays into a KvTable), by a reader whose
+       owner map is even or not (the model's bucket count from the header)
+    1  a shard file of any format, through read_shard (no manifest)
     2  a format-1 shard file, restored through checkpoint._V1Load
     3  a format-1 admission-state file, through checkpoint._read_admission, then
        KvTable.import_admission
     4  a manifest.json beside valid shard files, through Checkpointer._load and apply
+    5  a format-2 shard file (version 2 checkpoints), restored through _Replay
 
 Restore checks the sha256 of every file, index and page before it parses them; the
 harness recomputes those hashes over the mutated bytes (what a buggy writer or a
@@ -56,13 +58,17 @@ if atheris is not None and __name__ == "__main__":
 else:
     from kvcoll import _shards, checkpoint as ck, optimizers
 from kvcoll.errors import CheckpointError  # noqa: E402
+from kvcoll.routing import BUCKETS, OwnerMap  # noqa: E402
 from kvcoll.table import KvTable  # noqa: E402
 
-V2_RESTORE, V2_READ, V1_RESTORE, ADMISSION, MANIFEST = range(5)
-MODES = 5
+V3_RESTORE, READ, V1_RESTORE, ADMISSION, MANIFEST, V2_RESTORE = range(6)
+MODES = 6
+FIXTURE_V2 = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "unit",
+                          "data", "ckpt_v2", "ckpt-0000000002")
 # mode, worlds (writer's in bits 0-1, reader's in bits 2-3, as 1 + value), ranks (writer's
-# in bits 0-3, reader's in bits 4-7, mod the world), optimizer, dim, unused, buckets,
-# rows, removed, index bytes
+# in bits 0-3, reader's in bits 4-7, mod the world), optimizer, dim, map (bit 0: the
+# reader's owner map is not the even one), buckets (format 3: the model's, 0 or more
+# than 65536 meaning 65536; format 2: the file's), rows, removed, index bytes
 HEAD = struct.Struct("<BBBBHHIIII")
 OPTIMIZERS = (optimizers.SGD(0.1), optimizers.Adagrad(0.1), optimizers.Adam(0.01))
 CKPT = "ckpt-0000000001"
@@ -110,35 +116,64 @@ def _expect_named(exc: Exception, path: str) -> None:
         raise AssertionError(f"CheckpointError without the file's name: {exc}") from exc
 
 
-def _v2_info(data: bytes, head) -> dict:
+def _model_buckets(head) -> int:
+    return head[6] if 1 <= head[6] <= BUCKETS else BUCKETS
+
+
+def _reader_map(head) -> OwnerMap:
+    """The reader's owner map: the even one, or (map bit) one that is not."""
+    _, _, _, rw = _worlds(head)
+    b = _model_buckets(head)
+    return OwnerMap.even(rw + 1, b).without([0]) if head[5] & 1 else OwnerMap.even(rw, b)
+
+
+def _shard_info(data: bytes, head, version: int = 3) -> dict:
     _, _, _, _, _, _, buckets, rows, removed, index_bytes = head
     wr, ww = _worlds(head)[:2]
     offset = len(data) - index_bytes
     tail = data[offset:] if 0 <= offset <= len(data) else b""
-    return {"bytes": len(data), "rows": rows, "removed": removed, "buckets": buckets,
+    info = {"bytes": len(data), "rows": rows, "removed": removed,
             "table": "t", "rank": wr, "world": ww,
             "index": {"offset": offset, "bytes": index_bytes,
                       "sha256": hashlib.sha256(tail).hexdigest()}}
+    if version == 2:
+        info["buckets"] = buckets
+    return info
 
 
-def _manifest(files: dict, table: KvTable, **extra) -> dict:
-    m = {"format": ck.FORMAT, "version": 2, "kind": "full", "step": 1, "world": 1,
+def _manifest(files: dict, table: KvTable, version: int = 3, world: int = 1,
+              buckets: int = BUCKETS, **extra) -> dict:
+    m = {"format": ck.FORMAT, "version": version, "kind": "full", "step": 1,
+         "world_size": world,
          "tables": {"t": dict(ck._table_spec(table), files=sorted(files))}, "files": files}
+    if version >= 3:
+        m["buckets"] = buckets
+        m["owners"] = OwnerMap.even(world, buckets).to_json()
     m.update(extra)
     return m
 
 
 def _restore_v2(data: bytes, head) -> None:
+    _restore(data, head, 2)
+
+
+def _restore_v3(data: bytes, head) -> None:
+    _restore(data, head, 3)
+
+
+def _restore(data: bytes, head, version: int) -> None:
     t = _table(head[3], 1 + head[4] % 16)
-    _, _, rr, rw = _worlds(head)
+    _, ww, rr, rw = _worlds(head)
     d = _fresh_dir()
     path = os.path.join(d, FNAME)
     with open(path, "wb") as f:
         f.write(data)
-    m = dict(_manifest({FNAME: _v2_info(data, head)}, t), _name=CKPT)
+    owners = _reader_map(head) if version >= 3 else OwnerMap.even(rw)
+    m = dict(_manifest({FNAME: _shard_info(data, head, version)}, t, version, ww,
+                       owners.buckets), _name=CKPT)
     comm = types.SimpleNamespace(rank=rr, size=rw)
     try:
-        replay = ck._Replay(_WORK, [m], {"t": t}, comm, ck.MIN_RESTORE_BUFFER, 0)
+        replay = ck._Replay(_WORK, [m], {"t": t}, comm, ck.MIN_RESTORE_BUFFER, 0, owners)
     except Exception as exc:  # noqa: BLE001 - the contract is on the type
         _expect_named(exc, path)
         return
@@ -146,7 +181,10 @@ def _restore_v2(data: bytes, head) -> None:
         replay.apply()  # verified: must not fail
     finally:
         replay.close()
-    if rw == 1:
+    if not any(p.paths for p in replay.plans):  # its writer owned none of our buckets
+        if len(t):
+            raise Mismatch(f"{len(t)} rows restored from no file")
+    elif rw == 1:
         _same_as_read_shard(t, path)
 
 
@@ -165,7 +203,7 @@ def _same_as_read_shard(t: KvTable, path: str) -> None:
             raise Mismatch(f"restored {k} differ from read_shard's")
 
 
-def _read_v2(data: bytes, head) -> None:
+def _read(data: bytes, head) -> None:
     path = os.path.join(_fresh_dir(), FNAME)
     with open(path, "wb") as f:
         f.write(data)
@@ -189,7 +227,7 @@ def _restore_v1(data: bytes, head) -> None:
         f.write(data)
     info = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "table": "t",
             "rank": wr, "world": ww}
-    m = dict(_manifest({fname: info}, t), version=1, _name=CKPT)
+    m = dict(_manifest({fname: info}, t, version=1), _name=CKPT)
     comm = types.SimpleNamespace(rank=rr, size=rw)
     try:
         load = ck._V1Load(_WORK, [m], {"t": t}, comm, 0)
@@ -210,7 +248,9 @@ def _admission(data: bytes, head) -> None:
         f.write(data)
     info = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "table": "t",
             "rank": wr, "world": ww, "rows": 0, "admission": True}
-    m = {"_name": CKPT, "tables": {"t": {"admission": [fname]}}, "files": {fname: info}}
+    m = {"_name": CKPT, "version": 3, "world_size": ww, "buckets": BUCKETS,
+         "owners": OwnerMap.even(ww).to_json(), "tables": {"t": {"admission": [fname]}},
+         "files": {fname: info}}
     comm = types.SimpleNamespace(rank=rr, size=rw)
     try:
         states = ck._read_admission(_WORK, m, {"t": t}, comm)
@@ -232,7 +272,7 @@ def _manifest_case(data: bytes, head) -> None:
     key = (head[3] % len(OPTIMIZERS), t.dim)
     d = _fresh_dir()
     if key not in _SHARD_FILES:
-        data0, info = _valid_v2(t.dim, t.slot_floats, 6, seed=1)
+        data0, info = _valid_v3(t.dim, t.slot_floats, seed=1)
         _SHARD_FILES[key] = (data0, json.dumps(_manifest({FNAME: info}, t)).encode())
     data0, m0 = _SHARD_FILES[key]
     with open(os.path.join(d, FNAME), "wb") as f:
@@ -257,8 +297,8 @@ def _manifest_case(data: bytes, head) -> None:
         loaded.close()
 
 
-CASES = {V2_RESTORE: _restore_v2, V2_READ: _read_v2, V1_RESTORE: _restore_v1,
-         ADMISSION: _admission, MANIFEST: _manifest_case}
+CASES = {V3_RESTORE: _restore_v3, READ: _read, V1_RESTORE: _restore_v1,
+         ADMISSION: _admission, MANIFEST: _manifest_case, V2_RESTORE: _restore_v2}
 
 
 def check(data: bytes) -> None:
@@ -280,7 +320,8 @@ def _rows(n: int, dim: int, sf: int, rng) -> dict:
             "counts": rng.integers(0, 100, n).astype(np.uint32)}
 
 
-def _valid_v2(dim: int, sf: int, buckets: int, seed: int, n: int = 8, removed: int = 3):
+def _valid_v3(dim: int, sf: int, seed: int, n: int = 8, removed: int = 3,
+              buckets: int = BUCKETS):
     rng = np.random.default_rng(seed)
     path = os.path.join(_WORK, f"seed-{seed}.kvs")
     if os.path.exists(path):
@@ -295,15 +336,19 @@ def _valid_v2(dim: int, sf: int, buckets: int, seed: int, n: int = 8, removed: i
 
 
 def seeds() -> dict:
-    """{name: input}: valid files of a few dims, optimizers and bucket counts."""
+    """{name: input}: valid files of a few dims, optimizers, bucket counts and maps, and
+    the format-2 files of tests/unit/data/ckpt_v2."""
     out = {}
     for i, (opt, dim, buckets, n, rem) in enumerate(
-            [(0, 4, 1, 6, 2), (1, 3, 6, 10, 3), (2, 2, 30, 12, 0), (0, 1, 1, 0, 4)]):
+            [(0, 4, 0, 6, 2), (1, 3, 6, 10, 3), (2, 2, 30, 12, 0), (0, 1, 0, 0, 4)]):
         t = _table(opt, dim)
-        data, info = _valid_v2(dim, t.slot_floats, buckets, seed=i, n=n, removed=rem)
-        for mode, world in ((V2_RESTORE, 0), (V2_RESTORE, 1 | 1 << 2), (V2_READ, 0)):
-            out[f"v2-{mode}-{world}-{i}"] = HEAD.pack(
-                mode, world, 0, opt, dim - 1, 0, buckets, info["rows"], info["removed"],
+        data, info = _valid_v3(dim, t.slot_floats, seed=i, n=n, removed=rem,
+                               buckets=buckets or BUCKETS)
+        # written on 1 rank; read on 1, on 2 (even), on 2 (a map that is not even)
+        for mode, world, uneven in ((V3_RESTORE, 0, 0), (V3_RESTORE, 1 << 2, 0),
+                                    (V3_RESTORE, 1 << 2, 1), (READ, 0, 0)):
+            out[f"v3-{mode}-{world}-{uneven}-{i}"] = HEAD.pack(
+                mode, world, 0, opt, dim - 1, uneven, buckets, info["rows"], info["removed"],
                 info["index"]["bytes"]) + data
         rng = np.random.default_rng(i)
         r = _rows(n, dim, t.slot_floats, rng)
@@ -325,13 +370,55 @@ def seeds() -> dict:
         os.unlink(path)
     for i, (opt, dim) in enumerate([(0, 4), (1, 3)]):
         t = _table(opt, dim)
-        data, info = _valid_v2(dim, t.slot_floats, 6, seed=10 + i)
+        data, info = _valid_v3(dim, t.slot_floats, seed=1)  # the file _manifest_case writes
         for kind in ("full", "delta"):
             extra = {"parent": CKPT} if kind == "delta" else {}
             m = _manifest({FNAME: info}, t, kind=kind, step=2, **extra)
             out[f"manifest-{kind}-{i}"] = HEAD.pack(MANIFEST, 0, 0, opt, dim - 1, 0, 0, 0, 0,
                                                     0) + json.dumps(m, indent=1).encode()
+    with open(os.path.join(FIXTURE_V2, ck.MANIFEST)) as f:
+        m2 = json.load(f)
+    for fname, table in (("003-d.r0-of-2.kvs", "d"), ("003-d.r1-of-2.kvs", "d")):  # small
+        info = m2["files"][fname]
+        opt = {"adagrad": 1}[m2["tables"][table]["optimizer"]]
+        dim = m2["tables"][table]["dim"]
+        with open(os.path.join(FIXTURE_V2, fname), "rb") as f:
+            data = f.read()
+        for world in (1 | 1 << 2, 1 | 2 << 2):  # written on 2; read on 2 and 3
+            out[f"v2-{fname}-{world}"] = HEAD.pack(
+                V2_RESTORE, world, info["rank"], opt, dim - 1, 0, info["buckets"],
+                info["rows"], info["removed"], info["index"]["bytes"]) + data
     return out
+
+
+def _compare_numpy_here():
+    """A fuzz target that runs check() with numpy comparisons done here, not by atheris.
+
+    atheris' comparison hook keeps a reference to every result that is not a Python
+    bool (measured: each `array == x` in an instrumented module leaked its result, 64
+    KiB for an owner map, and a run ran out of memory within a minute). The
+    instrumented code looks the hook up on the atheris module at every comparison, and
+    atheris sets it again when fuzzing starts, so the target puts ours back before
+    each input. op is COMPARE_OP's argument (already reversed when atheris swapped the
+    operands)."""
+    import operator
+
+    from atheris.version_dependent import CMP_OP_SHIFT_AMOUNT
+
+    ops = (operator.lt, operator.le, operator.eq, operator.ne, operator.gt, operator.ge)
+    native = []
+
+    def trace_cmp(a, b, op, counter, is_const):
+        if isinstance(a, (np.ndarray, np.generic)) or isinstance(b, (np.ndarray, np.generic)):
+            return ops[op >> CMP_OP_SHIFT_AMOUNT](a, b)
+        return native[0](a, b, op, counter, is_const)
+
+    def target(data: bytes) -> None:
+        if atheris._trace_cmp is not trace_cmp:
+            native[:] = [atheris._trace_cmp]
+            atheris._trace_cmp = trace_cmp
+        check(data)
+    return target
 
 
 def main(argv: list) -> None:
@@ -341,7 +428,7 @@ def main(argv: list) -> None:
             with open(os.path.join(argv[2], name), "wb") as f:
                 f.write(data)
         return
-    atheris.Setup(argv, check)
+    atheris.Setup(argv, _compare_numpy_here())
     atheris.Fuzz()
 
 

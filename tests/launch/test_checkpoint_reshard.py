@@ -4,7 +4,7 @@
   5, 6 and 7 (and, into another directory, a full checkpoint at step 7); it dumps the
   whole state at step 7 and records its loss curve.
 - Jobs on 1, 2, 3 and 4 ranks restore the full checkpoint of step 7 and the chain
-  full(4) + 3 deltas (format 2: each rank reads the pages of its buckets only): every
+  full(4) + 3 deltas (format 3: each rank reads the pages of its buckets only): every
   row, slot, row header, dense and optimizer variable and the step equal the dump bit
   for bit; training on continues along the uninterrupted loss curve (exactly on 3
   ranks, to 1e-5 on 1, 2 and 4: the sums run in another order).
@@ -60,7 +60,9 @@ def test_chain_layout(trained):
     assert [m["kind"] for m in kinds] == ["full", "delta", "delta", "delta"]
     assert [m["parent"] for m in kinds] == [None, "ckpt-0000000004", "ckpt-0000000005",
                                             "ckpt-0000000006"]
-    assert all(m["world_size"] == 3 and m["version"] == 2 for m in kinds)
+    assert all(m["world_size"] == 3 and m["version"] == 3 for m in kinds)
+    assert all(m["owners"] == {"buckets": 65536, "world": 3,
+                               "runs": [0, 21846, 1, 21845, 2, 21845]} for m in kinds)
     # a delta holds fewer rows than the full checkpoint it follows
     rows = [sum(t["rows"] for t in m["tables"].values()) for m in kinds]
     assert all(r < rows[0] for r in rows[1:]), rows

@@ -1,11 +1,13 @@
-"""BSP pull/push at any world size equals one table on one rank."""
+"""BSP pull/push at any world size equals one table on one rank, with ids routed by the
+even owner map or by one that is not (each rank then holds exactly the keys that map
+gives it)."""
 
 import numpy as np
 import pytest
 
 from kvcoll import KvTable, optimizers
 from kvcoll.exchange import BspExchange
-from kvcoll.routing import owner_of
+from kvcoll.routing import BUCKETS, OwnerMap, owner_of
 
 DIMS = {"a": 4, "b": 3, "c": 1}
 
@@ -37,12 +39,17 @@ def my_slice(n, world, rank, uneven):
     return n * rank // world, n * (rank + 1) // world
 
 
+@pytest.mark.parametrize("owners", ["even", "random"])
 @pytest.mark.parametrize("uneven", [False, True])
-def test_sharded_equals_single_table(comm, uneven):
+def test_sharded_equals_single_table(comm, uneven, owners):
     world, me = comm.size, comm.rank
     dist = make_tables()
     ref = make_tables()
-    ex = BspExchange(comm, dist)
+    # "random": every bucket to a rank drawn from one seed, the same on every rank
+    owners = OwnerMap.even(world) if owners == "even" else \
+        OwnerMap(np.random.default_rng(11).integers(0, world, BUCKETS), world)
+    ex = BspExchange(comm, dist, owners=None if owners == OwnerMap.even(world) else owners)
+    assert ex.owners == owners
     before = dict(comm.calls)
     steps = 6
     for step in range(1, steps + 1):
@@ -72,7 +79,7 @@ def test_sharded_equals_single_table(comm, uneven):
     assert calls["push:grads"] == steps
     for n, t in dist.items():
         e = t.export()
-        assert (owner_of(e["keys"], world) == me).all()
+        assert (owner_of(e["keys"], owners) == me).all()
         np.testing.assert_allclose(e["values"], ref[n].find(e["keys"]), rtol=1e-5, atol=1e-6)
         total = int(comm.allreduce(np.array([len(t)], np.int64))[0])
         assert total == len(ref[n])

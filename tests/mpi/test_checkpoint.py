@@ -3,8 +3,9 @@
 Every rank builds the whole table state from one seed, keeps its own keys, saves a
 full checkpoint and a delta; the checkpoint then restores on the same ranks (each
 reading its own files only) and, on every rank, into one-rank tables holding every key
-(another world size); a file corrupted on one rank makes every rank raise the same
-error with nothing changed.
+(another world size), and under an owner map that is not the even split (each rank
+holding exactly the keys it gives it); a file corrupted on one rank makes every rank
+raise the same error with nothing changed.
 """
 
 import os
@@ -17,7 +18,7 @@ from ckpt_tables import dump, make_tables, play, same
 import kvcoll as kv
 from kvcoll.checkpoint import Checkpointer
 from kvcoll.comm import Comm
-from kvcoll.routing import owner_of
+from kvcoll.routing import BUCKETS, OwnerMap, owner_of
 
 
 def test_full_and_delta_restore_on_same_and_one_rank(comm, shared_dir):
@@ -50,6 +51,38 @@ def test_full_and_delta_restore_on_same_and_one_rank(comm, shared_dir):
         play(everything, 1, 0, step)
     same(dump(local), dump(everything))
     for ts in (tables, fresh, local, everything):
+        for t in ts.values():
+            t.close()
+
+
+def test_restore_under_a_map_that_is_not_the_even_split(comm, shared_dir):
+    world, rank = comm.size, comm.rank
+    tables = make_tables()
+    ck = Checkpointer(tables, comm)
+    for step in (1, 2, 3):
+        play(tables, world, rank, step)
+        ck.save(shared_dir, step, incremental=step > 1)  # full, then deltas
+    owners = OwnerMap(np.random.default_rng(5).integers(0, world, BUCKETS), world)
+    fresh = make_tables()
+    r = Checkpointer(fresh, comm, owners=owners).restore(shared_dir)
+    assert r.step == 3
+    everything = make_tables()
+    for step in (1, 2, 3):
+        play(everything, 1, 0, step)
+    want = dump(everything)
+    got = dump(fresh)
+    for name, cols in want.items():
+        keep = owner_of(cols["keys"], owners) == rank
+        same({name: got[name]}, {name: {k: v[keep] for k, v in cols.items()}})
+    # the next save records this map; a restore on the even map reads it back
+    Checkpointer(fresh, comm, owners=owners).save(shared_dir, 4)
+    again = make_tables()
+    Checkpointer(again, comm).restore(shared_dir)
+    for name, cols in dump(again).items():
+        assert (owner_of(cols["keys"], world) == rank).all()
+        keep = owner_of(want[name]["keys"], world) == rank
+        same({name: cols}, {name: {k: v[keep] for k, v in want[name].items()}})
+    for ts in (tables, fresh, everything, again):
         for t in ts.values():
             t.close()
 

@@ -13,7 +13,7 @@ import ckpt_driver as drv
 import numpy as np
 
 import kvcoll as kv
-from kvcoll.routing import owner_of
+from kvcoll.routing import OwnerMap, owner_of
 
 
 def test_parts_and_saved_model(comm, shared_dir):
@@ -29,6 +29,8 @@ def test_parts_and_saved_model(comm, shared_dir):
     with open(os.path.join(emb, "index.json")) as f:
         index = json.load(f)
     assert index["world_size"] == comm.size
+    owners = OwnerMap.from_json(index["owners"])  # the map that put each id in its part
+    assert owners == OwnerMap.even(comm.size)
     for name, t in tr.tables.items():
         spec = index["tables"][name]
         assert spec["rows"] == rows[name] == sum(p["rows"] for p in spec["parts"])
@@ -36,7 +38,7 @@ def test_parts_and_saved_model(comm, shared_dir):
         ids = np.load(os.path.join(emb, part["ids"]))
         vecs = np.load(os.path.join(emb, part["vectors"]))
         assert part["rank"] == comm.rank and ids.size == part["rows"] == len(t)
-        assert (owner_of(ids, comm.size) == comm.rank).all() and np.unique(ids).size == ids.size
+        assert (owner_of(ids, owners) == comm.rank).all() and np.unique(ids).size == ids.size
         np.testing.assert_array_equal(vecs, t.find(ids))
     feats = drv.serving_features()
     want = tr.predict(feats)  # every rank: the whole batch

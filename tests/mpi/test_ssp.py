@@ -22,7 +22,7 @@ import pytest  # noqa: E402
 
 import kvcoll as kv  # noqa: E402
 from kvcoll.exchange import SspExchange  # noqa: E402
-from kvcoll.routing import owner_of  # noqa: E402
+from kvcoll.routing import BUCKETS, OwnerMap, owner_of  # noqa: E402
 
 DIMS = {"a": 3, "b": 2}
 LR = 0.5
@@ -65,13 +65,18 @@ def drive(ex, rank, steps, dense_init=None, after_pull=None):
     return ex.finish()
 
 
-@pytest.mark.parametrize("staleness", [0, 2, None], ids=["ssp0", "ssp2", "asp"])
-def test_no_update_is_lost(comm, staleness):
+@pytest.mark.parametrize("staleness,owners", [(0, "even"), (2, "even"), (None, "even"),
+                                              (2, "random")],
+                         ids=["ssp0", "ssp2", "asp", "ssp2-random-map"])
+def test_no_update_is_lost(comm, staleness, owners):
     world, rank = comm.size, comm.rank
     tables = make_tables()
     dense0 = np.linspace(-1, 1, DENSE).astype(np.float32)
+    owners = OwnerMap.even(world) if owners == "even" else \
+        OwnerMap(np.random.default_rng(11).integers(0, world, BUCKETS), world)
     ex = SspExchange(comm, tables, staleness, dense_size=DENSE,
-                     dense_optimizer=kv.optimizers.SGD(LR))
+                     dense_optimizer=kv.optimizers.SGD(LR), owners=owners)
+    assert ex.owners is owners
     top = drive(ex, rank, steps_of(rank), dense_init=dense0)
     assert top == max(steps_of(r) for r in range(world))
     # expected: initial value minus lr * gradient, once per (rank, step) that pulled it
@@ -81,7 +86,7 @@ def test_no_update_is_lost(comm, staleness):
             for s in range(1, steps_of(r) + 1):
                 for k in np.unique(ids_of(r, s)[n]):
                     pushes[int(k)] = pushes.get(int(k), 0) + 1
-        mine = np.array(sorted(k for k in pushes if owner_of(np.array([k]), world)[0] == rank),
+        mine = np.array(sorted(k for k in pushes if owner_of(np.array([k]), owners)[0] == rank),
                         np.int64)
         times = np.array([pushes[int(k)] for k in mine], np.float32)
         want = t.initial_values(mine) - LR * grad_of(mine, DIMS[n]) * times[:, None]

@@ -167,7 +167,8 @@ MISMATCHES = {
                       "dense.index fails its sha256 check"),
     "newer format": ({}, lambda d: _edit_manifest(d / "ckpt-0000000003" / "manifest.json",
                                                   version=ck.VERSION + 1),
-                     "format version 3, newer than this kvcoll's 2; upgrade kvcoll"),
+                     f"format version {ck.VERSION + 1}, newer than this kvcoll's "
+                     f"{ck.VERSION}; upgrade kvcoll"),
     "corrupt manifest": ({}, lambda d: (d / "ckpt-0000000005" / "manifest.json")
                          .write_text("{not json"), "manifest.json is corrupt"),
     "missing parent": ({}, lambda d: (d / "ckpt-0000000004" / "manifest.json").unlink(),

@@ -1,18 +1,23 @@
-"""Checkpoint format 2 across world sizes, in one process (ranks are threads:
-tests/unit/threadcomm.py; tests/launch/test_checkpoint_reshard.py does it under mpirun).
+"""Checkpoint format 3 across world sizes and owner maps, in one process (ranks are
+threads: tests/unit/threadcomm.py; tests/launch/test_checkpoint_reshard.py does it
+under mpirun).
 
 - A checkpoint chain written on 3 ranks (a full save, then deltas with updates,
-  removals and re-created keys) restores on 1, 2, 4 and 5 ranks, with the default
-  bucket count and with one that 4 and 5 do not divide: every row, slot and header
-  bit for bit, each rank holding exactly the keys it owns.
-- Each page is read by one rank when the world size divides the bucket count; a
-  restore through a buffer much smaller than the table replays group by group.
-- A corrupt page is found by the rank that owns it and every rank raises, with no table
+  removals and re-created keys) restores on 1, 2, 4 and 5 ranks, and on 2 ranks under
+  maps that are not the even split: every row, slot and header bit for bit, each rank
+  holding exactly the keys the map gives it. The manifests record the bucket count and
+  the writer's map.
+- On the map that wrote it, each rank reads its own files and nothing else; on another
+  world a rank reads the pages that meet its buckets (its share and a few pages more);
+  a restore through a buffer much smaller than the table replays group by group.
+- A file's pages are sorted by bucket, hold only its writer's buckets, and a small
+  delta is one page.
+- A corrupt page is found by a rank that reads it and every rank raises, with no table
   changed; a file that changes between the verify and replay passes leaves every
   table empty and raises everywhere.
-- Version 1 checkpoints (a fixture written by the format-1 code, and ones written by
-  Checkpointer(version=1)) restore on any world size; a delta never follows a parent
-  of another format.
+- Version 2 and 1 checkpoints (fixtures written by the code of those formats, and ones
+  written by Checkpointer(version=1)) restore on any world size and map, admission
+  state included; a delta never follows a parent of another format.
 - A restore adds at most its buffer to the memory of the tables it fills (RSS, in a
   fresh process), where the format-1 reader holds the whole checkpoint.
 """
@@ -33,7 +38,7 @@ import kvcoll.checkpoint as ck
 from kvcoll import _shards
 from kvcoll.checkpoint import Checkpointer
 from kvcoll.comm import Comm
-from kvcoll.routing import owner_of
+from kvcoll.routing import BUCKETS, OwnerMap, owner_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "mpi"))
@@ -41,6 +46,12 @@ from ckpt_tables import KEYS, close, dump, make_tables, merge, play, same  # noq
 from threadcomm import run_ranks  # noqa: E402
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "ckpt_v1"
+FIXTURE_V2 = Path(__file__).resolve().parent / "data" / "ckpt_v2"
+# maps of 2 ranks that are not the even split (the even map of 3 without its middle
+# rank is the even map of 2: without its first one is not)
+UNEVEN = {"3-without-0": lambda: OwnerMap.even(3).without([0]),
+          "5-without-0-1-3": lambda: OwnerMap.even(5).without([0, 1, 3]),
+          "random": lambda: OwnerMap(np.random.default_rng(9).integers(0, 2, BUCKETS), 2)}
 
 
 def reference(steps, keys=KEYS, dims=(4, 3, 2)):
@@ -52,16 +63,23 @@ def reference(steps, keys=KEYS, dims=(4, 3, 2)):
     return out
 
 
-def save_chain(d, world, *, buckets=None, version=2, steps=5, full_at=2, keys=KEYS,
-               dims=(4, 3, 2)):
-    """Train `steps` steps on `world` thread ranks; a full save at `full_at`, a delta at
-    every later step. Returns the SaveInfos of rank 0."""
+def save_chain(d, world, *, version=3, steps=5, full_at=2, keys=KEYS, dims=(4, 3, 2),
+               owners=None):
+    """Train `steps` steps on `world` thread ranks, routed by `owners` (default: the
+    even map); a full save at `full_at`, a delta at every later step. Returns the
+    SaveInfos of rank 0."""
     def rank_main(comm):
         tables = make_tables(dims)
-        c = Checkpointer(tables, comm, buckets=buckets, version=version)
+        c = Checkpointer(tables, comm, version=version, owners=owners)
         infos = []
         for step in range(1, steps + 1):
-            play(tables, comm.size, comm.rank, step, keys)
+            if owners is None:
+                play(tables, comm.size, comm.rank, step, keys)
+            else:  # this rank's keys under the map: play on one rank, keep them
+                play(tables, 1, 0, step, keys)
+                for t in tables.values():
+                    e = t.export()
+                    t.delete(e["keys"][owners.owner_of(e["keys"]) != comm.rank])
             if step >= full_at:
                 infos.append(c.save(d, step, incremental=step > full_at))
         close(tables)
@@ -69,88 +87,177 @@ def save_chain(d, world, *, buckets=None, version=2, steps=5, full_at=2, keys=KE
     return run_ranks(world, rank_main)[0]
 
 
-def restore_on(d, world, *, checkpoint=None, buffer_bytes=None, dims=(4, 3, 2)):
-    """Restore into fresh tables on `world` thread ranks: (RestoreInfo of every rank,
-    the merged state), after checking each rank holds only keys it owns."""
+def restore_on(d, world, *, checkpoint=None, buffer_bytes=None, dims=(4, 3, 2),
+               owners=None, tables=make_tables, extra=None):
+    """Restore into fresh tables on `world` thread ranks under `owners` (default: the
+    even map): (RestoreInfo of every rank, the merged state), after checking each rank
+    holds only keys it owns. extra(tables, comm): more of each rank's state to return."""
     def rank_main(comm):
-        tables = make_tables(dims)
-        info = Checkpointer(tables, comm).restore(d, checkpoint, buffer_bytes=buffer_bytes)
-        state = dump(tables)
+        t = tables(dims)
+        info = Checkpointer(t, comm, owners=owners).restore(d, checkpoint,
+                                                            buffer_bytes=buffer_bytes)
+        state = dump(t)
         for name, cols in state.items():
-            assert (owner_of(cols["keys"], comm.size) == comm.rank).all(), name
-        close(tables)
-        return info, state
+            assert (owner_of(cols["keys"], owners or comm.size) == comm.rank).all(), name
+        more = extra(t, comm) if extra else None
+        close(t)
+        return info, state, more
     out = run_ranks(world, rank_main)
-    return [i for i, _ in out], merge([s for _, s in out])
+    infos, state = [i for i, _, _ in out], merge([s for _, s, _ in out])
+    return (infos, state, [x for _, _, x in out]) if extra else (infos, state)
 
 
 @pytest.fixture(scope="module")
-def chains(tmp_path_factory):
-    """Chains written on 3 ranks: full at 2, deltas at 3, 4, 5; with 11520 buckets, with
-    6, and with the bucket counts chosen by table size (here 1: small tables)."""
-    d = tmp_path_factory.mktemp("chains")
-    out = {}
-    for buckets in (11520, 6, None):
-        infos = save_chain(d / f"b{buckets}", 3, buckets=buckets)
-        assert [i.kind for i in infos] == ["full", "delta", "delta", "delta"]
-        out[buckets] = d / f"b{buckets}"
-    return out
+def chain(tmp_path_factory):
+    """A chain written on 3 ranks: full at 2, deltas at 3, 4, 5."""
+    d = tmp_path_factory.mktemp("chain")
+    infos = save_chain(d, 3)
+    assert [i.kind for i in infos] == ["full", "delta", "delta", "delta"]
+    return d
 
 
-@pytest.mark.parametrize("buckets", [11520, 6, None])
+def test_manifests_record_the_bucket_count_and_the_map(chain):
+    for step in (2, 3, 4, 5):
+        m = json.loads((chain / f"ckpt-{step:010d}" / "manifest.json").read_text())
+        assert m["version"] == 3 and m["world_size"] == 3 and m["buckets"] == BUCKETS
+        assert m["owners"] == {"buckets": BUCKETS, "world": 3,
+                               "runs": [0, 21846, 1, 21845, 2, 21845]}
+        assert OwnerMap.from_json(m["owners"]) == OwnerMap.even(3)
+        assert all("buckets" not in f for f in m["files"].values())
+
+
 @pytest.mark.parametrize("world", [1, 2, 4, 5])
-def test_chain_written_on_3_ranks_restores_on_any(chains, buckets, world):
-    d = chains[buckets]
-    m = json.loads((d / "ckpt-0000000005" / "manifest.json").read_text())
-    assert m["version"] == 2 and m["world_size"] == 3
-    assert {f["buckets"] for f in m["files"].values()} == {buckets or 1}
-    infos, state = restore_on(d, world)
+def test_chain_written_on_3_ranks_restores_on_any(chain, world):
+    infos, state = restore_on(chain, world)
     assert [i.chain for i in infos] == [tuple(f"ckpt-{s:010d}" for s in (2, 3, 4, 5))] * world
     same(state, reference(5))
-    _, state = restore_on(d, world, checkpoint="ckpt-0000000003")   # full + one delta
+    _, state = restore_on(chain, world, checkpoint="ckpt-0000000003")   # full + one delta
     same(state, reference(3))
-    _, state = restore_on(d, world, checkpoint="ckpt-0000000002")   # the full save alone
+    _, state = restore_on(chain, world, checkpoint="ckpt-0000000002")   # the full save alone
     same(state, reference(2))
+
+
+@pytest.mark.parametrize("uneven", sorted(UNEVEN))
+def test_restore_under_a_map_that_is_not_the_even_split(chain, uneven):
+    """Every rank gets exactly the keys the map gives it (restore_on checks each rank's
+    keys against the map; merged, they are every key)."""
+    owners = UNEVEN[uneven]()
+    assert owners != OwnerMap.even(2) and owners.world == 2
+    _, state = restore_on(chain, 2, owners=owners)
+    same(state, reference(5))
+
+
+@pytest.mark.parametrize("writer", ["4-without-1", "random"])
+def test_chain_written_under_a_map_that_is_not_even(tmp_path, writer):
+    """The writer's map is recorded and its files hold its (scattered) buckets; the
+    chain restores on the same map (each rank reads its own files only), on 1 and 2
+    ranks and under another uneven map."""
+    owners = OwnerMap.even(4).without([1]) if writer == "4-without-1" else \
+        OwnerMap(np.random.default_rng(3).integers(0, 3, BUCKETS), 3)
+    save_chain(tmp_path, 3, owners=owners)
+    m = json.loads((tmp_path / "ckpt-0000000005" / "manifest.json").read_text())
+    assert OwnerMap.from_json(m["owners"]) == owners
+    want = reference(5)
+    infos, state = restore_on(tmp_path, 3, owners=owners)
+    same(state, want)
+    for rank, info in enumerate(infos):
+        own = sum(f.stat().st_size for c in info.chain
+                  for f in (tmp_path / c).glob(f"*.r{rank}-of-3.kvs"))
+        assert info.bytes == own
+    for world, reader in ((1, None), (2, None), (2, UNEVEN["random"]())):
+        _, state = restore_on(tmp_path, world, owners=reader)
+        same(state, want)
+
+
+def test_a_save_refuses_keys_its_map_gives_another_rank(tmp_path):
+    """A Checkpointer whose map is not the one the tables were filled by fails the save
+    on every rank, naming the table and the fix; the previous checkpoint stays."""
+    def rank_main(comm):
+        tables = make_tables()
+        play(tables, comm.size, comm.rank, 1)  # filled by the even map
+        Checkpointer(tables, comm).save(tmp_path, 1)
+        other = Checkpointer(tables, comm, owners=UNEVEN["random"]())
+        with pytest.raises(kv.CheckpointError, match=r"table 'a' on rank \d holds \d+ keys "
+                           r"that the owner map gives other ranks .*the exchange's .owners"):
+            other.save(tmp_path, 2)
+        close(tables)
+    run_ranks(2, rank_main)
+    assert ck.latest(tmp_path) == "ckpt-0000000001"
 
 
 def _index_and_page_bytes(ckdir: Path) -> tuple[int, int]:
     m = json.loads((ckdir / "manifest.json").read_text())
-    index = sum(f["index"]["bytes"] for f in m["files"].values())
-    return index, sum(f["bytes"] for f in m["files"].values()) - index
+    shards = [f for f in m["files"].values() if "index" in f]
+    index = sum(f["index"]["bytes"] for f in shards)
+    return index, sum(f["bytes"] for f in shards) - index
+
+
+@pytest.fixture(scope="module")
+def big_chain(tmp_path_factory):
+    """Tables of dim 16 (144-byte rows with Adagrad's slots) over 160,000 keys, written
+    on 3 ranks: about 20,000 rows a file at the full save, a few pages each."""
+    d = tmp_path_factory.mktemp("big")
+    save_chain(d, 3, steps=4, keys=160_000, dims=(16, 16, 16))
+    return d
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_each_page_is_read_by_one_rank(chains, world):
-    """World sizes dividing the bucket count read each page once over all ranks, and
-    the index of only the files that can hold their keys (every file when gcd(3, M) is
-    1; its own file when M = 3)."""
-    d = chains[11520]
-    infos, _ = restore_on(d, world, checkpoint="ckpt-0000000002")
-    index, pages = _index_and_page_bytes(d / "ckpt-0000000002")
-    indexes_read = index if world == 3 else world * index
-    assert sum(i.bytes for i in infos) == pages + indexes_read
-    # the rows are spread over the pages of 11520 buckets: no rank reads much more
-    # than its share
-    assert max(i.bytes for i in infos) < pages / world * 1.3 + index
+def test_a_rank_reads_its_buckets_pages(big_chain, world):
+    """On the map that wrote it (3 ranks) every rank reads its own files, each page
+    once over all ranks; on another world, the pages that meet its buckets: its share
+    and, per file it shares with another rank, a page more."""
+    ck2 = big_chain / "ckpt-0000000002"
+    index, pages = _index_and_page_bytes(ck2)
+    infos, state = restore_on(big_chain, world, checkpoint="ckpt-0000000002",
+                              dims=(16, 16, 16))
+    same(state, reference(2, keys=160_000, dims=(16, 16, 16)))
+    total = sum(i.bytes for i in infos)
+    if world in (1, 3):
+        assert total == pages + index
+        return
+    files = 9  # 3 tables x 3 writers; a rank shares at most 2 files a table
+    assert pages + index < total <= pages + index + world * 2 * 3 * (
+        _shards.PAGE_BYTES + index / files)
+    assert max(i.bytes for i in infos) < (pages + index) / world + 6 * _shards.PAGE_BYTES
 
 
-def test_buckets_not_divided_by_the_world_size_are_filtered_by_key(chains):
-    """6 buckets on 4 ranks: a bucket's keys belong to 2 ranks (gcd 2), each reads it
-    and keeps its own keys; on 5 ranks (gcd 1) every rank reads every page."""
-    d = chains[6]
-    index, pages = _index_and_page_bytes(d / "ckpt-0000000002")
-    infos, _ = restore_on(d, 4, checkpoint="ckpt-0000000002")
-    assert sum(i.bytes for i in infos) == 2 * pages + 4 * index
-    infos, _ = restore_on(d, 5, checkpoint="ckpt-0000000002")
-    assert sum(i.bytes for i in infos) == 5 * (pages + index)
+def test_pages_are_sorted_by_bucket_and_a_small_delta_is_one_page(big_chain, tmp_path):
+    m = json.loads((big_chain / "ckpt-0000000003" / "manifest.json").read_text())
+    writers = OwnerMap.from_json(m["owners"])
+    for fname, info in m["files"].items():
+        rank = info["rank"]
+        full = big_chain / "ckpt-0000000002" / fname
+        for path in (full, big_chain / "ckpt-0000000003" / fname):
+            pages = _pages(path)
+            a = _shards.read_shard(str(path))
+            for kind, keys in ((_shards.REMOVED, a["removed"]), (_shards.ROWS, a["keys"])):
+                p = pages[pages["kind"] == kind]
+                b = OwnerMap.even(3).bucket_of(keys)
+                assert (np.diff(b) >= 0).all()                  # sorted by bucket
+                assert (writers.array[b] == rank).all()         # only its writer's
+                assert p["first"].tolist() == b[np.cumsum(p["count"]) - p["count"]].tolist()
+                assert p["last"].tolist() == b[np.cumsum(p["count"]) - 1].tolist()
+        assert _pages(full).size >= 2                   # 2-3 MB a file: several pages
+    # a small delta of a large table: one page of rows and one of removed keys, whatever
+    # the 65,536 buckets its keys fall in
+    with kv.KvTable(8, name="t") as t:
+        t.find_or_create(np.arange(200_000), step=1)
+        c = Checkpointer({"t": t}, Comm.local())
+        c.save(tmp_path, 1)
+        t.apply_gradients(np.arange(0, 200_000, 997), np.ones((201, 8), np.float32), step=2)
+        t.delete(np.arange(1, 200_000, 1999))
+        info = c.save(tmp_path, 2, incremental=True)
+    m = json.loads((tmp_path / info.name / "manifest.json").read_text())
+    (f,) = [f for f in m["files"].values() if "pages" in f]
+    assert info.kind == "delta" and (f["rows"], f["removed"], f["pages"]) == (201, 101, 2)
 
 
 def test_small_buffer_replays_group_by_group(tmp_path, monkeypatch):
     """About 120,000 rows of dim 16 per table (43 MB over three tables) through a 4 MiB
     buffer (1 MiB reads): several groups and batches, still bit for bit, with removals
-    across the chain; with 6 buckets (several pages per bucket, buckets larger than a
-    read), with 11520, and with the bucket counts chosen by size (each file its own:
-    the full save's and the deltas' differ, replay groups go by their gcd)."""
+    across the chain (the deltas' pages span several groups of the full save's, and are
+    cut by key at each group's edge), on the map that wrote it, on 3, 1 and 4 ranks,
+    and on 2 under a map that is not the even split."""
     dims = (16, 16, 16)
     groups = []
     real = ck._batches
@@ -160,19 +267,20 @@ def test_small_buffer_replays_group_by_group(tmp_path, monkeypatch):
             groups.append(len(set(cut.tolist())))
         return real(order, spans, limit, cut)
     monkeypatch.setattr(ck, "_batches", counting)
-    want = reference(4, keys=160_000, dims=dims)
-    for buckets in (6, 11520, None):
-        d = tmp_path / f"b{buckets}"
-        save_chain(d, 2, steps=4, keys=160_000, dims=dims, buckets=buckets)
-        for step, least in ((2, 30), (4, 6)):  # chosen: the full save's, the delta's
-            files = json.loads((d / f"ckpt-{step:010d}" / "manifest.json").read_text())["files"]
-            got = {f["buckets"] for f in files.values()}
-            assert got == {buckets} if buckets else min(got) >= least, (step, got)
-        for world in (3, 1) if buckets else (3, 1, 4):  # 4: filtered by key, mixed counts
-            groups.clear()
-            _, state = restore_on(d, world, buffer_bytes=ck.MIN_RESTORE_BUFFER, dims=dims)
-            same(state, want)
-            assert min(groups) >= 2, groups  # every table, every rank: several groups
+    want = reference(5, keys=160_000, dims=dims)
+    save_chain(tmp_path, 2, steps=5, keys=160_000, dims=dims)
+    for world, owners in ((2, None), (3, None), (1, None), (4, None),
+                          (2, UNEVEN["3-without-0"]())):
+        groups.clear()
+        _, state = restore_on(tmp_path, world, buffer_bytes=ck.MIN_RESTORE_BUFFER, dims=dims,
+                              owners=owners)
+        same(state, want)
+        assert min(groups) >= 2, groups  # every table, every rank: several groups
+    # without removals in the chain, one group: nothing lives longer than needed
+    groups.clear()
+    _, state = restore_on(tmp_path, 2, buffer_bytes=ck.MIN_RESTORE_BUFFER, dims=dims,
+                          checkpoint="ckpt-0000000004")
+    same(state, reference(4, keys=160_000, dims=dims))
 
 
 def test_restore_buffer_is_checked():
@@ -180,28 +288,41 @@ def test_restore_buffer_is_checked():
     with pytest.raises(kv.InvalidArgumentError, match=r"buffer_bytes must be an integer "
                                                        r">= 4194304 \(4 MiB"):
         Checkpointer(t, Comm.local()).restore("/nonexistent", buffer_bytes=1 << 20)
-    with pytest.raises(kv.InvalidArgumentError, match="buckets must be None or an integer in"):
-        Checkpointer(t, Comm.local(), buckets=1 << 17)
+    with pytest.raises(kv.InvalidArgumentError, match="OwnerMap of the communicator's 1 "):
+        Checkpointer(t, Comm.local(), owners=OwnerMap.even(2))
+    with pytest.raises(kv.InvalidArgumentError, match="must be 3 or 1 .format 2 is read"):
+        Checkpointer(t, Comm.local(), version=2)
     close(t)
 
 
+def test_a_model_keeps_its_bucket_count(chain):
+    """A restore under a map of another bucket count is refused, naming the fix."""
+    def rank_main(comm):
+        tables = make_tables()
+        with pytest.raises(kv.CheckpointError, match=r"saved with 65536 buckets, this run "
+                           r"routes keys by 4096; .*OwnerMap.even\(world, buckets=65536\)"):
+            Checkpointer(tables, comm, owners=OwnerMap.even(1, 4096)).restore(chain)
+        close(tables)
+    run_ranks(1, rank_main)
+
+
 def _pages(path: Path) -> np.ndarray:
-    """The page index of a format-2 shard file (through its trailer)."""
+    """The page index of a format-3 shard file (through its trailer)."""
     data = path.read_bytes()
     offset = int(np.frombuffer(data[-_shards.TRAILER_BYTES + 16:][:8], "<u8")[0])
-    return _shards._parse_index(str(path), data[offset:], offset, None, None,
-                                _shards.MAX_BUCKETS)
+    return _shards._parse_index(str(path), data[offset:], offset, None, None, None)
 
 
-def test_corrupt_page_is_found_by_its_owner_and_every_rank_raises(chains, tmp_path):
+def test_corrupt_page_is_found_by_its_owner_and_every_rank_raises(chain, tmp_path):
     d = tmp_path / "c"
-    shutil.copytree(chains[11520], d)
+    shutil.copytree(chain, d)
     shard = next((d / "ckpt-0000000004").glob("000-a.r1-of-3.kvs"))
     page = _pages(shard)[0]
     data = bytearray(shard.read_bytes())
     data[int(page["offset"]) + 3] ^= 0xFF
     shard.write_bytes(bytes(data))
-    owner = int(page["bucket"]) % 2  # on 2 ranks, only the owner of its bucket reads it
+    # on 2 ranks, the ranks that own its buckets read it; the first of them reports
+    owner = int(OwnerMap.even(2).array[page["first"]])
 
     def rank_main(comm):
         tables = make_tables()
@@ -219,9 +340,9 @@ def test_corrupt_page_is_found_by_its_owner_and_every_rank_raises(chains, tmp_pa
     assert msgs[0].endswith("restore an earlier checkpoint; nothing was restored")
 
 
-def test_file_changed_during_the_restore_clears_every_table(chains, tmp_path, monkeypatch):
+def test_file_changed_during_the_restore_clears_every_table(chain, tmp_path, monkeypatch):
     d = tmp_path / "c"
-    shutil.copytree(chains[11520], d)
+    shutil.copytree(chain, d)
     real = ck._Replay.apply
 
     def corrupt_then_apply(self):
@@ -229,7 +350,8 @@ def test_file_changed_during_the_restore_clears_every_table(chains, tmp_path, mo
             shard = next((d / "ckpt-0000000002").glob("000-a.r0-of-3.kvs"))
             pages = _pages(shard)
             data = bytearray(shard.read_bytes())
-            for p in pages[pages["bucket"] % 2 == 0]:  # a page of each of rank 0's buckets
+            mine = OwnerMap.even(2).array == 0
+            for p in pages[mine[pages["first"]]]:  # the pages of rank 0's buckets
                 data[int(p["offset"]) + 3] ^= 0xFF
             shard.write_bytes(bytes(data))
         return real(self)
@@ -255,15 +377,15 @@ def test_error_while_replaying_clears_every_table_and_the_next_restore_works(
     import, while the next batch is being read ahead): every rank raises with the
     cause, every table is empty, and a restore afterwards succeeds."""
     dims = (16, 16, 16)
-    save_chain(tmp_path, 2, steps=3, keys=80_000, dims=dims, buckets=6)
+    save_chain(tmp_path, 2, steps=3, keys=80_000, dims=dims)
     real = ck._Replay._apply_page
     calls = []
 
-    def failing(self, plan, page, view):
+    def failing(self, plan, page, view, keys=None):
         calls.append(self.rank)
         if self.rank == 1 and calls.count(1) == 3:
             raise kv.CapacityError("table 'a': out of memory (simulated)")
-        return real(self, plan, page, view)
+        return real(self, plan, page, view, keys)
     monkeypatch.setattr(ck._Replay, "_apply_page", failing)
 
     def rank_main(comm):
@@ -296,7 +418,76 @@ def _verify_without_keeping(verify):
     return run
 
 
-# -- version 1 ------------------------------------------------------------------------------
+# -- versions 2 and 1 -----------------------------------------------------------------------
+
+def _expected(npz: Path) -> dict:
+    with np.load(npz) as z:
+        want = {}
+        for key in z.files:
+            name, col = key.split("/")
+            want.setdefault(name, {})[col] = z[key]
+    return want
+
+
+def _tables_v2(dims=None):
+    """The tables of tests/unit/data/make_ckpt_v2.py: ckpt_tables' and d (admission)."""
+    t = make_tables()
+    t["d"] = kv.KvTable(2, name="d", seed=4, admit_min_count=2,
+                        optimizer=kv.optimizers.Adagrad(0.1))
+    return t
+
+
+@pytest.mark.parametrize("world,owners", [(1, None), (2, None), (3, None),
+                                          (2, "3-without-0")])
+def test_v2_fixture_restores_on_any_world_size_and_map(world, owners):
+    """tests/unit/data/ckpt_v2: written on 2 ranks by the format-2 code (its keys
+    routed by (mix >> 40) mod 2, its files of 6 buckets each, tests/unit/data/
+    make_ckpt_v2.py): a full save at step 2 and deltas at 3 (with removals) and 4, and
+    table d's pending admission keys; the state at 4 is in ckpt_v2.expected.npz. Each
+    rank gets the rows and pending keys it owns under the map."""
+    m = json.loads((FIXTURE_V2 / "ckpt-0000000004" / "manifest.json").read_text())
+    assert m["version"] == 2 and m["world_size"] == 2 and "owners" not in m
+    assert {f["buckets"] for f in m["files"].values() if "buckets" in f} == {6}
+    want = _expected(FIXTURE_V2.parent / "ckpt_v2.expected.npz")
+    adm = want.pop("admission")
+    owners = UNEVEN[owners]() if owners else None
+
+    def pending(tables, comm):
+        a = tables["d"].export_admission()
+        assert (owner_of(a["keys"], owners or comm.size) == comm.rank).all()
+        return a
+    infos, state, parts = restore_on(FIXTURE_V2, world, owners=owners, tables=_tables_v2,
+                                     extra=pending)
+    assert infos[0].chain == ("ckpt-0000000002", "ckpt-0000000003", "ckpt-0000000004")
+    same(state, want)
+    keys = np.concatenate([p["keys"] for p in parts])
+    order = np.argsort(keys)
+    np.testing.assert_array_equal(keys[order], adm["keys"])
+    for col in ("counts", "steps"):
+        np.testing.assert_array_equal(np.concatenate([p[col] for p in parts])[order],
+                                      adm[col])
+
+
+def test_v2_restore_then_the_next_save_is_full_in_format_3(tmp_path):
+    d = tmp_path / "c"
+    shutil.copytree(FIXTURE_V2, d)
+
+    def rank_main(comm):
+        tables = _tables_v2()
+        c = Checkpointer(tables, comm)
+        c.restore(d)
+        first = c.save(d, 5, incremental=True)
+        second = c.save(d, 6, incremental=True)
+        close(tables)
+        return first.kind, second.kind
+    assert run_ranks(3, rank_main)[0] == ("full", "delta")
+    m = json.loads((d / "ckpt-0000000006" / "manifest.json").read_text())
+    assert m["version"] == 3 and m["owners"]["world"] == 3
+    want = _expected(FIXTURE_V2.parent / "ckpt_v2.expected.npz")
+    want.pop("admission")
+    _, state = restore_on(d, 2, tables=_tables_v2)
+    same(state, want)
+
 
 def test_v1_fixture_restores_on_any_world_size():
     """tests/unit/data/ckpt_v1: written on 2 ranks by the format-1 code (kvcoll before
@@ -309,15 +500,15 @@ def test_v1_fixture_restores_on_any_world_size():
         for key in z.files:
             name, col = key.split("/")
             want.setdefault(name, {})[col] = z[key]
-    for world in (1, 2, 3):
-        infos, state = restore_on(FIXTURE, world)
+    for world, owners in ((1, None), (2, None), (3, None), (2, UNEVEN["random"]())):
+        infos, state = restore_on(FIXTURE, world, owners=owners)
         assert infos[0].chain == ("ckpt-0000000002", "ckpt-0000000003", "ckpt-0000000004")
         same(state, want)
 
 
 def test_version_1_writer_and_the_next_delta(tmp_path):
     """Checkpointer(version=1) writes format 1 (restored on any world size); a process
-    that restored it saves its next incremental checkpoint in format 2 as a full one."""
+    that restored it saves its next incremental checkpoint in format 3 as a full one."""
     save_chain(tmp_path, 3, version=1, steps=4)
     m = json.loads((tmp_path / "ckpt-0000000004" / "manifest.json").read_text())
     assert m["version"] == 1 and m["kind"] == "delta"
@@ -410,30 +601,11 @@ def test_restore_adds_at_most_its_buffer_to_the_tables(tmp_path):
             c.save(d, 2, incremental=True)
             t.close()
         run_ranks(2, rank_main)
-    write(tmp_path / "v2", 2)
-    got = _restore_growth(tmp_path / "v2", 8 << 20)
+    write(tmp_path / "v3", 3)
+    got = _restore_growth(tmp_path / "v3", 8 << 20)
     assert got["rows"] == n - n // 4 and got["chain"] == 2
     allowed = got["table"] + (8 << 20) + 5 * got["rows"]
     assert got["growth"] <= allowed, (got, allowed)
     write(tmp_path / "v1", 1)
     old = _restore_growth(tmp_path / "v1", 8 << 20)
     assert old["rows"] == got["rows"] and old["growth"] > allowed + (100 << 20), (old, got)
-
-
-def test_bucket_count_grows_with_the_table():
-    """At least 128 KiB a bucket on average over all the files, a removed key counted
-    as a row, up to 11520 buckets: a page is large enough that its per-page costs do
-    not matter; each count of the ladder divides the larger ones."""
-    def choose(rows, removed=0, files=1):
-        return _shards.choose_buckets(rows, removed, 16, 16, files)  # 144-byte rows
-    assert choose(100) == 1
-    assert choose(200_000) == 180                              # 28.8 MB
-    assert choose(5_000_000, files=2) == 5760                  # 1.44 GB
-    assert choose(10**9) == 11520
-    assert choose(50_000, 50_000, files=2) == choose(200_000)  # removals count as rows
-    ns = np.geomspace(1, 10**9, 60).astype(int)
-    sizes = [choose(n) for n in ns]
-    assert sizes == sorted(sizes)
-    assert all(b == 1 or n * 144 >= b * _shards.BUCKET_BYTES for b, n in zip(sizes, ns))
-    ladder = _shards.BUCKET_LADDER
-    assert all(big % small == 0 for big, small in zip(ladder, ladder[1:]))

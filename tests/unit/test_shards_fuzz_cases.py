@@ -20,6 +20,7 @@ import pytest
 import kvcoll.checkpoint as ck
 from kvcoll import _shards, optimizers
 from kvcoll.errors import CheckpointError
+from kvcoll.routing import BUCKETS, OwnerMap
 from kvcoll.table import KvTable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "fuzz"))
@@ -40,8 +41,8 @@ def test_minimized_fuzzer_inputs(b64):
     fz.check(base64.b64decode(b64))
 
 
-def _v2(tmp_path, t, n=6, edit=None):
-    """A valid format-2 file of table t, its index edited by edit(index) and rehashed;
+def _shard(tmp_path, t, n=6, edit=None):
+    """A valid format-3 file of table t, its index edited by edit(index) and rehashed;
     returns (path, manifest info)."""
     rng = np.random.default_rng(0)
     (tmp_path / CKPT).mkdir()
@@ -50,7 +51,7 @@ def _v2(tmp_path, t, n=6, edit=None):
             "values": rng.normal(size=(n, t.dim)).astype(np.float32),
             "slots": np.ones((n, t.slot_floats), np.float32),
             "last_step": np.ones(n, np.uint32), "counts": np.ones(n, np.uint32)}
-    info = _shards.write_shard(path, rows, np.zeros(0, np.int64), 1)
+    info = _shards.write_shard(path, rows, np.zeros(0, np.int64), BUCKETS)
     if edit is not None:
         data = bytearray(open(path, "rb").read())
         at = info["index"]["offset"]
@@ -73,11 +74,11 @@ def test_index_entry_whose_arithmetic_wraps(tmp_path, field, value):
     with KvTable(4) as t:
         def edit(index, data):
             index[field][0] = value
-        path, info = _v2(tmp_path, t, edit=edit)
+        path, info = _shard(tmp_path, t, edit=edit)
         if field == "count":  # the manifest agrees: only the bounds can catch it
             info["rows"] = value
         with pytest.raises(CheckpointError, match="index entry 0 .* not a valid page"):
-            _shards.read_index(path, info, t.dim, t.slot_floats, 1)
+            _shards.read_index(path, info, t.dim, t.slot_floats, BUCKETS)
         with pytest.raises(CheckpointError, match=path):
             _shards.read_shard(path)
 
@@ -94,9 +95,10 @@ def test_non_finite_rows_fail_verification_not_replay(tmp_path):
             page = bytes(data[int(e["offset"]):int(e["offset"]) + n * _shards.row_bytes(
                 t.dim, t.slot_floats)])
             e["sha256"] = np.frombuffer(hashlib.sha256(page).digest(), np.uint8)
-        path, info = _v2(tmp_path, t, edit=edit)
-        m = {"_name": CKPT, "tables": {"t": {"files": [Path(path).name]}},
-             "files": {Path(path).name: info}}
+        path, info = _shard(tmp_path, t, edit=edit)
+        m = {"_name": CKPT, "version": 3, "world_size": 1, "buckets": BUCKETS,
+             "owners": OwnerMap.even(1).to_json(),
+             "tables": {"t": {"files": [Path(path).name]}}, "files": {Path(path).name: info}}
         with pytest.raises(CheckpointError, match=f"{path}: the rows .* non-finite values"):
             ck._Replay(str(tmp_path), [m], {"t": t},
                        types.SimpleNamespace(rank=0, size=1), ck.MIN_RESTORE_BUFFER, 0)

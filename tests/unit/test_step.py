@@ -120,8 +120,8 @@ class FakeExchange:
     def dense(self):
         return None
 
-    def replan(self, comm):
-        self.comm = comm
+    def replan(self, comm, owners=None):
+        self.comm, self.owners = comm, owners
 
     def close(self):
         pass
@@ -309,8 +309,8 @@ def test_replan_continues_on_another_communicator():
     loop, ex = make()
     loop.train(data()[0])
     other = FakeComm("smaller")
-    loop.replan(other)
-    assert loop.comm is other and ex.comm is other
+    loop.replan(other, owners="a map")
+    assert loop.comm is other and ex.comm is other and ex.owners == "a map"
     assert loop.train(data()[1]) is not None and loop.step == 2
 
 

@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import kvcoll as kv
 from kvcoll import optimizers
 from kvcoll.ids import hash64
-from kvcoll.routing import owner_of, segment_sum, unique_partition
+from kvcoll.routing import BUCKETS, OwnerMap, owner_of, segment_sum, unique_partition
 from kvcoll.exchange.kernels import gather_grad
 from kvcoll.table import KvTable
 
@@ -383,8 +383,10 @@ def test_owner_and_hash_are_stable_and_balanced():
     keys = np.arange(100_000, dtype=np.int64)
     h = hash64(keys)
     assert h.dtype == np.uint64 and np.unique(h).size == keys.size
-    # the owner uses the top 24 bits of the hash, the bucket the low 32
-    np.testing.assert_array_equal(owner_of(keys, 3), ((h >> np.uint64(40)) % np.uint64(3)))
+    # the owner is the map's rank of the model bucket (hash bits 40..55); a table's own
+    # buckets use the low 32 bits
+    bucket = ((h >> np.uint64(40)) % np.uint64(BUCKETS)).astype(np.int64)
+    np.testing.assert_array_equal(owner_of(keys, 3), OwnerMap.even(3).array[bucket])
     counts = np.bincount(owner_of(keys, 4), minlength=4)
     assert counts.min() > 0.97 * keys.size / 4
     assert owner_of(np.array([], np.int64), 2).size == 0
