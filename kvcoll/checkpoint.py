@@ -102,8 +102,13 @@ is b mod gcd(B, 65,536), so a rank reads the pages of the residues it owns, and 
 its own keys; with the even map that is every page of every file (each rank owns a
 contiguous block of buckets, which meets every residue): restoring a version 2
 checkpoint reads it all on every rank once, still in bounded memory. The next save
-is full and in version 3. Replay groups go by the residues modulo the gcd of the
+is full and in the current version. Replay groups go by the residues modulo the gcd of the
 chain's bucket counts.
+
+Version 4 is version 3 and, in the manifest, every saving rank's progress (where its
+data stood at the saved step: the epoch, the step in it, its reader's position, see
+kvcoll.data.position), which a restore hands back in RestoreInfo.progress; version 3
+checkpoints restore with no progress.
 
 Version 1 checkpoints (whole-file checksums, no buckets) still restore, through the
 old reader: every rank reads every file whole, in memory, and keeps its own keys
@@ -134,7 +139,7 @@ __all__ = ["latest", "Checkpointer", "SaveInfo", "RestoreInfo",
            "read_shard", "FORMAT", "VERSION", "RESTORE_BUFFER", "MIN_RESTORE_BUFFER"]
 
 FORMAT = "kvcoll-checkpoint"
-VERSION = 3
+VERSION = 4
 RESTORE_BUFFER = 256 << 20
 MIN_RESTORE_BUFFER = 4 * _shards.PAGE_BYTES
 LATEST = "latest"
@@ -172,6 +177,7 @@ class RestoreInfo:
     rows: int
     bytes: int
     seconds: float
+    progress: tuple = ()   # every saving rank's progress (format 4), by rank; () before
 
 
 # -- files -----------------------------------------------------------------------------
@@ -425,8 +431,12 @@ class Checkpointer:
 
     # -- save ------------------------------------------------------------------------
 
-    def save(self, directory, step: int, *, incremental: bool = False) -> SaveInfo:
-        """Write a checkpoint of the tables (and the dense part) at `step`. A collective."""
+    def save(self, directory, step: int, *, incremental: bool = False,
+             progress: dict | None = None) -> SaveInfo:
+        """Write a checkpoint of the tables (and the dense part) at `step`. A collective.
+        progress: this rank's JSON-able progress as of that step (where its data stood:
+        the epoch, the step in it, its reader's position), recorded per rank in the
+        manifest (format 4) and handed back by restore (RestoreInfo.progress)."""
         t0 = time.perf_counter()
         comm = self.comm
         directory = os.path.abspath(os.fspath(directory))
@@ -474,8 +484,8 @@ class Checkpointer:
                     files[fname] = {"sha256": sha, "bytes": nbytes, "table": None}
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             err = f"rank {comm.rank}: saving {tmp} failed: {type(exc).__name__}: {exc}"
-        gathered = comm.allgather_json({"files": files, "error": err, "map": self._map_id()},
-                                       "checkpoint:files")
+        gathered = comm.allgather_json({"files": files, "error": err, "map": self._map_id(),
+                                        "progress": progress}, "checkpoint:files")
         errors = [g["error"] for g in gathered if g["error"]]
         if len({g["map"] for g in gathered}) > 1:
             errors.append(f"the ranks route by different owner maps "
@@ -555,6 +565,8 @@ class Checkpointer:
                 "files": {f: {k: v[k] for k in keep if k in v}
                           for f, v in sorted(files.items())},
             }
+            if self.version >= 4:
+                manifest["progress"] = [g["progress"] for g in gathered]
             if self.version >= 3:
                 manifest["page_bytes"] = _shards.PAGE_BYTES
                 manifest["buckets"] = self.owners.buckets
@@ -649,7 +661,7 @@ class Checkpointer:
         return RestoreInfo(os.path.join(directory, last["_name"]), last["_name"], last["step"],
                            tuple(m["_name"] for m in chain),
                            sum(len(t) for t in self.tables.values()), loaded.nbytes,
-                           time.perf_counter() - t0)
+                           time.perf_counter() - t0, tuple(last.get("progress") or ()))
 
     def _load(self, directory: str, checkpoint: str | None, buffer_bytes: int):
         """Read and verify everything this rank needs (pass 1); change nothing."""

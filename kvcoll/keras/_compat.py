@@ -16,6 +16,7 @@ same names and meanings, those that differ; _keras_both.py those the two share:
     symbolic_call                                                building a model's shapes
     steps_per_execution                                          steps per step-function call
     functional_class                                             what keras.Model(i, o) makes
+    set_initial_counters                                         a resumed fit's epoch, step
     weight_key, optimizer_slot_lists                             names that cross versions
 """
 

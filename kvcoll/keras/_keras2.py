@@ -23,7 +23,7 @@ from ._which import keras
 
 __all__ = ["sublayers", "is_compiled", "compile_token", "compute_loss",
            "update_loss_tracker", "flatten_logs", "build_optimizer", "symbolic_call",
-           "weight_key", "steps_per_execution", "functional_class"]
+           "weight_key", "steps_per_execution", "functional_class", "set_initial_counters"]
 
 
 def sublayers(model) -> list:
@@ -91,3 +91,20 @@ def functional_class():
     if not issubclass(Functional, keras.Model):
         from keras.src.engine.functional import Functional
     return Functional
+
+
+class _Counters:
+    """What Keras 2's fit asks, after on_train_begin, for its initial epoch and step (as
+    BackupAndRestore's training state answers)."""
+
+    def __init__(self, epoch, step):
+        self.epoch, self.step = epoch, step
+
+    def maybe_load_initial_counters_from_ckpt(self, steps_per_epoch, initial_epoch,
+                                              mode=None):
+        return max(initial_epoch, self.epoch), self.step
+
+
+def set_initial_counters(model, epoch, step) -> None:
+    """Where the next fit starts (None: as asked): its initial epoch and step."""
+    model._training_state = None if epoch is None else _Counters(epoch, step or 0)

@@ -12,7 +12,7 @@ from ._which import keras
 
 __all__ = ["sublayers", "is_compiled", "compile_token", "compute_loss",
            "update_loss_tracker", "flatten_logs", "build_optimizer", "symbolic_call",
-           "weight_key", "steps_per_execution", "functional_class"]
+           "weight_key", "steps_per_execution", "functional_class", "set_initial_counters"]
 
 
 def sublayers(model) -> list:
@@ -80,3 +80,10 @@ def functional_class():
     from keras.src.models.functional import Functional
 
     return Functional
+
+
+def set_initial_counters(model, epoch, step) -> None:
+    """Where the next fit starts (None: as asked): Keras 3 reads the model's initial
+    epoch after on_train_begin (as BackupAndRestore sets it); it has no initial step (a
+    resumed epoch ends when its data does)."""
+    model._initial_epoch = epoch

@@ -79,6 +79,10 @@ class _Run:
         self.outputs_given = False  # predict: this call returned outputs
         # a Python iterable of batches kvcoll reads itself (Keras gets a stand-in)
         self.source = {"train": None, "test": None, "predict": None}
+        self.epoch = 0              # train: the epoch in progress
+        self.position = None        # train: the kvcoll data source whose position is saved
+        self.resume = None          # train: a restored progress, applied at the next epoch
+        self.skip = 0               # train: elements to pass over (a resume without position)
 
 
 _RUNS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -190,6 +194,7 @@ class _Kvcoll:
             return _local_data(run, "train", x, y, sample_weight, batch_size, class_weight,
                                steps_per_epoch)
 
+        run.position = _position_source(x)
         mine, known = _agreed(eng, "fit:batches", local)
         if not eng.synchronous:   # SSP/ASP: each rank runs its own steps to its epoch's end
             known = mine
@@ -210,6 +215,10 @@ class _Kvcoll:
             if vsteps is not None or "validation_steps" in kwargs:
                 kwargs["validation_steps"] = vsteps
         run.epoch_steps = known
+        if run.resume is not None:   # kv.restore before fit: continue at the saved epoch
+            initial_epoch = max(initial_epoch, _resumed_epoch(run.resume))
+            _compat.set_initial_counters(self, _resumed_epoch(run.resume),
+                                         _resumed_step(run.resume))
         callbacks = _rank_callbacks(eng, callbacks)
         callbacks.append(_EpochHooks())
         verbose = _verbose(eng, verbose)
@@ -224,6 +233,7 @@ class _Kvcoll:
                 sample_weight=sample_weight, initial_epoch=initial_epoch,
                 steps_per_epoch=steps_per_epoch, **kwargs)
         run.source["train"] = run.source["test"] = None
+        _compat.set_initial_counters(self, None, None)
         preempted = bool(eng.comm.allreduce(np.array([int(preempt.signalled)], np.int64),
                                             op="fit:preempted", mpi_op="max")[0])
         if history is not None:
@@ -411,11 +421,15 @@ def _train_step(model, iterator):
     run = _run(model)
     if run.begin["train"]:
         element = _begin(model, "train", iterator)
-        run.steps = 0
+    elif run.skip:
+        element = Loop.read(iterator)
     else:
         element = None
     if run.ended["train"]:
         return None
+    while run.skip and element is not END:   # a resume without a data position
+        run.skip -= 1
+        element = Loop.read(iterator)
     eng = engine_of(model)
     loop, compute = eng.loop, eng.compute
     compute.targets = run.targets["train"]
@@ -485,6 +499,87 @@ def _predict(model, data):
         outs.append(_empty_outputs(model))   # Keras 2 needs one output per predict
     run.outputs_given = True
     return tf.nest.map_structure(tf.constant, _concat(outs))  # Keras converts tensors
+
+
+# -- progress: what a checkpoint records of the data, and a resume --------------------
+
+def progress_of(model) -> dict | None:
+    """This rank's progress for a checkpoint: the epoch in progress, the steps it has
+    committed, whether it is complete, and the position of its data source after the
+    committed steps (never after a prefetched one); None for a model fit never ran."""
+    run = _RUNS.get(model)
+    eng = find_engine(model)
+    if run is None or eng is None or eng.loop is None:
+        return None
+    complete = run.ended["train"] or (run.epoch_steps is not None
+                                      and run.steps >= run.epoch_steps)
+    position = None
+    if run.position is not None:
+        position = run.position.position_at(eng.loop.consumed)
+    return {"epoch": int(run.epoch), "step": int(run.steps), "complete": bool(complete),
+            "position": position}
+
+
+def resume_from(model, progress, comm) -> str | None:
+    """After a restore: the next fit of `model` continues where the saved run stood
+    (its epoch and step, its data source's position), once. progress: every saving
+    rank's (RestoreInfo.progress). Returns what it will do, for the log (None: no
+    progress was saved)."""
+    if not progress or all(p is None for p in progress):
+        return None
+    from ..data.position import for_rank
+
+    mine = progress[comm.rank] if len(progress) == comm.size else progress[0]
+    positions = [p.get("position") for p in progress]
+    position = None
+    if all(p is not None for p in positions):
+        position = for_rank(positions, comm.rank, comm.size)
+    run = _run(model)
+    run.resume = dict(mine, position=position)
+    epoch, step = _resumed_epoch(run.resume), _resumed_step(run.resume)
+    _compat.set_initial_counters(model, epoch, step)
+    return f"epoch {epoch + 1}, step {step}" + ("" if position is not None or not step else
+                                              " (no data position: the epoch's first "
+                                              f"{step} batches are passed over)")
+
+
+def _resumed_epoch(progress) -> int:
+    return int(progress["epoch"]) + (1 if progress["complete"] else 0)
+
+
+def _resumed_step(progress) -> int:
+    return 0 if progress["complete"] else int(progress["step"])
+
+
+def _position_source(x):
+    """The kvcoll data source behind fit's x, whose position checkpoints record (None:
+    not one, or transformed so that its k-th batch is not the k-th step's)."""
+    from ..data.position import PositionError, source_of
+
+    try:
+        return source_of(x)
+    except PositionError as exc:
+        warnings.warn(f"kvcoll: checkpoints will not record where the data stood: {exc}",
+                      stacklevel=4)
+        return None
+
+
+def _resume_data(model, run, epoch: int) -> None:
+    """At the first epoch after a resume: the data source continues at its saved
+    position (or, with none, the epoch's first steps are passed over); the log says
+    how short this epoch is."""
+    resume, run.resume = run.resume, None
+    step = _resumed_step(resume)
+    if resume.get("position") is not None and run.position is not None:
+        run.position.resume(resume["position"])
+    elif step:
+        run.skip = step
+    eng = engine_of(model)
+    if eng.comm.rank == 0 and step:
+        total = run.epoch_steps
+        left = f" of {total}: {total - step} left" if total else ""
+        print(f"kvcoll: resumed in epoch {epoch + 1} after step {step}{left}; this epoch "
+              "is short", flush=True)
 
 
 # -- agreeing on the data -----------------------------------------------------------------
@@ -703,7 +798,9 @@ class _EpochHooks(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         run = _run(self.model)
         run.ended["train"] = False
-        run.steps = 0
+        run.epoch, run.steps = epoch, 0
+        if run.resume is not None:
+            _resume_data(self.model, run, epoch)
         if run.source["train"] is not None:
             run.source["train"].new_pass()
         eng = engine_of(self.model)

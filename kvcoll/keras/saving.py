@@ -11,6 +11,7 @@ import weakref
 from ..checkpoint import Checkpointer, RestoreInfo, SaveInfo
 from .dense_state import DenseState
 from .engine import Engine, engine_of
+from .model import progress_of, resume_from
 
 __all__ = ["save", "restore", "engine_for"]
 
@@ -53,7 +54,8 @@ def save(directory, model, *, incremental: bool = False) -> SaveInfo:
     eng = engine_for(model)
     eng.sync()
     with eng.comm.deadline("io"):
-        return _checkpointer(eng).save(directory, eng.step, incremental=incremental)
+        return _checkpointer(eng).save(directory, eng.step, incremental=incremental,
+                                       progress=progress_of(eng.model))
 
 
 def restore(directory, model, *, checkpoint: str | None = None,
@@ -65,11 +67,18 @@ def restore(directory, model, *, checkpoint: str | None = None,
     mismatch or corruption raises CheckpointError on every rank before anything
     changes. Each rank reads only the parts of the checkpoint that hold its keys, and
     uses at most `buffer_bytes` (default RESTORE_BUFFER, 256 MiB) beyond its tables.
-    Its collectives wait up to the I/O deadline (KVCOLL_IO_TIMEOUT). Returns a
+    Its collectives wait up to the I/O deadline (KVCOLL_IO_TIMEOUT). The next fit
+    continues where the saved one stood: its epoch and step, and (when it reads a kvcoll
+    data source) its data's position, so no sample is seen twice or skipped. Returns a
     RestoreInfo."""
     eng = engine_for(model)
     eng.sync()
     with eng.comm.deadline("io"):
         info = _checkpointer(eng).restore(directory, checkpoint, buffer_bytes=buffer_bytes)
     eng.set_step(info.step)
+    said = resume_from(eng.model, info.progress, eng.comm)
+    if eng.comm.rank == 0:
+        print(f"kvcoll: restored {info.name} (step {info.step}, {info.rows:,} rows on rank 0) "
+              f"from {info.path}" + (f"; the next fit continues at {said}" if said else ""),
+              flush=True)
     return info

@@ -60,7 +60,7 @@ def test_chain_layout(trained):
     assert [m["kind"] for m in kinds] == ["full", "delta", "delta", "delta"]
     assert [m["parent"] for m in kinds] == [None, "ckpt-0000000004", "ckpt-0000000005",
                                             "ckpt-0000000006"]
-    assert all(m["world_size"] == 3 and m["version"] == 3 for m in kinds)
+    assert all(m["world_size"] == 3 and m["version"] == 4 for m in kinds)
     assert all(m["owners"] == {"buckets": 65536, "world": 3,
                                "runs": [0, 21846, 1, 21845, 2, 21845]} for m in kinds)
     # a delta holds fewer rows than the full checkpoint it follows

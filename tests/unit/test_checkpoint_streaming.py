@@ -47,6 +47,7 @@ from threadcomm import run_ranks  # noqa: E402
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "ckpt_v1"
 FIXTURE_V2 = Path(__file__).resolve().parent / "data" / "ckpt_v2"
+FIXTURE_V3 = Path(__file__).resolve().parent / "data" / "ckpt_v3"
 # maps of 2 ranks that are not the even split (the even map of 3 without its middle
 # rank is the even map of 2: without its first one is not)
 UNEVEN = {"3-without-0": lambda: OwnerMap.even(3).without([0]),
@@ -63,7 +64,7 @@ def reference(steps, keys=KEYS, dims=(4, 3, 2)):
     return out
 
 
-def save_chain(d, world, *, version=3, steps=5, full_at=2, keys=KEYS, dims=(4, 3, 2),
+def save_chain(d, world, *, version=4, steps=5, full_at=2, keys=KEYS, dims=(4, 3, 2),
                owners=None):
     """Train `steps` steps on `world` thread ranks, routed by `owners` (default: the
     even map); a full save at `full_at`, a delta at every later step. Returns the
@@ -119,7 +120,7 @@ def chain(tmp_path_factory):
 def test_manifests_record_the_bucket_count_and_the_map(chain):
     for step in (2, 3, 4, 5):
         m = json.loads((chain / f"ckpt-{step:010d}" / "manifest.json").read_text())
-        assert m["version"] == 3 and m["world_size"] == 3 and m["buckets"] == BUCKETS
+        assert m["version"] == 4 and m["world_size"] == 3 and m["buckets"] == BUCKETS
         assert m["owners"] == {"buckets": BUCKETS, "world": 3,
                                "runs": [0, 21846, 1, 21845, 2, 21845]}
         assert OwnerMap.from_json(m["owners"]) == OwnerMap.even(3)
@@ -290,7 +291,7 @@ def test_restore_buffer_is_checked():
         Checkpointer(t, Comm.local()).restore("/nonexistent", buffer_bytes=1 << 20)
     with pytest.raises(kv.InvalidArgumentError, match="OwnerMap of the communicator's 1 "):
         Checkpointer(t, Comm.local(), owners=OwnerMap.even(2))
-    with pytest.raises(kv.InvalidArgumentError, match="must be 3 or 1 .format 2 is read"):
+    with pytest.raises(kv.InvalidArgumentError, match="must be 4 or 1 .format 2 is read"):
         Checkpointer(t, Comm.local(), version=2)
     close(t)
 
@@ -482,7 +483,7 @@ def test_v2_restore_then_the_next_save_is_full_in_format_3(tmp_path):
         return first.kind, second.kind
     assert run_ranks(3, rank_main)[0] == ("full", "delta")
     m = json.loads((d / "ckpt-0000000006" / "manifest.json").read_text())
-    assert m["version"] == 3 and m["owners"]["world"] == 3
+    assert m["version"] == 4 and m["owners"]["world"] == 3
     want = _expected(FIXTURE_V2.parent / "ckpt_v2.expected.npz")
     want.pop("admission")
     _, state = restore_on(d, 2, tables=_tables_v2)
@@ -601,11 +602,53 @@ def test_restore_adds_at_most_its_buffer_to_the_tables(tmp_path):
             c.save(d, 2, incremental=True)
             t.close()
         run_ranks(2, rank_main)
-    write(tmp_path / "v3", 3)
-    got = _restore_growth(tmp_path / "v3", 8 << 20)
+    write(tmp_path / "now", ck.VERSION)
+    got = _restore_growth(tmp_path / "now", 8 << 20)
     assert got["rows"] == n - n // 4 and got["chain"] == 2
     allowed = got["table"] + (8 << 20) + 5 * got["rows"]
     assert got["growth"] <= allowed, (got, allowed)
     write(tmp_path / "v1", 1)
     old = _restore_growth(tmp_path / "v1", 8 << 20)
     assert old["rows"] == got["rows"] and old["growth"] > allowed + (100 << 20), (old, got)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_v3_fixture_restores_on_any_world_size(world):
+    """tests/unit/data/ckpt_v3: written on 2 ranks by the format-3 code (no data
+    positions) under an uneven owner map (tests/unit/data/make_ckpt_v3.py): a full save
+    at step 2 and deltas at 3 (with removals) and 4, table d with pending admission keys.
+    Every rank gets its rows under the current map; RestoreInfo.progress is empty."""
+    m = json.loads((FIXTURE_V3 / "ckpt-0000000004" / "manifest.json").read_text())
+    assert m["version"] == 3 and "progress" not in m
+    want = _expected(FIXTURE_V3.parent / "ckpt_v3.expected.npz")
+    adm = want.pop("admission")
+    infos, state, parts = restore_on(FIXTURE_V3, world, tables=_tables_v2,
+                                     extra=lambda tables, comm: tables["d"].export_admission())
+    assert infos[0].chain == ("ckpt-0000000002", "ckpt-0000000003", "ckpt-0000000004")
+    assert infos[0].progress == ()
+    same(state, want)
+    keys = np.concatenate([p["keys"] for p in parts])
+    np.testing.assert_array_equal(np.sort(keys), adm["keys"])
+
+
+def test_progress_rides_the_manifest_per_rank(tmp_path):
+    """Format 4: every rank's progress (JSON) is in the manifest, by rank, and comes
+    back from restore on any world size."""
+    d = tmp_path / "c"
+
+    def save_main(comm):
+        tables = make_tables()
+        c = Checkpointer(tables, comm)
+        c.save(d, 7, progress={"epoch": 1, "step": 3, "rank": comm.rank})
+        close(tables)
+    run_ranks(2, save_main)
+    m = json.loads((d / "ckpt-0000000007" / "manifest.json").read_text())
+    assert m["version"] == 4
+    assert m["progress"] == [{"epoch": 1, "step": 3, "rank": r} for r in range(2)]
+
+    def restore_main(comm):
+        tables = make_tables()
+        info = Checkpointer(tables, comm).restore(d)
+        close(tables)
+        return info.progress
+    assert run_ranks(3, restore_main)[2] == tuple(m["progress"])

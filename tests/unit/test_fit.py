@@ -154,11 +154,14 @@ def test_kvcoll_callbacks(tmp_path):
                                                x=tf.constant(x["x"][:5]))["prediction"]
     np.testing.assert_allclose(out.numpy(), model.predict(
         {k: v[:5] for k, v in x.items()}, verbose=0), rtol=1e-5, atol=1e-6)
-    # a new model resumes from the latest checkpoint inside fit
+    # a new model resumes from the latest checkpoint inside fit: the saved run had done
+    # its 2 epochs, so a fit of 3 epochs runs the third only (epochs is the total, as
+    # with Keras' BackupAndRestore)
     again = kv_model(metrics=[keras.metrics.AUC(name="auc", from_logits=True)])
     resume = kv.callbacks.Checkpoint(tmp_path / "ck", restore=True, save_at_end=False)
-    again.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[resume])
+    h = again.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[resume])
     assert resume.restored.step == steps and engine_of(again).step == steps + N // 16
+    assert len(h.history["loss"]) == 1
 
 
 def test_models_without_kv_embedding_keep_keras_own_fit():
