@@ -11,7 +11,7 @@ setup(
     description="Growable sharded embedding tables for TensorFlow, trained over plain MPI",
     packages=find_packages(include=["kvcoll", "kvcoll.*"]),
     python_requires=">=3.10",
-    cffi_modules=["kvcoll/_build.py:ffibuilder"],
+    cffi_modules=["kvcoll/_build.py:ffibuilder", "kvcoll/data/_synth_build.py:ffibuilder"],
     install_requires=["cffi>=1.16", "numpy>=1.26"],
     extras_require={
         "tf": ["tensorflow-cpu>=2.16"],

@@ -4,7 +4,7 @@
  * Plain IEEE float arithmetic with no libm call and no data-dependent branch, so every
  * compiler and CPU gives the same bits, vectorised or not (C99 mode: no fused
  * multiply-add contraction). Used where a value must be reproducible bit for bit: a
- * table's initial rows (kv_init.c) and the synthetic data set (kv_synth.c).
+ * table's initial rows (kv_init.c) and the synthetic data set (synth/kv_synth.c).
  */
 #ifndef KV_FMATH_H
 #define KV_FMATH_H

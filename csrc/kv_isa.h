@@ -1,6 +1,6 @@
 /*
  * kv_isa.h - what the kernels compiled for several x86 ISAs share (kv_init.c,
- * kv_synth.c): each is compiled as a baseline copy and, where KV_ISA_CLONES is 1, as
+ * synth/kv_synth.c): each is compiled as a baseline copy and, where KV_ISA_CLONES is 1, as
  * AVX2 and AVX-512 copies picked at run time (__builtin_cpu_supports).
  *
  * The copies must give the same bits, so no copy may contract a * b + c into an FMA

@@ -29,7 +29,7 @@ ffibuilder.set_source(
     sources=[os.path.relpath(os.path.join(CSRC, s)) for s in SOURCES],
     include_dirs=[os.path.relpath(CSRC)],
     # Python's own CFLAGS carry -fwrapv, which stops GCC vectorising the float loops
-    # of kv_init, kv_optim and kv_synth (the AVX-512 copy of the initial values ran
+    # of kv_init and kv_optim (the AVX-512 copy of the initial values ran
     # scalar): -fno-wrapv undoes it. The C core never relies on signed overflow
     # wrapping (its tests run under UBSan without -fwrapv).
     extra_compile_args=["-O3", "-std=c99", "-D_GNU_SOURCE", "-fno-strict-aliasing", "-fno-math-errno",

@@ -1,5 +1,6 @@
 """The synthetic CTR set's C bindings: id scrambling, sample generation and the planted
-logit (csrc/kv_synth.h), for kvcoll.data.synthetic.
+logit (csrc/synth/kv_synth.h, the data generator's own extension, not kvcoll's C core),
+for kvcoll.data.synthetic.
 
 synthetic.py derives the parameters (vocabularies, permutation rounds, the planted
 model's weights) in Python; these classes check their dtypes and shapes, hand them to C
@@ -12,11 +13,23 @@ from __future__ import annotations
 import numpy as np
 
 from .. import errors
-from .._c import check, ffi, lib, ptr
+from .._c import check
+
+try:
+    from ._kvsynth_c import ffi, lib
+except ImportError as exc:  # pragma: no cover - exercised only without a build
+    raise ImportError(
+        "kvcoll's synthetic data extension is not built: run `./dev build` (or `pip "
+        f"install .`) from the kvcoll checkout ({exc})") from exc
 
 __all__ = ["SynthPermutation", "SynthModel", "SYNTH_PERM_ROUNDS"]
 
 SYNTH_PERM_ROUNDS = lib.KV_SYNTH_PERM_ROUNDS
+
+
+def ptr(ctype: str, arr: np.ndarray):
+    """A pointer of this extension's ffi to a checked, contiguous array (zero copy)."""
+    return ffi.cast(ctype, ffi.from_buffer(arr))
 
 
 def _synth_array(value, dtype, shape, what: str) -> np.ndarray:

@@ -4,7 +4,7 @@ Each sample has `num_categorical` id fields (26 by default, like Criteo), `num_n
 numeric fields (13) and a 0/1 label. Everything about global sample i — its ids, its
 numbers, its label — is a pure function of (seed, stream, i), computed with a
 counter-based hash (splitmix64 of `key[stream, channel] + i * golden`), in C
-(csrc/kv_synth.c; this module derives the parameters). Nothing is generated
+(csrc/synth/kv_synth.c; this module derives the parameters). Nothing is generated
 sequentially, so:
 
 - the global batch of step t is samples [t*B, (t+1)*B) of the training stream; it
@@ -89,7 +89,7 @@ _TAG_SAMPLE, _TAG_PERM, _TAG_PARAM, _TAG_FIELD, _TAG_NUMERIC = range(1, 6)
 
 # The planted model. Scales are per field, normalised by the number of fields (and of
 # field pairs), so the planted AUC does not move much with num_categorical. The signal
-# scale of rank r, 1 / sqrt(1 + r / 200), is fixed in csrc/kv_synth.c (RANK_SCALE).
+# scale of rank r, 1 / sqrt(1 + r / 200), is fixed in csrc/synth/kv_synth.c (RANK_SCALE).
 _WEIGHT_SCALE = 1.8      # first-order logit std if every id had rank 0 (all fields)
 _VECTOR_SCALE = 1.0      # interaction logit std if every id had rank 0 (all pairs)
 _NUMERIC_SCALE = 0.5     # std of the numeric linear term (roughly)
@@ -129,7 +129,7 @@ class _Permutation:
     as A B A B A, with different constants per round and per field. Unlike cycle
     walking there is no data-dependent loop: every element costs the same few ops.
     A's round r on x < M: y = (x + add) & mask; y ^= y >> shift; y = (y * mul) & mask;
-    y ^= y >> shift (kv_synth.h; this class derives the constants).
+    y ^= y >> shift (csrc/synth/kv_synth.h; this class derives the constants).
     """
 
     ROUNDS = SYNTH_PERM_ROUNDS
@@ -224,7 +224,7 @@ class SyntheticCTR:
         def uniforms(tag, n, k):
             return _unit(np.array([_key(seed, tag, j, k) for j in range(n)], np.uint64))
 
-        # The planted model (module docstring); csrc/kv_synth.c computes its logit.
+        # The planted model (module docstring); csrc/synth/kv_synth.c computes its logit.
         importance = 0.2 + 0.8 * uniforms(_TAG_FIELD, nf, 0)   # some fields matter more
         importance /= np.sqrt(np.mean(importance**2))
         w_scale = importance * (_WEIGHT_SCALE / math.sqrt(nf))

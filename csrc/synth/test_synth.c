@@ -11,8 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../kv_synth.h"
-#include "test_util.h"
+#include "kv_synth.h"
+#include "../tests/test_util.h"
 
 #define R KV_SYNTH_PERM_ROUNDS
 #define MAXF 160
