@@ -57,7 +57,7 @@ import weakref
 
 import numpy as np
 
-from ..comm import SPIN, Comm
+from ..comm import SPIN, Comm, run_time
 from ..errors import CommError, CommTimeoutError, InvalidArgumentError
 from ..routing import owners_for
 from ..table import KvTable
@@ -242,7 +242,7 @@ class SspExchange:
         """Block (SSP) until `step` may start; returns this worker's lead over the slowest
         worker, step - 1 - (slowest clock seen here)."""
         t_wait = time.perf_counter()
-        deadline = time.monotonic() + self.comm.timeout
+        deadline = run_time() + self.comm.timeout
         behind = None
         with self.comm.waiting(f"ssp:gate at step {step}"), self._cv:
             while True:
@@ -250,7 +250,7 @@ class SspExchange:
                 slow = self._min_active()
                 if self.staleness is None or slow is None or slow >= step - self.staleness - 1:
                     break
-                if time.monotonic() > deadline:
+                if run_time() > deadline:
                     behind = [r for r in range(self._world) if not self._done[r]
                               and self._clock[r] < step - self.staleness - 1]
                     break
@@ -485,7 +485,7 @@ class SspExchange:
                        f"ssp:done at step {step} to rank {r}")
         self._drain_sends()
         limit = self.comm.timeout
-        deadline = time.monotonic() + limit
+        deadline = run_time() + limit
         missing = None
         with self.comm.waiting(f"ssp:finish at step {step}"), self._cv:
             seen = (self._clock.sum(), self._done.sum())
@@ -493,8 +493,8 @@ class SspExchange:
                 self._check()
                 now = (self._clock.sum(), self._done.sum())
                 if now != seen:  # someone made progress: the deadline restarts
-                    seen, deadline = now, time.monotonic() + limit
-                if time.monotonic() > deadline:
+                    seen, deadline = now, run_time() + limit
+                if run_time() > deadline:
                     missing = [r for r in range(self._world) if not self._done[r]]
                     break
                 self._cv.wait(0.05)
@@ -576,7 +576,7 @@ class SspExchange:
                     pause = min(pause * 2, 1e-3)
                 while replies and replies[0][0].done():
                     replies.popleft()
-                if replies and time.monotonic() - replies[0][1] > self._rep.timeout:
+                if replies and run_time() - replies[0][1] > self._rep.timeout:
                     handle, _, dest, clock = replies[0]
                     raise CommTimeoutError(
                         f"rank {self._rank}/{self._world}: ssp:reply to rank {dest}'s pull of "
@@ -655,7 +655,7 @@ class SspExchange:
             with self._cv:
                 body[n_rows:] = self._master.reshape(-1)
         replies.append((self._rep.isend(msg, src, _TAG_REPLY, f"ssp:reply of step {clock}"),
-                        time.monotonic(), src, clock))
+                        run_time(), src, clock))
 
     def _apply_push(self, src, clock, has_dense, rd) -> None:
         counts = rd.ints(len(self._names))
