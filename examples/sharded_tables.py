@@ -58,14 +58,14 @@ def main():
     for step in range(1, args.steps + 1):
         batch = {n: ids[lo:hi] for n, ids in global_batch(args.seed, step, args.batch_size,
                                                           args.vocab).items()}
-        pulled = ex.pull(batch, step)  # kvcoll: rows of this batch's unique ids
+        pulled = ex.pull(batch)  # kvcoll: step `step`: the rows of this batch's unique ids
         grads, loss = {}, 0.0
         for name, p_ in pulled.items():
             diff = p_.rows - planted(p_.uniq, DIMS[name])           # per unique id
             mult = np.bincount(p_.inverse, minlength=p_.uniq.size)  # occurrences in batch
             loss += float((mult[:, None] * diff**2).sum()) / 2 / args.batch_size
             grads[name] = (mult[:, None] * diff / args.batch_size).astype(np.float32)
-        ex.push(grads, step)  # kvcoll: gradients to their owners, Adagrad in C
+        ex.push(pulled, grads).commit()  # kvcoll: gradients to their owners, Adagrad in C
         loss = float(kv_comm().allreduce(np.array([loss]))[0])  # kvcoll:
         losses.append(loss)
         if rank == 0 and (step == 1 or step % 25 == 0 or step == args.steps):
