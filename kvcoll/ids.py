@@ -32,6 +32,7 @@ import numpy as np
 
 from . import errors
 from ._c import check, ffi, lib, ptr
+from .config import Config
 
 __all__ = ["DEFAULT_ID_HASH", "ID_HASHES", "LEGACY_ID_HASH", "STRING_HASH_SEED",
            "adopt_id_hash", "arrow_keys", "as_keys", "hash64", "hash_strings", "id_hash",
@@ -53,12 +54,9 @@ _lock = threading.Lock()
 
 
 def _setting() -> str:
-    """The id_hash setting: the run's Config once kv.init ran, else KVCOLL_ID_HASH."""
-    from . import runtime
-    from .config import Config
-
-    cfg = runtime.config() if runtime.is_initialized() else Config.resolve([])
-    return cfg.id_hash
+    """The id_hash setting before kv.init (KVCOLL_ID_HASH; kv.init applies the run's
+    Config itself through configure())."""
+    return Config.resolve([]).id_hash
 
 
 def _current(use: bool) -> str:
