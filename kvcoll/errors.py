@@ -21,9 +21,16 @@ __all__ = [
 class KvcollError(Exception):
     """Base class of every kvcoll error."""
 
+    # TensorFlow's autograph re-raises an error from traced code as its own class only if
+    # the class's constructor is Exception's (else it becomes a StagingError): each class
+    # whose first base is a builtin says so, so `except kv.InvalidArgumentError` catches it.
+    __init__ = Exception.__init__
+
 
 class InvalidArgumentError(ValueError, KvcollError):
     """An argument has the wrong type, dtype, shape or value."""
+
+    __init__ = Exception.__init__
 
 
 class DimensionError(InvalidArgumentError):
@@ -33,9 +40,13 @@ class DimensionError(InvalidArgumentError):
 class NonFiniteError(FloatingPointError, KvcollError):
     """A value or gradient is NaN or Inf; nothing was changed."""
 
+    __init__ = Exception.__init__
+
 
 class CapacityError(MemoryError, KvcollError):
     """An allocation failed; the table is unchanged."""
+
+    __init__ = Exception.__init__
 
 
 class TableFullError(CapacityError):
@@ -45,15 +56,23 @@ class TableFullError(CapacityError):
 class ClosedError(ValueError, KvcollError):
     """The table (or the communicator) was closed."""
 
+    __init__ = Exception.__init__
+
 
 class CommError(RuntimeError, KvcollError):
     """A collective failed or the ranks disagreed."""
+
+    __init__ = Exception.__init__
 
 
 class CommTimeoutError(TimeoutError, KvcollError):
     """A collective or a peer did not answer in time."""
 
+    __init__ = Exception.__init__
+
 
 class CheckpointError(ValueError, KvcollError):
     """A checkpoint is missing, corrupt, newer than this kvcoll, or does not match the
     model; raised on every rank before anything was changed."""
+
+    __init__ = Exception.__init__

@@ -39,8 +39,11 @@ class Checkpoint(keras.callbacks.Callback):
     an incremental one (the rows changed since the previous save) every
     `incremental_every` steps in between, one at every epoch end with `every_epoch`, and
     one at the end of training. restore=True continues from the directory's latest
-    checkpoint when training begins (if there is one), on any number of ranks. The save
-    at the end is incremental when `incremental_every` is set."""
+    checkpoint when training begins (if there is one), on any number of ranks, where the
+    saved run stood: its epoch and step (fit's `epochs` is the total, as with Keras'
+    BackupAndRestore) and the position of a kvcoll data source (a reader, a stream, Kafka),
+    so a restarted job sees every sample once. The save at the end is incremental when
+    `incremental_every` is set."""
 
     def __init__(self, directory, every_n_steps: int | None = None,
                  incremental_every: int | None = None, every_epoch: bool = False,
@@ -73,7 +76,7 @@ class Checkpoint(keras.callbacks.Callback):
         from ..checkpoint import latest
         from .saving import restore
         if latest(self.directory) is not None:
-            self.restored = restore(self.directory, self.model)
+            self.restored = restore(self.directory, self.model, resume=True)
             self._last = self.restored.step
 
     def _kind_at(self, step: int) -> str | None:

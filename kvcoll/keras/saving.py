@@ -59,7 +59,7 @@ def save(directory, model, *, incremental: bool = False) -> SaveInfo:
 
 
 def restore(directory, model, *, checkpoint: str | None = None,
-            buffer_bytes: int | None = None) -> RestoreInfo:
+            buffer_bytes: int | None = None, resume: bool = False) -> RestoreInfo:
     """Restore a model with kv.Embedding layers (or a kv.Trainer) from `directory`'s
     latest checkpoint (or `checkpoint`, a name such as "ckpt-0000000400"), on any number
     of ranks (a collective). Tables, dense model, optimizer and step become the saved
@@ -67,16 +67,17 @@ def restore(directory, model, *, checkpoint: str | None = None,
     mismatch or corruption raises CheckpointError on every rank before anything
     changes. Each rank reads only the parts of the checkpoint that hold its keys, and
     uses at most `buffer_bytes` (default RESTORE_BUFFER, 256 MiB) beyond its tables.
-    Its collectives wait up to the I/O deadline (KVCOLL_IO_TIMEOUT). The next fit
-    continues where the saved one stood: its epoch and step, and (when it reads a kvcoll
-    data source) its data's position, so no sample is seen twice or skipped. Returns a
-    RestoreInfo."""
+    Its collectives wait up to the I/O deadline (KVCOLL_IO_TIMEOUT). With resume=True
+    (what kv.callbacks.Checkpoint(restore=True) does: a restarted job) the next fit
+    continues where the saved one stood: its epoch and step (`epochs` is then the total,
+    as with Keras' BackupAndRestore), and, when it reads a kvcoll data source, its
+    data's position, so no sample is seen twice or skipped. Returns a RestoreInfo."""
     eng = engine_for(model)
     eng.sync()
     with eng.comm.deadline("io"):
         info = _checkpointer(eng).restore(directory, checkpoint, buffer_bytes=buffer_bytes)
     eng.set_step(info.step)
-    said = resume_from(eng.model, info.progress, eng.comm)
+    said = resume_from(eng.model, info.progress, eng.comm) if resume else None
     if eng.comm.rank == 0:
         print(f"kvcoll: restored {info.name} (step {info.step}, {info.rows:,} rows on rank 0) "
               f"from {info.path}" + (f"; the next fit continues at {said}" if said else ""),
