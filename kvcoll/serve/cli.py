@@ -92,6 +92,10 @@ async def _run(server, poll: float) -> int:
     await stop.wait()
     if tail is not None:
         tail.cancel()
+        try:
+            await tail
+        except asyncio.CancelledError:
+            pass
     await server.stop()
     m.close()
     return 0

@@ -6,6 +6,24 @@ batch): pin the current version; per table, one C lookup of every id of the batc
 (unknown ids read zeros, as in training's predict); the positions of each input's ids
 in its table's rows; one call of the serving graph with the version's dense weights;
 unpin. Nothing in it is a Python loop per id.
+
+Deltas applied live, one version per request, no second copy of the tables
+(`ServedModel.poll`, on a thread of its own):
+1. stage: read and verify the whole delta (every page's sha256, its parent) into
+   memory: a delta that fails is refused before anything changes, the reason logged
+   and kept for the status, and the last good version keeps serving;
+2. keep the old: an overlay, a small C table of the rows the delta will change as they
+   are now (zeros for keys it creates), is attached to the version being served;
+3. apply in place, in chunks of `chunk` rows (each a C call under the table's write
+   lock: a request waits for one chunk at most, well under a millisecond, never for
+   the whole delta), removals before rows; the new dense weights go into the other of
+   two copies of the serving graph;
+4. switch: new requests pin the new version. A request pinned at the old one, whose
+   lookups may have seen some new rows, takes every changed key's row from the
+   overlay after its lookups, so it sees exactly the old version; the overlay (whose
+   size is the delta's) is dropped once no request holds the old version.
+A version that does not continue the served chain (a new chain's base: training was
+restarted or restored) is refused the same way: restart the server to load it.
 """
 
 from __future__ import annotations
@@ -19,8 +37,8 @@ import time
 import numpy as np
 
 from .. import optimizers
-from ..publish import (PublishError, apply_version, list_versions, load_base, load_version,
-                       read_latest, read_manifest)
+from ..publish import (Lease, PublishError, apply_version, list_versions, load_base,
+                       load_version, read_latest, read_manifest, version_dir)
 from ..table import KvTable
 from .requests import Batch, Signature
 
@@ -82,6 +100,12 @@ class ServedModel:
         self.sig = None
         self.tables: dict = {}
         self._max_batch = max_batch
+        self.chunk = 8192
+        self.lease = Lease(self.directory)
+        self._old: _Version | None = None   # the previous version, until its pins drain
+        self._stuck = None                  # the version refused (not retried)
+        self.apply_seconds: list = []       # per applied delta: seconds from stage to switch
+        self.lock_seconds_max = 0.0         # the longest C call of an apply (a chunk)
         self._load()
 
     # -- loading ----------------------------------------------------------------------
@@ -95,7 +119,9 @@ class ServedModel:
         errors = []
         for base in reversed(bases):  # the newest base that loads, then its deltas
             try:
+                self.lease.hold(base, base=base)  # publishers keep what a loading server needs
                 self._load_from(base, latest)
+                self.lease.hold(self.version)
                 return
             except PublishError as exc:
                 errors.append(f"base {base}: {exc}")
@@ -161,6 +187,8 @@ class ServedModel:
                 "freshness_s": max(0.0, time.time() - cur.wall_time),
                 "rows": {n: len(t) for n, t in self.tables.items()},
                 "applied": self.applied,
+                "apply_seconds_last": self.apply_seconds[-1] if self.apply_seconds else None,
+                "apply_lock_ms_max": 1000.0 * self.lock_seconds_max,
                 "refused": [{"version": v, "reason": r} for v, r in self.refused[-5:]]}
 
     def _pin(self) -> _Version:
@@ -174,6 +202,99 @@ class ServedModel:
         with self._lock:
             ver.pins -= 1
             ver.dense.pins -= 1
+
+    # -- live deltas -------------------------------------------------------------------
+
+    def poll(self) -> dict:
+        """Apply every version published since the one served, in order (on the
+        applier's thread). Returns {"applied": n, "refused": [(version, reason)]}."""
+        out = {"applied": 0, "refused": []}
+        self._drop_old()
+        latest = read_latest(self.directory)
+        while latest is not None and latest > self.version and self._stuck is None:
+            v = self.version + 1
+            try:
+                self._apply(v)
+                out["applied"] += 1
+            except PublishError as exc:
+                reason = str(exc)
+                self._stuck = v
+                self.refused.append((v, reason))
+                out["refused"].append((v, reason))
+                log.error("kvcoll serve: version %d refused: %s; still serving version %d",
+                          v, reason, self.version)
+        self.lease.hold(self.version)  # (refreshed at every poll)
+        return out
+
+    def _drop_old(self, wait: float = 0.0) -> bool:
+        """Forget the previous version once no request holds it (waiting up to `wait`
+        seconds). True when there is none left."""
+        deadline = time.monotonic() + wait
+        while True:
+            with self._lock:
+                old = self._old
+                if old is None or old.pins == 0:
+                    if old is not None and old.overlay is not None:
+                        old.overlay.close()
+                        old.overlay = None
+                    self._old = None
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.0005)
+
+    def _apply(self, v: int) -> None:
+        d = self.directory
+        if not os.path.isfile(os.path.join(d, version_dir("delta", v), "manifest.json")):
+            if os.path.isfile(os.path.join(d, version_dir("base", v), "manifest.json")):
+                raise PublishError(
+                    f"version {v} begins a new chain (a base without a delta from version "
+                    f"{v - 1}: training was restarted or restored): restart this server to "
+                    f"load base {v}")
+            raise PublishError(f"delta {v} is missing from {d} (deleted by retention while "
+                               "this server fell behind?): restart this server to load the "
+                               "newest base")
+        t0 = time.perf_counter()
+        staged = load_version(d, "delta", v, self.dims)            # 1. stage (verified)
+        m = staged["manifest"]
+        graph = (m.get("dense") or {}).get("graph")
+        if graph != self.graph:
+            raise PublishError(f"delta {v} names the serving graph {graph!r}, this server "
+                               f"runs {self.graph!r}: restart it to load the new graph")
+        if not self._drop_old(wait=30.0):
+            raise PublishError(f"requests held version {self._old.number} for 30 s; delta "
+                               f"{v} was not applied")
+        cur = self._current
+        dense = cur.dense
+        if staged["dense"] is not None:                              # the other graph copy
+            spare = next((s for s in self._slots if s is not cur.dense), None)
+            if spare is None:
+                spare = DenseSlot(cur.dense.path)
+                self._slots.append(spare)
+            spare.assign(staged["dense"])  # no request holds it: _drop_old waited
+            dense = spare
+        overlay = _Overlay(self.tables, staged)                      # 2. keep the old
+        with self._lock:
+            cur.overlay = overlay
+        longest = 0.0
+        for phase in ("removed", "keys"):                            # 3. in place
+            for name, part in staged["tables"].items():
+                t = self.tables[name]
+                arr = part[phase]
+                for s in range(0, arr.size, self.chunk):
+                    c0 = time.perf_counter()
+                    if phase == "removed":
+                        t.delete(arr[s:s + self.chunk])
+                    else:
+                        t.update(arr[s:s + self.chunk], part["values"][s:s + self.chunk])
+                    longest = max(longest, time.perf_counter() - c0)
+        new = _Version(v, m["step"], m["wall_time"], dense)
+        with self._lock:                                             # 4. switch
+            self._old, self._current = cur, new
+        self.applied += 1
+        self.apply_seconds.append(time.perf_counter() - t0)
+        self.lock_seconds_max = max(self.lock_seconds_max, longest)
+        self._drop_old()
 
     def predict(self, batch: Batch) -> tuple[dict, int]:
         """The model's outputs (name -> numpy array) on a checked batch, and the version
@@ -199,12 +320,16 @@ class ServedModel:
                 at[table] += flat.size
                 args[e["graph_arg"]] = tf.constant(
                     pad_positions(pos, splits) if e["multi_hot"] else pos)
+            looked = {}
             for t in sig.tables:
                 k = np.concatenate(keys[t["name"]]) if keys[t["name"]] else \
                     np.zeros(0, np.int64)
-                rows = self.tables[t["name"]].find(k)
-                if ver.overlay is not None:
-                    ver.overlay.restore(t["name"], k, rows)
+                looked[t["name"]] = (k, self.tables[t["name"]].find(k))
+            overlay = ver.overlay  # read after every lookup: see the module docstring
+            for t in sig.tables:
+                k, rows = looked[t["name"]]
+                if overlay is not None:
+                    overlay.restore(t["name"], k, rows)
                 args[t["graph_arg"]] = tf.constant(rows)
             out = ver.dense.fn(**args)
             return {k: v.numpy() for k, v in out.items()}, ver.number
@@ -212,6 +337,38 @@ class ServedModel:
             self._unpin(ver)
 
     def close(self) -> None:
+        self.lease.release()
         for t in self.tables.values():
             t.close()
         self.tables = {}
+
+
+class _Overlay:
+    """The rows a delta changes, as they were before it (zeros for keys it creates),
+    per table in a small C table: what a request pinned at the old version reads for
+    those keys while the delta is applied."""
+
+    def __init__(self, tables: dict, staged: dict):
+        self.parts = {}
+        for name, part in staged["tables"].items():
+            keys = np.unique(np.concatenate([part["removed"], part["keys"]]))
+            if not keys.size:
+                continue
+            t = tables[name]
+            old = KvTable(t.dim, name=f"{name}@before", optimizer=optimizers.SGD(0.01),
+                          initial_capacity=keys.size)
+            old.update(keys, t.find(keys))
+            self.parts[name] = old
+
+    def restore(self, name: str, keys: np.ndarray, rows: np.ndarray) -> None:
+        old = self.parts.get(name)
+        if old is None or not keys.size:
+            return
+        before, hit = old.find(keys, return_found=True)
+        if hit.any():
+            rows[hit] = before[hit]
+
+    def close(self) -> None:
+        for t in self.parts.values():
+            t.close()
+        self.parts = {}

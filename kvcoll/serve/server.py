@@ -151,6 +151,7 @@ class Server:
         self._settings = (batch_rows, batch_wait, workers)
         self._grpc = None
         self._runner = None
+        self._applier = None
         self.batcher = None
 
     async def start(self) -> None:
@@ -162,12 +163,34 @@ class Server:
             await self._start_grpc()
 
     async def stop(self) -> None:
+        if self._applier is not None:  # an apply under way finishes first
+            await asyncio.get_running_loop().run_in_executor(
+                None, self._applier.shutdown, True)
         if self._grpc is not None:
             await self._grpc.stop(0.5)
         if self._runner is not None:
             await self._runner.cleanup()
         if self.batcher is not None:
             self.batcher.close()
+
+    async def follow(self, poll: float) -> None:
+        """Apply new versions as they are published: the model's poll every `poll`
+        seconds, on a thread of its own (requests go on meanwhile)."""
+        loop = asyncio.get_running_loop()
+        pool = self._applier = concurrent.futures.ThreadPoolExecutor(1, "kvcoll-apply")
+        try:
+            while True:
+                try:
+                    got = await loop.run_in_executor(pool, self.model.poll)
+                    if got["applied"]:
+                        self.metrics.applied.inc(got["applied"])
+                    if got["refused"]:
+                        self.metrics.refused.inc(len(got["refused"]))
+                except Exception:  # noqa: BLE001 - keep serving the last good version
+                    log.exception("kvcoll serve: looking for new versions failed")
+                await asyncio.sleep(poll)
+        finally:
+            pool.shutdown(wait=False)  # stop() waits for an apply under way
 
     async def predict(self, arrays: dict, api: str):
         """Check, batch and run one request: (outputs, version)."""
