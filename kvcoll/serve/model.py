@@ -14,8 +14,8 @@ Deltas applied live, one version per request, no second copy of the tables
    and kept for the status, and the last good version keeps serving;
 2. keep the old: an overlay, a small C table of the rows the delta will change as they
    are now (zeros for keys it creates), is attached to the version being served;
-3. apply in place, in chunks of `chunk` rows (each a C call under the table's write
-   lock: a request waits for one chunk at most, well under a millisecond, never for
+3. apply in place, in chunks of `chunk` (1024) rows (each a C call under the table's write
+   lock: a request waits for one chunk at most, about a millisecond, never for
    the whole delta), removals before rows; the new dense weights go into the other of
    two copies of the serving graph;
 4. switch: new requests pin the new version. A request pinned at the old one, whose
@@ -100,12 +100,13 @@ class ServedModel:
         self.sig = None
         self.tables: dict = {}
         self._max_batch = max_batch
-        self.chunk = 8192
+        self.chunk = 1024
         self.lease = Lease(self.directory)
         self._old: _Version | None = None   # the previous version, until its pins drain
         self._stuck = None                  # the version refused (not retried)
         self.apply_seconds: list = []       # per applied delta: seconds from stage to switch
-        self.lock_seconds_max = 0.0         # the longest C call of an apply (a chunk)
+        self.lock_seconds_max = 0.0         # the most CPU time one C call of an apply took
+        self.call_seconds_max = 0.0         # ... and wall time (with preemption, the GIL)
         self._load()
 
     # -- loading ----------------------------------------------------------------------
@@ -189,6 +190,7 @@ class ServedModel:
                 "applied": self.applied,
                 "apply_seconds_last": self.apply_seconds[-1] if self.apply_seconds else None,
                 "apply_lock_ms_max": 1000.0 * self.lock_seconds_max,
+                "apply_call_ms_max": 1000.0 * self.call_seconds_max,
                 "refused": [{"version": v, "reason": r} for v, r in self.refused[-5:]]}
 
     def _pin(self) -> _Version:
@@ -276,24 +278,26 @@ class ServedModel:
         overlay = _Overlay(self.tables, staged)                      # 2. keep the old
         with self._lock:
             cur.overlay = overlay
-        longest = 0.0
+        longest = wall = 0.0
         for phase in ("removed", "keys"):                            # 3. in place
             for name, part in staged["tables"].items():
                 t = self.tables[name]
                 arr = part[phase]
                 for s in range(0, arr.size, self.chunk):
-                    c0 = time.perf_counter()
+                    c0, w0 = time.thread_time(), time.perf_counter()
                     if phase == "removed":
                         t.delete(arr[s:s + self.chunk])
                     else:
                         t.update(arr[s:s + self.chunk], part["values"][s:s + self.chunk])
-                    longest = max(longest, time.perf_counter() - c0)
+                    longest = max(longest, time.thread_time() - c0)
+                    wall = max(wall, time.perf_counter() - w0)
         new = _Version(v, m["step"], m["wall_time"], dense)
         with self._lock:                                             # 4. switch
             self._old, self._current = cur, new
         self.applied += 1
         self.apply_seconds.append(time.perf_counter() - t0)
         self.lock_seconds_max = max(self.lock_seconds_max, longest)
+        self.call_seconds_max = max(self.call_seconds_max, wall)
         self._drop_old()
 
     def predict(self, batch: Batch) -> tuple[dict, int]:
