@@ -201,7 +201,8 @@ class Publisher:
         self.owners = owners_for(comm, owners)
         self.base_every, self.keep_bases = int(base_every), int(keep_bases)
         self.reader_ttl = float(reader_ttl)
-        self._chain = None   # (abs dir, last version, versions since its base) when a delta may follow
+        # (abs dir, last version, versions since its base) when a delta may follow
+        self._chain = None
         self._graph = None   # the graph directory's name, once written
         self._dense_digest = None  # digest of the dense weights the last version holds
         self._owners_id = self._map_id()

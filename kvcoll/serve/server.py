@@ -247,9 +247,9 @@ class Server:
             except ValueError as exc:
                 raise BadRequest(f"the request body is not valid JSON ({exc})") from None
             arrays, form = from_json(body, self.model.sig)
+            # (a /versions/<v> path is served by the newest version, as TF Serving's
+            # Latest: the version moves on by itself; X-Kvcoll-Version says which)
             out, version = await self.predict(arrays, "rest")
-            if len(parts) == 3 and parts[2] != str(version):
-                pass  # (the served version moves on: a request gets the newest, as TF Serving's Latest)
             from aiohttp import web
 
             return web.json_response(to_json(out, form, self.model.sig),
