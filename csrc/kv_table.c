@@ -17,7 +17,7 @@
  * Rows are not padded to a cache-line or 16-byte boundary: at dim 16 with SGD a row
  * is 80 bytes, already a multiple of 16 in a 64-byte-aligned chunk, and key + emb
  * (bytes 0..80) take two lines whatever the alignment; padding only wastes memory.
- * meta: bits 0..29 update count (saturating), bit 30 FREE, bit 31 DIRTY.
+ * meta: bits 0..28 update count (saturating), bit 29 PUB, bit 30 FREE, bit 31 DIRTY.
  * The valid ids below next_id (`used` of them) have been handed out; each is live or
  * on the free list. A freed row has meta = FREE and its key field holds the next
  * free row id + 1 (0 ends the list); new rows come from the free list first, then
@@ -107,7 +107,8 @@
 #define CHUNK_MIN_ROWS 8 /* rows of a full chunk, at least (very wide rows) */
 #define N_SMALL 6        /* chunks 0 .. N_SMALL-1 hold rpc/64, rpc/32, .. rpc/2 rows */
 #define HDR_BYTES 16
-#define META_COUNT 0x3fffffffu
+#define META_COUNT 0x1fffffffu
+#define META_PUB (1u << 29) /* changed since the last kv_table_take_changes */
 #define META_FREE (1u << 30)
 #define META_DIRTY (1u << 31)
 
@@ -155,6 +156,13 @@ struct kv_table {
     int log_on;
     int64_t *log;
     uint64_t log_n, log_cap;
+    /* change tracking for publishing (kv_table_track_changes): the row ids whose PUB
+     * bit went from 0 to 1, and the keys removed, since the last take */
+    int pub_on, pub_lost;
+    uint32_t *pub_rows;
+    uint64_t pub_n, pub_cap;
+    int64_t *pub_gone;
+    uint64_t pub_gone_n, pub_gone_cap;
     /* lifecycle counters */
     int64_t n_admitted, n_rejected, n_dropped, n_evicted;
     /* bumped whenever a row is freed (evict, delete, clear): row ids handed out at
@@ -496,6 +504,67 @@ static int reserve(kv_table_t *t, uint64_t m) {
     return KV_OK;
 }
 
+/* ---- change tracking for publishing ------------------------------------------------ */
+
+/*
+ * While on (kv_table_track_changes), a row whose value changes or that is created gets
+ * its PUB bit; the first time the bit goes from 0 to 1 its row id is appended to
+ * pub_rows, so the list holds every row changed since the last take (a row freed and
+ * reused may appear twice, and an id may name a row freed since: the take skips both
+ * by the bit). Removed keys go to pub_gone. If pub_rows cannot grow, tracking is
+ * "lost" (the next take says so and clears every PUB bit): a training call never fails
+ * because of publishing. Everything here runs under the write lock.
+ */
+static void pub_mark(kv_table_t *t, uint32_t id) {
+    if (!t->pub_on) return;
+    uint32_t *meta = row_meta(row_at(t, id));
+    if (*meta & META_PUB) return;
+    *meta |= META_PUB;
+    if (t->pub_lost) return;
+    if (t->pub_n == t->pub_cap) {
+        uint64_t cap = t->pub_cap ? t->pub_cap * 2 : 4096;
+        uint32_t *p = kv_realloc(t->pub_rows, (size_t)cap * sizeof(uint32_t));
+        if (!p) { /* give up on the list: the next take is a full one */
+            t->pub_lost = 1;
+            return;
+        }
+        t->pub_rows = p;
+        t->pub_cap = cap;
+    }
+    t->pub_rows[t->pub_n++] = id;
+}
+
+static int pub_gone_reserve(kv_table_t *t, uint64_t extra) {
+    if (!t->pub_on || t->pub_lost || t->pub_gone_n + extra <= t->pub_gone_cap) return KV_OK;
+    uint64_t cap = t->pub_gone_cap ? t->pub_gone_cap : 1024;
+    while (cap < t->pub_gone_n + extra) cap *= 2;
+    int64_t *g = kv_realloc(t->pub_gone, (size_t)cap * sizeof(int64_t));
+    if (!g) return KV_ENOMEM;
+    t->pub_gone = g;
+    t->pub_gone_cap = cap;
+    return KV_OK;
+}
+
+/* Empty both lists (giving large ones' memory back); lost != 0 marks tracking lost.
+ * The PUB bits are left to the caller. */
+static void pub_forget(kv_table_t *t, int lost) {
+    t->pub_n = t->pub_gone_n = 0;
+    if (t->pub_cap > 65536) {
+        kv_free(t->pub_rows);
+        t->pub_rows = NULL;
+        t->pub_cap = 0;
+    }
+    if (t->pub_gone_cap > 65536) {
+        kv_free(t->pub_gone);
+        t->pub_gone = NULL;
+        t->pub_gone_cap = 0;
+    }
+    if (lost && t->pub_on) t->pub_lost = 1;
+}
+
+/* Clear the PUB bit of every live row (O(rows): on, and after a lost take). */
+static void pub_clear_bits(kv_table_t *t);
+
 /* Take a row id from the free list or the arena's end (reserve() came first). */
 static uint32_t take_row(kv_table_t *t) {
     uint64_t id;
@@ -524,6 +593,7 @@ static uint32_t create_row(kv_table_t *t, int64_t key, uint32_t step) {
     *row_meta(r) = META_DIRTY;
     if (t->nslot) kv_optim_init_slots(&t->cfg.optim, t->dim, row_slots(t, r));
     index_insert_new(t, kv_mix64((uint64_t)key), id);
+    pub_mark(t, id);
     return id;
 }
 
@@ -655,7 +725,12 @@ static inline uint32_t sighting(const kv_table_t *t, int64_t key, uint32_t step)
 
 /* ---- removed-keys log -------------------------------------------------------------- */
 
+static int pub_gone_reserve(kv_table_t *t, uint64_t extra);
+
+/* Room for `extra` more keys in the removed-keys log and in the publish removed log
+ * (each only while it is on). KV_OK or KV_ENOMEM (both logs as they were in use). */
 static int log_reserve(kv_table_t *t, uint64_t extra) {
+    if (pub_gone_reserve(t, extra) != KV_OK) return KV_ENOMEM;
     if (!t->log_on || t->log_n + extra <= t->log_cap) return KV_OK;
     uint64_t cap = t->log_cap ? t->log_cap : 1024;
     while (cap < t->log_n + extra) cap *= 2;
@@ -670,6 +745,7 @@ static int log_reserve(kv_table_t *t, uint64_t extra) {
 static void free_row(kv_table_t *t, uint32_t id) {
     unsigned char *r = row_at(t, id);
     if (t->log_on) t->log[t->log_n++] = row_key(r); /* log_reserve() came first */
+    if (t->pub_on && !t->pub_lost) t->pub_gone[t->pub_gone_n++] = row_key(r); /* here too */
     row_set_key(r, (int64_t)t->free_head);
     *row_meta(r) = META_FREE;
     *row_step(r) = 0;
@@ -842,6 +918,8 @@ void kv_table_destroy(kv_table_t *t) {
     kv_free(t->pend);
     kv_free(t->bloom);
     kv_free(t->log);
+    kv_free(t->pub_rows);
+    kv_free(t->pub_gone);
     pthread_rwlock_destroy(&t->lock);
     kv_free(t);
 }
@@ -960,6 +1038,7 @@ int kv_table_update(kv_table_t *t, const int64_t *keys, int64_t n, const float *
             unsigned char *r = row_at(t, ids[i] - 1);
             memcpy(row_emb(r), values + (size_t)i * d, d * sizeof(float));
             *row_meta(r) |= META_DIRTY;
+            pub_mark(t, ids[i] - 1);
         }
     }
     pthread_rwlock_unlock(&t->lock);
@@ -1011,6 +1090,7 @@ int kv_table_clear(kv_table_t *t) {
     if (t->bloom) memset(t->bloom, 0, bloom_bytes(t->bloom_n));
     t->bloom_adds = 0;
     t->log_n = 0;
+    pub_forget(t, 1); /* a clear is not logged key by key: the next take says so */
     t->gen++;
     pthread_rwlock_unlock(&t->lock);
     return KV_OK;
@@ -1032,6 +1112,9 @@ static void update_rows(kv_table_t *t, const uint32_t *ids, int64_t nu, const fl
         uint32_t meta = *row_meta(r), cnt = meta & META_COUNT;
         *row_meta(r) = (meta & ~META_COUNT) | (cnt < META_COUNT ? cnt + 1 : cnt) | META_DIRTY;
     }
+    if (t->pub_on) /* a pass of its own, after every row is updated */
+        for (int64_t u = 0; u < nu; u++)
+            if (ids[u]) pub_mark(t, ids[u] - 1);
 }
 
 int kv_table_apply_gradients(kv_table_t *t, const int64_t *keys, int64_t n,
@@ -1259,7 +1342,9 @@ int kv_table_import(kv_table_t *t, const int64_t *keys, int64_t n, const float *
             }
             *row_step(r) = last_step ? last_step[i] : 0;
             uint32_t cnt = counts ? counts[i] : 0;
-            *row_meta(r) = cnt < META_COUNT ? cnt : META_COUNT; /* clean */
+            *row_meta(r) = (cnt < META_COUNT ? cnt : META_COUNT) | /* clean */
+                           (*row_meta(r) & META_PUB);
+            pub_mark(t, ids[i] - 1); /* changed all the same, for publishing */
         }
     }
     pthread_rwlock_unlock(&t->lock);
@@ -1287,7 +1372,8 @@ int kv_table_stats(kv_table_t *t, kv_table_stats_t *out) {
     out->pending = (int64_t)t->pend_n;
     out->admission_bytes = (int64_t)(t->pend_cap * sizeof(pend_t) + (t->bloom ? bloom_bytes(t->bloom_n) : 0));
     out->removed_logged = (int64_t)t->log_n;
-    out->bytes += out->admission_bytes + (int64_t)(t->log_cap * sizeof(int64_t));
+    out->bytes += out->admission_bytes + (int64_t)(t->log_cap * sizeof(int64_t)) +
+                  (int64_t)(t->pub_cap * sizeof(uint32_t) + t->pub_gone_cap * sizeof(int64_t));
     pthread_rwlock_unlock(&t->lock);
     return KV_OK;
 }
@@ -1582,6 +1668,95 @@ int kv_table_take_removed(kv_table_t *t, int64_t *out, int64_t max_n, int64_t *n
         t->log_cap = 0;
     }
     *n_out = (int64_t)m;
+    pthread_rwlock_unlock(&t->lock);
+    return KV_OK;
+}
+
+/* ---- change tracking for publishing: the API ----------------------------------------- */
+
+static void pub_clear_bits(kv_table_t *t) {
+    FOR_LIVE_ROWS(t, id, r, {
+        (void)id;
+        *row_meta(r) &= ~META_PUB;
+    })
+}
+
+int kv_table_track_changes(kv_table_t *t, int32_t on) {
+    if (!t) return KV_EINVAL;
+    pthread_rwlock_wrlock(&t->lock);
+    pub_clear_bits(t);
+    t->pub_on = on != 0;
+    t->pub_lost = 0;
+    pub_forget(t, 0);
+    if (!on) {
+        kv_free(t->pub_rows);
+        kv_free(t->pub_gone);
+        t->pub_rows = NULL;
+        t->pub_gone = NULL;
+        t->pub_cap = t->pub_gone_cap = 0;
+    }
+    pthread_rwlock_unlock(&t->lock);
+    return KV_OK;
+}
+
+int kv_table_changes_pending(kv_table_t *t, int64_t *n_rows, int64_t *n_removed,
+                             int32_t *lost) {
+    if (!t || !n_rows || !n_removed || !lost) return KV_EINVAL;
+    pthread_rwlock_rdlock(&t->lock);
+    *n_rows = (int64_t)t->pub_n;
+    *n_removed = (int64_t)t->pub_gone_n;
+    *lost = t->pub_lost;
+    pthread_rwlock_unlock(&t->lock);
+    return KV_OK;
+}
+
+int kv_table_take_changes(kv_table_t *t, int64_t max_rows, int64_t *keys, float *values,
+                          int64_t max_removed, int64_t *removed, int64_t *n_rows,
+                          int64_t *n_removed, int32_t *complete) {
+    if (!t || !n_rows || !n_removed || !complete || max_rows < 0 || max_removed < 0 ||
+        (max_rows && (!keys || !values)) || (max_removed && !removed))
+        return KV_EINVAL;
+    pthread_rwlock_wrlock(&t->lock);
+    if (!t->pub_on) {
+        pthread_rwlock_unlock(&t->lock);
+        return KV_EINVAL;
+    }
+    if (t->pub_lost) { /* the lists are incomplete: start over from a full publish */
+        pub_clear_bits(t);
+        pub_forget(t, 0);
+        t->pub_lost = 0;
+        *n_rows = *n_removed = 0;
+        *complete = 0;
+        pthread_rwlock_unlock(&t->lock);
+        return KV_OK;
+    }
+    *complete = 1;
+    if ((uint64_t)max_rows < t->pub_n || (uint64_t)max_removed < t->pub_gone_n) {
+        *n_rows = -(int64_t)t->pub_n - 1; /* too small: nothing taken, the sizes needed */
+        *n_removed = -(int64_t)t->pub_gone_n - 1;
+        pthread_rwlock_unlock(&t->lock);
+        return KV_OK;
+    }
+    size_t d = (size_t)t->dim;
+    int64_t k = 0;
+    uint64_t end = t->next_id;
+    for (uint64_t i = 0; i < t->pub_n; i++) {
+        uint64_t id = t->pub_rows[i];
+        if (i + PF_ROWS < t->pub_n && t->pub_rows[i + PF_ROWS] < end)
+            prefetch_bytes(row_at(t, t->pub_rows[i + PF_ROWS]), t->pf_bytes);
+        if (id >= end) continue; /* a row of an arena since cleared */
+        unsigned char *r = row_at(t, id);
+        uint32_t meta = *row_meta(r);
+        if ((meta & META_FREE) || !(meta & META_PUB)) continue; /* freed, or taken already */
+        *row_meta(r) = meta & ~META_PUB;
+        keys[k] = row_key(r);
+        memcpy(values + (size_t)k * d, row_emb(r), d * sizeof(float));
+        k++;
+    }
+    if (t->pub_gone_n) memcpy(removed, t->pub_gone, (size_t)t->pub_gone_n * sizeof(int64_t));
+    *n_rows = k;
+    *n_removed = (int64_t)t->pub_gone_n;
+    pub_forget(t, 0);
     pthread_rwlock_unlock(&t->lock);
     return KV_OK;
 }

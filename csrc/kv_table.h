@@ -10,8 +10,18 @@
  *
  * A row is: header { int64 key; uint32 last_step; uint32 meta } followed by
  * dim floats of embedding and kv_optim_slot_floats() floats of optimizer state.
- * meta = update count in bits 0..29 (saturating), bit 31 = dirty (created or changed
- * since the last export with KV_EXPORT_CLEAR_DIRTY; import_ leaves rows clean).
+ * meta = update count in bits 0..28 (saturating), bit 29 = changed since the last
+ * kv_table_take_changes (publishing), bit 31 = dirty (created or changed since the last
+ * export with KV_EXPORT_CLEAR_DIRTY; import_ leaves rows clean).
+ *
+ * Two change trackers, apart, so neither hides a change from the other: the dirty bit
+ * and the removed-keys log serve incremental checkpoints (an export with
+ * KV_EXPORT_CLEAR_DIRTY and kv_table_take_removed clear them); the publish bit, its
+ * list of changed rows and its removed log serve publishing (kv_table_track_changes,
+ * kv_table_take_changes clears them). Publishing costs no byte in a row (the bit is
+ * taken from the update count), 4 bytes per row changed since the last take and 8 per
+ * key removed since then, and a take reads only those rows: its cost is proportional
+ * to the changes, not to the table.
  *
  * Feature lifecycle.
  *   Admission (cfg.admit_min_count = K >= 2): find_or_create gives a key a row only
@@ -290,8 +300,41 @@ int kv_table_track_removed(kv_table_t *t, int32_t on);
  * means the log is now empty. A key removed twice may appear twice. Write lock. */
 int kv_table_take_removed(kv_table_t *t, int64_t *out, int64_t max_n, int64_t *n_out);
 
-/* Fill *out. Read lock. */
+/* Fill *out (bytes includes the change trackers' lists). Read lock. */
 int kv_table_stats(kv_table_t *t, kv_table_stats_t *out);
+
+/*
+ * Change tracking for publishing (see the header comment).
+ * kv_table_track_changes: on != 0 starts tracking from now (every row counts as
+ *   published: an O(rows) pass clears the publish bits; the lists start empty); 0 stops
+ *   it and frees the lists. Rows change as ever either way. Write lock. KV_OK, KV_EINVAL.
+ * kv_table_changes_pending: how many row ids (*n_rows: an upper bound of the rows the
+ *   next take returns) and removed keys (*n_removed) are listed now, and *lost = 1 if
+ *   the next take will be incomplete. Read lock. KV_OK, KV_EINVAL.
+ * kv_table_take_changes: under one write lock, the rows changed (or created) since the
+ *   last take, keys[i] and values[i][dim] (their values now), and the keys removed
+ *   since then, removed[j] (a key removed twice appears twice; a key removed and
+ *   created again is in both: apply the removals first), then clear the bits and
+ *   empty the lists. Applying them to the state of the last take gives the state now.
+ *   If the buffers are too small (max_rows below the listed row ids or max_removed
+ *   below the removed keys), nothing is taken and *n_rows = -(ids needed) - 1,
+ *   *n_removed = -(keys needed) - 1. *complete = 0 when tracking was lost since the
+ *   last take (kv_table_clear, or memory for the list ran out: training calls never
+ *   fail because of it): then nothing is returned, every bit is cleared and the caller
+ *   must publish the whole table (read after this call). KV_OK; KV_EINVAL (arguments,
+ *   or tracking is off).
+ * Which calls count as changes: rows created (find_or_create, update, import,
+ * apply_gradients with KV_APPLY_CREATE_MISSING), values written (apply_gradients*,
+ * update, import); removals by evict, delete and forget_new. kv_table_clear is lost.
+ * A removal needs room in the removed log: evict, delete and forget_new return
+ * KV_ENOMEM (nothing changed) if it cannot grow, as for the checkpoints' log.
+ */
+int kv_table_track_changes(kv_table_t *t, int32_t on);
+int kv_table_changes_pending(kv_table_t *t, int64_t *n_rows, int64_t *n_removed,
+                             int32_t *lost);
+int kv_table_take_changes(kv_table_t *t, int64_t max_rows, int64_t *keys, float *values,
+                          int64_t max_removed, int64_t *removed, int64_t *n_rows,
+                          int64_t *n_removed, int32_t *complete);
 
 /*
  * Admission state, for checkpoints (a resumed run admits exactly as an uninterrupted one).

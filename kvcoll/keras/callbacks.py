@@ -5,6 +5,7 @@
         kv.callbacks.Evict(every_n_steps=50),
         kv.callbacks.TableStats(),            # rows, bytes, admitted, evicted -> logs
         kv.callbacks.Export("serve/"),        # at the end of training
+        kv.callbacks.Publish("pub/", every_seconds=30),  # deltas for `kvcoll serve`
     ])
 
 Give the same callbacks on every rank: saves, restores, exports and table statistics
@@ -16,6 +17,7 @@ epoch's sync point after the step count passed the mark.
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 
@@ -23,7 +25,7 @@ from ..errors import InvalidArgumentError
 from ._compat import keras
 from .engine import engine_of
 
-__all__ = ["Checkpoint", "Export", "Evict", "TableStats"]
+__all__ = ["Checkpoint", "Export", "Evict", "Publish", "TableStats"]
 
 
 def _positive(name, value):
@@ -203,3 +205,119 @@ class TableStats(keras.callbacks.Callback):
         if self.per_table:
             logs.update({f"{name}/{f}": float(v) for name, d in tables.items()
                          for f, v in d.items()})
+
+
+class Publish(keras.callbacks.Callback):
+    """Versioned deltas for `kvcoll serve` while training (kvcoll.publish): every
+    `every_seconds` seconds and/or every `every_n_steps` steps, the rows changed and the
+    keys evicted since the last version (each rank its part, values only), the dense
+    weights when they changed, and a full base every `base_every` versions; the newest
+    `keep_bases` bases and the deltas after them are kept. The first version of a run
+    is a base. `publish_at_end` publishes once more when training ends.
+
+    every_seconds is turned into steps at each publish (rank 0 measures the step time
+    since the last one and every rank gets the next step to publish at), so the ranks
+    agree without a collective per step. In SSP/ASP the ranks step at their own pace:
+    a due publish happens at the epoch's end (with an unbounded stream, an epoch is
+    steps_per_epoch steps). `published` holds a PublishInfo per version."""
+
+    def __init__(self, directory, every_seconds: float | None = None,
+                 every_n_steps: int | None = None, base_every: int = 10,
+                 keep_bases: int = 2, publish_at_end: bool = True,
+                 reader_ttl: float = 120.0):
+        super().__init__()
+        if every_seconds is not None and not (isinstance(every_seconds, (int, float))
+                                              and every_seconds > 0):
+            raise InvalidArgumentError(f"Publish: every_seconds must be a number > 0 or "
+                                       f"None, got {every_seconds!r}")
+        self.directory = os.fspath(directory)
+        self.every_seconds = every_seconds
+        self.every_n_steps = _positive("every_n_steps", every_n_steps)
+        self.base_every = _positive("base_every", base_every)
+        self.keep_bases = _positive("keep_bases", keep_bases)
+        self.publish_at_end = bool(publish_at_end)
+        self.reader_ttl = float(reader_ttl)
+        self.published = []      # PublishInfo of every version, in order
+        self._publisher = None
+        self._next = None        # the step at which every_seconds is due next
+        self._since = None       # (time, step) of the last publish
+        self._due = False        # SSP/ASP: a publish owed at the next epoch end
+
+    def _engine(self):
+        return engine_of(self.model)
+
+    def _make(self, eng):
+        from ..publish import Publisher
+        from .serving_graph import ServingDense
+        owners = eng.loop.ex.owners
+        if self._publisher is None:
+            self._publisher = Publisher(eng.tables, eng.comm, ServingDense(eng), owners=owners,
+                                        base_every=self.base_every, keep_bases=self.keep_bases,
+                                        reader_ttl=self.reader_ttl)
+        elif self._publisher.owners is not owners:  # the world changed: a new chain
+            self._publisher.comm = eng.comm
+            self._publisher.set_owners(owners)
+        return self._publisher
+
+    def _is_due(self, step: int) -> bool:
+        if self.every_n_steps and step % self.every_n_steps == 0:
+            return True
+        if self.every_seconds is not None:
+            return self._next is None or step >= self._next
+        return False
+
+    def publish(self):
+        """Publish a version now (a collective: every rank calls it)."""
+        eng = self._engine()
+        pub = self._make(eng)
+        eng.sync()
+        with eng.comm.deadline("io"):
+            info = pub.publish(self.directory, eng.step)
+            self.published.append(info)
+            if self.every_seconds is not None:
+                nxt = None
+                if eng.comm.rank == 0:
+                    now = time.monotonic()
+                    if self._since is not None and eng.step > self._since[1]:
+                        per_step = (now - self._since[0]) / (eng.step - self._since[1])
+                        ahead = max(1, int(round(self.every_seconds / max(per_step, 1e-6))))
+                    else:
+                        ahead = 1
+                    self._since = (now, eng.step)
+                    nxt = str(eng.step + ahead).encode()
+                self._next = int(eng.comm.bcast_bytes(nxt, op="publish:next"))
+        self.on_publish(info)
+        return info
+
+    def on_publish(self, info) -> None:
+        """Called after every publish with its PublishInfo (override to log it)."""
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._since is None:  # where the first step time is measured from
+            self._since = (time.monotonic(), self._engine().step)
+
+    def on_train_batch_end(self, batch, logs=None):
+        eng = self._engine()
+        if not self._is_due(eng.step):
+            return
+        if eng.synchronous:
+            self.publish()
+        else:
+            self._due = True
+
+    def on_epoch_end(self, epoch, logs=None):
+        eng = self._engine()
+        if eng.synchronous:
+            return
+        flag = eng.comm.allreduce(np.array([int(self._due)], np.int64), op="publish:due")
+        self._due = False
+        if flag[0]:
+            self.publish()
+
+    def on_train_end(self, logs=None):
+        eng = self._engine()
+        if not self.publish_at_end:
+            return
+        if eng.synchronous and self.published and self.published[-1].step == eng.step:
+            return  # (BSP: the same step on every rank; SSP/ASP always publish here)
+        self.publish()
