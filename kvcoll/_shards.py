@@ -95,6 +95,23 @@ def buckets_of(keys: np.ndarray, buckets: int) -> np.ndarray:
     return bucket_of(keys, buckets)
 
 
+def fsync_dir(path: str) -> None:
+    """Make a directory's entries (a rename into it, a new file) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: str, data: bytes) -> None:
+    """Write `path` and fsync it (the caller renames and fsyncs the directory)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _write_all(fd: int, data) -> None:
     mv = memoryview(data).cast("B")
     while mv:  # raw writes may be short

@@ -182,21 +182,6 @@ class RestoreInfo:
 
 # -- files -----------------------------------------------------------------------------
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_bytes(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _write_shard(path: str, rows: dict, removed: np.ndarray, buckets: int) -> dict:
     """One table's shard file of this rank (format 3; tests replace it to fail a save)."""
     return _shards.write_shard(path, rows, removed, buckets)
@@ -571,15 +556,15 @@ class Checkpointer:
                 manifest["page_bytes"] = _shards.PAGE_BYTES
                 manifest["buckets"] = self.owners.buckets
                 manifest["owners"] = self.owners.to_json()
-            _write_bytes(os.path.join(tmp, MANIFEST),
+            _shards.write_durably(os.path.join(tmp, MANIFEST),
                          (json.dumps(manifest, indent=1) + "\n").encode())
-            _fsync_dir(tmp)
+            _shards.fsync_dir(tmp)
             final = os.path.join(directory, plan["name"])
             os.rename(tmp, final)
-            _fsync_dir(directory)
-            _write_bytes(os.path.join(directory, LATEST + ".tmp"), (plan["name"] + "\n").encode())
+            _shards.fsync_dir(directory)
+            _shards.write_durably(os.path.join(directory, LATEST + ".tmp"), (plan["name"] + "\n").encode())
             os.replace(os.path.join(directory, LATEST + ".tmp"), os.path.join(directory, LATEST))
-            _fsync_dir(directory)
+            _shards.fsync_dir(directory)
         except Exception as exc:  # noqa: BLE001
             shutil.rmtree(tmp, ignore_errors=True)
             return {"error": f"committing the checkpoint in {directory} failed: "

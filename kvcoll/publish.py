@@ -113,27 +113,12 @@ def version_dir(kind: str, version: int) -> str:
     return f"{kind}-{int(version):010d}"
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_bytes(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _replace(path: str, data: bytes) -> None:
     """Write `path` atomically (a temporary file, fsync, rename, fsync the directory)."""
     tmp = f"{path}.tmp-{secrets.token_hex(4)}"
-    _write_bytes(tmp, data)
+    _shards.write_durably(tmp, data)
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
+    _shards.fsync_dir(os.path.dirname(path) or ".")
 
 
 def _safe(name: str) -> str:
@@ -348,11 +333,11 @@ class Publisher:
             tmp = os.path.join(directory, f"{name}.tmp")
             shutil.rmtree(tmp, ignore_errors=True)
             self.dense.write_graph(os.path.join(tmp, "saved_model"))
-            _write_bytes(os.path.join(tmp, "signature.json"),
+            _shards.write_durably(os.path.join(tmp, "signature.json"),
                          (json.dumps(self.dense.signature(), indent=1) + "\n").encode())
-            _fsync_dir(tmp)
+            _shards.fsync_dir(tmp)
             os.rename(tmp, os.path.join(directory, name))
-            _fsync_dir(directory)
+            _shards.fsync_dir(directory)
             self._graph = name
         weights = [np.ascontiguousarray(w) for w in self.dense.weights()]
         h = hashlib.sha256()
@@ -410,9 +395,9 @@ class Publisher:
                            if kind in dense["files"] else {})},
                 }
                 tmp = os.path.join(directory, plan["tmp"][kind])
-                _write_bytes(os.path.join(tmp, MANIFEST),
+                _shards.write_durably(os.path.join(tmp, MANIFEST),
                              (json.dumps(manifest, indent=1) + "\n").encode())
-                _fsync_dir(tmp)
+                _shards.fsync_dir(tmp)
                 os.rename(tmp, os.path.join(directory, version_dir(kind, version)))
                 if kind == "delta" or not plan["delta"]:
                     total["rows"] += sum(t["rows"] for t in tables.values())
@@ -422,7 +407,7 @@ class Publisher:
             for kind, name in plan["tmp"].items():
                 if not plan[kind]:  # made in case, not used
                     shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
-            _fsync_dir(directory)
+            _shards.fsync_dir(directory)
             _replace(os.path.join(directory, LATEST), f"{version}\n".encode())
         except Exception as exc:  # noqa: BLE001
             self._abandon(directory, plan)

@@ -61,6 +61,19 @@ BAD_LINE_CHOICES = ("error", "skip")
 _KEEP_MESSAGES = 10
 
 
+def seconds(value, what: str, name: str, positive: bool = False) -> float:
+    """A duration setting `name` of reader `what` as a float: >= 0 seconds (> 0 with
+    positive), finite; else an error naming it."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        v = float("nan")
+    if isinstance(value, bool) or not v >= 0 or (positive and v == 0) or v == float("inf"):
+        raise InvalidArgumentError(f"{what}: {name} must be a number of seconds "
+                                   f"{'> 0' if positive else '>= 0'}, got {value!r}")
+    return v
+
+
 def rank_world(rank, world) -> tuple[int, int]:
     """rank and world as given; None for both means kvcoll's own after kvcoll.init(),
     else a single process (0, 1)."""

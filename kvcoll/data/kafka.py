@@ -58,7 +58,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, KvcollError
 from ._prefetch import Prefetch
-from ._reader import Reader, ReaderStats
+from ._reader import Reader, ReaderStats, seconds
 from .criteo import NUM_CATEGORICAL, NUM_INTEGER, CriteoReader, _parse_arrow, _scan
 from .parquet import _floats, _ids, _kind
 from .position import PositionError
@@ -116,10 +116,10 @@ class KafkaStream(Reader):
         if start not in STARTS:
             raise InvalidArgumentError(f"kafka: start must be one of {STARTS}, got {start!r}")
         self.start = start
-        self.idle_poll = _seconds(idle_poll, "idle_poll", positive=True)
-        self.idle_timeout = None if idle_timeout is None else _seconds(idle_timeout,
-                                                                       "idle_timeout")
-        self.timeout = _seconds(timeout, "timeout", positive=True)
+        self.idle_poll = seconds(idle_poll, "kafka", "idle_poll", positive=True)
+        self.idle_timeout = None if idle_timeout is None else seconds(
+            idle_timeout, "kafka", "idle_timeout")
+        self.timeout = seconds(timeout, "kafka", "timeout", positive=True)
         self.null_id = int(null_id)
         config = dict(config or {})
         for key, value in _FIXED.items():
@@ -505,17 +505,6 @@ class KafkaStream(Reader):
                                  f"group {self.group!r}: {exc.args[0].str()}") from None
         finally:
             consumer.close()
-
-
-def _seconds(value, name: str, positive: bool = False) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        v = float("nan")
-    if isinstance(value, bool) or not v >= 0 or (positive and v == 0) or v == float("inf"):
-        raise InvalidArgumentError(f"kafka: {name} must be a number of seconds "
-                                   f"{'> 0' if positive else '>= 0'}, got {value!r}")
-    return v
 
 
 def kafka(topic: str, bootstrap: str, group: str, batch_size: int, rank: int | None = None,

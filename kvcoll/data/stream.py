@@ -73,7 +73,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from . import _files
-from ._reader import Reader, ReaderStats
+from ._reader import Reader, ReaderStats, seconds
 from .criteo import NUM_CATEGORICAL, NUM_INTEGER, CriteoReader
 from .parquet import ParquetFormatError, ParquetReader
 from .position import PositionError
@@ -153,10 +153,10 @@ class FileStream(Reader):
                                        f"{on_late!r}")
         self.on_late = on_late
         self.require_success = bool(require_success)
-        self.idle_poll = _seconds(idle_poll, "idle_poll", positive=True)
-        self.idle_timeout = None if idle_timeout is None else _seconds(idle_timeout,
-                                                                       "idle_timeout")
-        self.settle = _seconds(settle, "settle")
+        self.idle_poll = seconds(idle_poll, "stream", "idle_poll", positive=True)
+        self.idle_timeout = None if idle_timeout is None else seconds(
+            idle_timeout, "stream", "idle_timeout")
+        self.settle = seconds(settle, "stream", "settle")
         self.block_bytes, self.parse_block_bytes = block_bytes, parse_block_bytes
         self.null_id = int(null_id)
         if fmt == "parquet":
@@ -383,17 +383,6 @@ class FileStream(Reader):
                     f"one: name the list columns in multi_hot= (the model's inputs are fixed "
                     "before the files arrive)")
         return reader
-
-
-def _seconds(value, name: str, positive: bool = False) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        v = float("nan")
-    if isinstance(value, bool) or not v >= 0 or (positive and v == 0) or v == float("inf"):
-        raise InvalidArgumentError(f"stream: {name} must be a number of seconds "
-                                   f"{'> 0' if positive else '>= 0'}, got {value!r}")
-    return v
 
 
 def stream(pattern, batch_size: int, rank: int | None = None, world: int | None = None, *,
