@@ -52,8 +52,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
-import tempfile
 import time
 
 import numpy as np
@@ -262,7 +262,10 @@ def _plan(directory: str, sizes: dict, totals: dict, saved_model: bool, limit) -
     try:
         parent = os.path.dirname(directory) or "."
         os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
+        # mkdir, not mkdtemp: the export gets 0777 & ~umask as any directory would
+        # (mkdtemp's 0700 would keep a serving process of another user out)
+        tmp = os.path.join(parent, f".export-{secrets.token_hex(6)}")
+        os.mkdir(tmp)
         os.mkdir(os.path.join(tmp, DICTIONARY_DIR))
     except OSError as exc:
         return {"error": f"export to {directory}: cannot create a directory next to it: {exc}"}
