@@ -124,7 +124,8 @@ def checkpoint_versions(directory) -> list:
     """The complete checkpoints of a kv.save directory (ckpt-* with a readable
     manifest), oldest first (by step, then the -k suffix of a second save at one step).
     Checkpoints whose manifest is missing or unreadable are left out (and so never
-    deleted)."""
+    deleted). directory: a kv.save directory (none there: an empty list). Raises
+    OSError when the directory cannot be listed."""
     from .checkpoint import MANIFEST
     directory = os.fspath(directory)
     try:
@@ -164,8 +165,12 @@ def _start_time(pid: int) -> str | None:
 
 class Lease:
     """A reader's hold on one version of `directory` (see the module docstring).
-    ttl: seconds until it expires unless renewed (None: as long as this process).
-    Use as a context manager, or call acquire() and release()."""
+    directory: the directory of versions; name: the version held; ttl: seconds until
+    it expires unless renewed (None: as long as this process); holder: who holds it
+    (written into the lease file for people). Use as a context manager, or call
+    acquire() and release(). Raises InvalidArgumentError for a name that is not a
+    version's (empty, with a slash, or hidden) or a ttl <= 0; acquire() raises OSError
+    when the directory cannot take the lease file."""
 
     def __init__(self, directory, name: str, *, ttl: float | None = 3600.0,
                  holder: str = ""):
@@ -240,7 +245,10 @@ class Lease:
 def hold(directory, name: str, *, ttl: float | None = 3600.0, holder: str = "") -> Lease:
     """Take a lease on version `name` of `directory` (acquired; release it, or use it
     as a context manager). Check afterwards that the version is still there: a pruner
-    that deleted it before the lease existed cannot have seen it."""
+    that deleted it before the lease existed cannot have seen it. ttl: seconds until it
+    expires unless renewed (None: as long as this process); holder: who holds it, for
+    people reading the lease file. Raises InvalidArgumentError for a bad name or ttl,
+    OSError when the directory cannot take the lease file."""
     return Lease(directory, name, ttl=ttl, holder=holder).acquire()
 
 
@@ -259,7 +267,8 @@ def _live(record: dict, now: float, host: str) -> bool:
 def live_leases(directory, *, remove_stale: bool = False) -> dict:
     """{version: [lease record, ...]} of the live leases of `directory`. A lease file
     that cannot be read counts as live for the version its name gives (its writer may
-    be renewing it). remove_stale deletes the files of leases that are no longer live."""
+    be renewing it). remove_stale deletes the files of leases that are no longer live.
+    Raises OSError when the lease directory cannot be listed (none: an empty dict)."""
     d = os.path.join(os.fspath(directory), LEASES)
     try:
         entries = os.listdir(d)

@@ -171,7 +171,10 @@ class Checkpoint(keras.callbacks.Callback):
 
 class Export(keras.callbacks.Callback):
     """kv.export at the end of training (and at every epoch end with `every_epoch`): a
-    SavedModel that serves with TensorFlow alone, plus the embedding dictionary."""
+    SavedModel that serves with TensorFlow alone, plus the embedding dictionary.
+    directory: where the export goes (replaced each time); `exports` holds what each
+    export returned. Raises what kv.export raises (InvalidArgumentError,
+    CommTimeoutError), from fit."""
 
     def __init__(self, directory, every_epoch: bool = False):
         super().__init__()
@@ -196,7 +199,8 @@ class Evict(keras.callbacks.Callback):
     evict_policy) every `every_n_steps` steps, on this rank's shards (no collective).
     With `stagger`, table i is evicted at steps where (step + i) is a multiple of
     every_n_steps, which spreads the pause over the steps. `pauses` holds the seconds
-    each eviction took."""
+    each eviction took. Arguments: every_n_steps (a positive integer), stagger (bool).
+    Raises InvalidArgumentError for an every_n_steps that is not a positive integer."""
 
     def __init__(self, every_n_steps: int = 100, stagger: bool = True):
         super().__init__()
@@ -229,7 +233,9 @@ class TableStats(keras.callbacks.Callback):
 
     `admitted` counts the rows admitted since training began, counting the rows a
     restore brought back as admitted (the run that wrote them admitted them); the
-    other counters (rejected, evicted, dropped_grads) count this process's steps."""
+    other counters (rejected, evicted, dropped_grads) count this process's steps.
+    Arguments: per_table (bool). Raises CommTimeoutError when a rank does not reach the
+    epoch's end in time."""
 
     FIELDS = ("rows", "bytes", "admitted", "rejected", "evicted", "dropped_grads")
 
