@@ -5,8 +5,9 @@ ones, on a built-in synthetic CTR data set: Zipf ids over 10^7 per field and lab
 drawn from a planted model, so the best achievable AUC (planted_auc) is known. The
 global batch of step t depends only on --seed and t, never on the world size: each rank
 generates just its own slice. --data PATH reads Criteo TSV files instead; unless
---eval-data is given, the first --eval-samples lines (rounded up to whole batches) are
-held out for evaluation and not trained on.
+--eval-data is given, the start of the files is held out for evaluation and not trained
+on: --eval-samples lines, or --holdout-fraction of the lines when the files are too
+small for that (rounded up to whole global batches; the size is printed).
 
     mpirun -np 2 python examples/train.py                      # DeepFM, synthetic data
     mpirun -np 2 python examples/train.py --model wdl --steps 200 --metrics-out m.json
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import math
 import os
 import sys
 import time
@@ -94,7 +96,11 @@ def parse_args(argv=None):
     p.add_argument("--data", nargs="+", metavar="PATH", help="Criteo TSV file(s) (.gz ok)")
     p.add_argument("--eval-data", nargs="+", metavar="PATH",
                    help="Criteo TSV file(s) to evaluate on (default: hold out the start of --data)")
-    p.add_argument("--eval-samples", type=int, default=100_000)
+    p.add_argument("--eval-samples", type=int, default=100_000,
+                   help="samples to evaluate on (with --data alone: the hold-out at most)")
+    p.add_argument("--holdout-fraction", type=float, default=0.1, metavar="F",
+                   help="with --data and no --eval-data: hold out at most this fraction "
+                        "of the lines (a small file still trains)")
     p.add_argument("--eval-chunk", type=int, default=16384, help="predict batch per rank")
     p.add_argument("--log-every", type=int, default=100,
                    help="steps between log lines (with a quick AUC on a few eval samples)")
@@ -142,6 +148,8 @@ def parse_args(argv=None):
     for name in ("batch_size", "dim", "eval_samples", "eval_chunk", "log_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 < args.holdout_fraction < 1:
+        p.error("--holdout-fraction must be between 0 and 1")
     if args.steps is not None and args.steps < 1:
         p.error("--steps must be >= 1")
     if args.slow_ms < 0 or (args.slow_ms and args.slow_rank is None):
@@ -179,15 +187,41 @@ class Synthetic:
         return self.gen.planted_logit(batch)
 
 
+def count_lines(paths, stop_after: int) -> int:
+    """Lines in the files (plain or .gz), counting no further than stop_after."""
+    lines = 0
+    for path in paths:
+        with (gzip.open if str(path).endswith(".gz") else open)(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                lines += block.count(b"\n")
+                if lines >= stop_after:
+                    return lines
+    return lines
+
+
 class Criteo:
     """Criteo TSV files (--data): global batch t is lines [t*B, (t+1)*B) of the files, in
-    order, whatever the number of ranks; unless --eval-data is given, the first
-    --eval-samples lines (rounded up to whole batches) are held out for evaluation."""
+    order, whatever the number of ranks; unless --eval-data is given, the start of the
+    files is held out for evaluation: --eval-samples lines, or --holdout-fraction of
+    them when the files hold fewer than --eval-samples / --holdout-fraction lines, in
+    whole global batches."""
 
     def __init__(self, args, rank, world):
         self.args, self.rank, self.world = args, rank, world
         self.steps = args.steps
-        self.holdout = 0 if args.eval_data else -(-args.eval_samples // args.batch_size)
+        self.eval_n = args.eval_samples
+        self.holdout = 0
+        if not args.eval_data:
+            enough = math.ceil(args.eval_samples / args.holdout_fraction)
+            self.lines = count_lines(args.data, enough)
+            want = args.eval_samples if self.lines >= enough else \
+                max(1, math.ceil(self.lines * args.holdout_fraction))
+            self.holdout = -(-want // args.batch_size)   # whole global batches
+            self.eval_n = min(self.holdout * args.batch_size, self.lines)
+            small = "" if self.lines >= enough else \
+                f" (--holdout-fraction {args.holdout_fraction:g} of {self.lines:,} lines)"
+            say(f"holding out the first {self.eval_n:,} lines of --data for evaluation"
+                f"{small}; training on the rest")
 
     def train(self, start=0):
         # kvcoll: this rank's slice of each global batch: every rank scans the line ends,
@@ -203,6 +237,7 @@ class Criteo:
     def eval_chunks(self, n):
         # Same number of batches on every rank (split="global"), some maybe empty.
         paths = self.args.eval_data or self.args.data
+        n = min(n, self.eval_n)   # never past the hold-out into the training lines
         seen = 0
         for batch in read_criteo(paths, self.args.batch_size, self.rank, self.world):
             if seen >= n:
@@ -216,18 +251,11 @@ class Criteo:
         """Why no batch was trained on (the answer to "no training data")."""
         if not self.holdout:
             return "the --data files hold no line"
-        gz = [gzip.open if str(p).endswith(".gz") else open for p in self.args.data]
-        lines = 0
-        for path, opener in zip(self.args.data, gz):
-            with opener(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    lines += block.count(b"\n")
         a = self.args
-        return (f"the --data files hold {lines:,} lines and the evaluation hold-out takes "
-                f"the first {self.holdout * a.batch_size:,} (--eval-samples {a.eval_samples:,} "
-                f"rounded up to whole global batches of --batch-size {a.batch_size:,}), "
-                f"leaving none to train on; pass a smaller --eval-samples, or --eval-data "
-                f"PATH to evaluate on other files")
+        return (f"the --data files hold {self.lines:,} lines and the evaluation hold-out "
+                f"takes the first {self.holdout * a.batch_size:,} (at least one whole global "
+                f"batch of --batch-size {a.batch_size:,}), leaving none to train on; pass a "
+                f"smaller --batch-size, or --eval-data PATH to evaluate on other files")
 
 
 # ---- main ------------------------------------------------------------------------------
@@ -320,7 +348,8 @@ def main(argv=None):
             f"{info.bytes / 2**20:,.1f} MiB in {info.seconds:.2f}s")
 
     te = time.perf_counter()
-    result = evaluate(model, data, args.eval_samples, features)  # kvcoll: collective
+    result = evaluate(model, data, getattr(data, "eval_n", args.eval_samples),  # kvcoll:
+                      features)                                           # collective
     eval_time = demo.eval_time + time.perf_counter() - te
     lifecycle = lifecycle_stats(eng, evict.pauses[:-1] if evict else [])  # kvcoll: collective
     stats = {name: dict(s) for name, s in lifecycle["tables"].items()}

@@ -25,11 +25,19 @@ _state: dict = {}
 
 
 def init(argv: list[str] | None = None, **settings) -> Config:
-    """Start kvcoll: MPI up, private communicator, configuration resolved.
+    """Start kvcoll: MPI up (MPI_THREAD_MULTIPLE, or the MPI a Horovod job started),
+    kvcoll's private communicator, every rank's host learnt, the run's settings resolved.
+    A collective: every rank calls it once, before anything else of kvcoll.
 
-    argv defaults to sys.argv[1:] (so `--step-mode ssp --staleness 2` work);
-    keyword settings (step_mode=..., staleness=..., comm_timeout=...) win over flags
-    and KVCOLL_* variables. Calling init twice returns the first Config.
+    argv: the command line to read kvcoll's flags from (default sys.argv[1:], so
+    `--step-mode ssp --staleness 2` work; other flags are left alone). settings: any
+    field of kvcoll.Config (step_mode=, staleness=, comm_timeout=, io_timeout=,
+    startup_timeout=, id_hash=), which win over flags and KVCOLL_* variables. Returns
+    the run's Config; calling init again returns the first one.
+
+    Raises InvalidArgumentError for an unknown setting, flag value or KVCOLL_*
+    variable; CommTimeoutError when a rank does not start within the start-up deadline
+    (KVCOLL_STARTUP_TIMEOUT), naming it.
     """
     if _state:
         return _state["config"]
@@ -53,6 +61,8 @@ def _at_exit() -> None:
 
 
 def is_initialized() -> bool:
+    """Whether kv.init() has run (and kv.shutdown() has not) in this process. Raises
+    nothing."""
     return bool(_state)
 
 
@@ -71,12 +81,14 @@ def comm() -> Comm:
 
 
 def rank() -> int:
-    """This process's rank in kvcoll's communicator."""
+    """This process's rank in kvcoll's communicator (0 .. size() - 1). Raises
+    KvcollError before kv.init()."""
     return _need("rank")["comm"].rank
 
 
 def size() -> int:
-    """Number of ranks."""
+    """The number of ranks in kvcoll's communicator. Raises KvcollError before
+    kv.init()."""
     return _need("size")["comm"].size
 
 
@@ -84,8 +96,9 @@ _preempted = threading.Event()
 
 
 def preempted() -> bool:
-    """Whether this process got SIGTERM while model.fit ran (fit then stops every rank
-    after the same step and exits 0; a loop of your own may check this)."""
+    """Whether this process got SIGTERM (or kvcollrun's SIGUSR2) while model.fit ran:
+    fit then stops every rank after the same step and returns with
+    `history.preempted = True`; a loop of your own may check this. Raises nothing."""
     return _preempted.is_set()
 
 
@@ -94,12 +107,14 @@ def note_preempted() -> None:
 
 
 def local_rank() -> int:
-    """This process's index among the ranks on its host (0 .. local_size() - 1)."""
+    """This process's index among the ranks on its host (0 .. local_size() - 1), by
+    host name. Raises KvcollError before kv.init()."""
     return _need("local_rank")["local"][0]
 
 
 def local_size() -> int:
-    """How many ranks run on this process's host."""
+    """How many ranks run on this process's host (by host name). Raises KvcollError
+    before kv.init()."""
     return _need("local_size")["local"][1]
 
 
@@ -126,6 +141,10 @@ def allreduce(value, op: str = "mean"):
 
         rank 0: allreduce(np.array([1., 2.]))   rank 1: allreduce(np.array([3., 4.]))
         -> both: array([2., 3.])
+
+    value: the local value; op: "mean", "sum", "max" or "min". Raises
+    InvalidArgumentError for another op, KvcollError before kv.init(),
+    CommTimeoutError when a rank does not take part within the step deadline.
     """
     if op not in ("mean", "sum", "max", "min"):
         raise InvalidArgumentError(f"allreduce: op must be 'mean', 'sum', 'max' or 'min', got {op!r}")
@@ -146,6 +165,10 @@ def allgather(value):
 
         rank 0: allgather(np.array([1]))   rank 1: allgather(np.array([2, 3]))
         -> both: array([1, 2, 3])
+
+    value: a numpy array, a TensorFlow tensor or a number (a scalar counts as one
+    element). Raises KvcollError before kv.init(), CommTimeoutError when a rank does
+    not take part within the step deadline.
     """
     c = _need("allgather")["comm"]
     arr, back = _as_numpy(value)
@@ -157,7 +180,11 @@ def allgather(value):
 
 def broadcast(value, root_rank: int = 0):
     """Rank root_rank's value on every rank (every rank passes a value of the same shape
-    and dtype). A collective."""
+    and dtype). A collective.
+
+    value: a numpy array, a TensorFlow tensor or a number; root_rank: the rank whose
+    value wins. Raises InvalidArgumentError for a root_rank outside [0, size()),
+    KvcollError before kv.init(), CommTimeoutError when a rank does not take part."""
     c = _need("broadcast")["comm"]
     if not 0 <= int(root_rank) < c.size:
         raise InvalidArgumentError(f"broadcast: root_rank must be in [0, {c.size}), got {root_rank}")
@@ -166,7 +193,9 @@ def broadcast(value, root_rank: int = 0):
 
 
 def shutdown() -> None:
-    """Wait for every rank, then free kvcoll's communicator. Safe to call twice."""
+    """Wait for every rank, then free kvcoll's communicator (a collective; MPI itself
+    is finalized at exit). Safe to call twice. Raises CommTimeoutError when a rank does
+    not arrive within the step deadline."""
     if not _state:
         return
     c = _state["comm"]

@@ -52,8 +52,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
-import tempfile
 import time
 
 import numpy as np
@@ -136,8 +136,29 @@ def _read_npy(path: str, dtype, shape, batch: int):
 
 def export(directory, model, *, dictionary: bool = True, saved_model: bool = True,
            max_serving_bytes: int | None = None, string_features=None) -> dict:
-    """Write a model with kv.Embedding layers (or a kv.Trainer) for serving: see
-    _export; its collectives wait up to the I/O deadline (KVCOLL_IO_TIMEOUT)."""
+    """Write a model with kv.Embedding layers (or a kv.Trainer) for serving into
+    `directory` (a collective, replacing what was there; made 0777 & ~umask, as mkdir
+    makes directories): every rank writes its part of the embedding dictionary
+    (`embeddings/`), rank 0 builds the SavedModel (`saved_model/`, which serves with
+    TensorFlow alone) from the parts. In SSP/ASP every rank first waits until every
+    update is applied. Its collectives wait up to the I/O deadline (KVCOLL_IO_TIMEOUT).
+
+    directory: where the export goes (a shared file system with several hosts).
+    saved_model=False writes the dictionary alone (for an external key-value store, at
+    any size); dictionary=False drops it once the SavedModel is built.
+    max_serving_bytes (default: half of rank 0's physical memory) refuses a SavedModel
+    whose tables one serving process could not hold. string_features: names of id
+    inputs whose serving signature takes raw strings beyond those found (inputs that
+    were strings in this process's data or declared as string keras.Inputs, and
+    reader columns of strings: a model restored and exported without seeing data
+    needs them named).
+
+    Returns {"path", "tables": {name: rows}, "parts", "serving_bytes", "seconds",
+    "id_hash", "string_features"}. Raises InvalidArgumentError on every rank, with
+    nothing written, when both outputs are off, string_features names no id input, or
+    the SavedModel would exceed max_serving_bytes; and when writing failed (the
+    previous export, if any, is left as it was); CommTimeoutError when a rank does not
+    take part in time."""
     from .keras.saving import engine_for
 
     with engine_for(model).comm.deadline("io"):
@@ -147,18 +168,7 @@ def export(directory, model, *, dictionary: bool = True, saved_model: bool = Tru
 
 def _export(directory, model, *, dictionary: bool = True, saved_model: bool = True,
             max_serving_bytes: int | None = None, string_features=None) -> dict:
-    """Write a model with kv.Embedding layers (or a kv.Trainer) for serving into
-    `directory` (a collective, replacing what was there): every rank writes its part of
-    the embedding dictionary, rank 0 builds the SavedModel from the parts. In SSP/ASP
-    every rank first waits until every update is applied. saved_model=False writes the
-    dictionary alone; dictionary=False drops it once the SavedModel is built.
-    max_serving_bytes (default: half of rank 0's physical memory) refuses a SavedModel
-    whose tables one serving process could not hold. string_features: names of id
-    inputs whose serving signature takes raw strings beyond those found (inputs that
-    were strings in this process's data or declared as string keras.Inputs, and
-    reader columns of strings: a model restored and exported without seeing data
-    needs them named). Returns {"path", "tables": {name: rows}, "parts",
-    "serving_bytes", "seconds", "id_hash", "string_features"}."""
+    """kv.export's work, inside its I/O deadline (see export)."""
     from .keras.saving import engine_for
 
     if not (dictionary or saved_model):
@@ -262,7 +272,10 @@ def _plan(directory: str, sizes: dict, totals: dict, saved_model: bool, limit) -
     try:
         parent = os.path.dirname(directory) or "."
         os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
+        # mkdir, not mkdtemp: the export gets 0777 & ~umask as any directory would
+        # (mkdtemp's 0700 would keep a serving process of another user out)
+        tmp = os.path.join(parent, f".export-{secrets.token_hex(6)}")
+        os.mkdir(tmp)
         os.mkdir(os.path.join(tmp, DICTIONARY_DIR))
     except OSError as exc:
         return {"error": f"export to {directory}: cannot create a directory next to it: {exc}"}

@@ -1,9 +1,11 @@
 """kv.callbacks: Keras callbacks for what is kvcoll's (tables, checkpoints, export).
 
     model.fit(data, epochs=3, callbacks=[
-        kv.callbacks.Checkpoint("ck/", every_n_steps=1000, incremental_every=100),
+        kv.callbacks.Checkpoint("ck/", every_n_steps=1000, incremental_every=100,
+                                max_to_keep=3, restore=True),
         kv.callbacks.Evict(every_n_steps=50),
         kv.callbacks.TableStats(),            # rows, bytes, admitted, evicted -> logs
+        kv.callbacks.Throughput(),            # samples/s of the training steps -> logs
         kv.callbacks.Export("serve/"),        # at the end of training
         kv.callbacks.Publish("pub/", every_seconds=30),  # deltas for `kvcoll serve`
     ])
@@ -17,6 +19,7 @@ epoch's sync point after the step count passed the mark.
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import numpy as np
@@ -25,7 +28,13 @@ from ..errors import InvalidArgumentError
 from ._compat import keras
 from .engine import engine_of
 
-__all__ = ["Checkpoint", "Export", "Evict", "Publish", "TableStats"]
+__all__ = ["Checkpoint", "Export", "Evict", "Publish", "TableStats", "Throughput"]
+
+
+def _say(comm, text: str) -> None:
+    """Print one line on rank 0 (what a callback tells the user)."""
+    if comm.rank == 0:
+        print(text, file=sys.stdout, flush=True)
 
 
 def _positive(name, value):
@@ -37,28 +46,47 @@ def _positive(name, value):
 
 
 class Checkpoint(keras.callbacks.Callback):
-    """kvcoll checkpoints during fit (kv.save): a full save every `every_n_steps` steps,
-    an incremental one (the rows changed since the previous save) every
-    `incremental_every` steps in between, one at every epoch end with `every_epoch`, and
-    one at the end of training. restore=True continues from the directory's latest
-    checkpoint when training begins (if there is one), on any number of ranks, where the
-    saved run stood: its epoch and step (fit's `epochs` is the total, as with Keras'
-    BackupAndRestore) and the position of a kvcoll data source (a reader, a stream, Kafka),
-    so a restarted job sees every sample once. The save at the end is incremental when
-    `incremental_every` is set."""
+    """kvcoll checkpoints during fit (kv.save), and a resume from them (kv.restore).
+
+    Saves a full checkpoint every `every_n_steps` steps, an incremental one (the rows
+    changed since the previous save) every `incremental_every` steps in between, one at
+    every epoch end with `every_epoch`, and one at the end of training (`save_at_end`;
+    incremental when `incremental_every` is set). max_to_keep=N keeps the newest N
+    checkpoints of `directory` and every checkpoint they need (a delta's parents down
+    to its full checkpoint), deleting the others after each save (kvcoll.retention:
+    what a live lease holds, a restoring job's or a server's, stays); None keeps all.
+    restore=True continues, when training begins, from the directory's latest
+    checkpoint, on any number of ranks, where the saved run stood: its epoch and step
+    (fit's `epochs` is then the total, as with Keras' BackupAndRestore) and the position
+    of a kvcoll data source (a reader, a stream, Kafka), so a restarted job sees every
+    sample once; it says on rank 0 which checkpoint it restored or that none was found
+    and where it looked (then training starts from scratch).
+    verbose=0 silences those lines.
+
+    Arguments: directory (a path; a shared file system with several hosts),
+    every_n_steps, incremental_every, max_to_keep (positive integers or None),
+    every_epoch, save_at_end, restore (bools), verbose (0 or 1).
+    Raises InvalidArgumentError for a count that is not a positive integer (when made),
+    and what kv.save and kv.restore raise (CheckpointError, CommTimeoutError) during fit.
+    `saves` holds every save's SaveInfo, `restored` the RestoreInfo of the resume (or
+    None), `pruned` the checkpoints retention deleted (on rank 0)."""
 
     def __init__(self, directory, every_n_steps: int | None = None,
                  incremental_every: int | None = None, every_epoch: bool = False,
-                 save_at_end: bool = True, restore: bool = False):
+                 save_at_end: bool = True, restore: bool = False,
+                 max_to_keep: int | None = None, verbose: int = 1):
         super().__init__()
         self.directory = os.fspath(directory)
         self.every_n_steps = _positive("every_n_steps", every_n_steps)
         self.incremental_every = _positive("incremental_every", incremental_every)
+        self.max_to_keep = _positive("max_to_keep", max_to_keep)
         self.every_epoch = bool(every_epoch)
         self.save_at_end = bool(save_at_end)
         self.restore = bool(restore)
+        self.verbose = int(verbose)
         self.saves = []          # SaveInfo of every save, in order
         self.restored = None     # RestoreInfo, if training began from a checkpoint
+        self.pruned = []         # names of the checkpoints retention deleted (rank 0)
         self._last = None        # the step of the last save
         self._due = None         # SSP/ASP: "full" or "delta" owed at the next sync point
 
@@ -77,9 +105,26 @@ class Checkpoint(keras.callbacks.Callback):
     def _restore(self) -> None:
         from ..checkpoint import latest
         from .saving import restore
-        if latest(self.directory) is not None:
-            self.restored = restore(self.directory, self.model, resume=True)
-            self._last = self.restored.step
+        where = os.path.abspath(self.directory)
+        comm = self._engine().comm
+        # rank 0 looks; every rank follows its answer (a collective either way)
+        found = latest(where) is not None if comm.rank == 0 else None
+        found = bool(comm.bcast(np.array([found or 0], np.int64), op="checkpoint:found")[0])
+        if not found:
+            if self.verbose:
+                why = "the directory does not exist" if not os.path.isdir(where) else \
+                    "it holds no complete checkpoint (no 'latest' file)"
+                _say(comm, f"kv.callbacks.Checkpoint: no checkpoint to restore in {where} "
+                           f"({why}): training starts from scratch")
+            return
+        info = self.restored = restore(where, self.model, resume=True)
+        self._last = info.step
+        if self.verbose:
+            deltas = len(info.chain) - 1
+            _say(comm, f"kv.callbacks.Checkpoint: restored {info.name} from {where} "
+                       f"(step {info.step}; a full checkpoint"
+                       f"{f' and {deltas} incremental one(s)' if deltas else ''}) "
+                       f"in {info.seconds:.1f}s")
 
     def _kind_at(self, step: int) -> str | None:
         if self.every_n_steps and step % self.every_n_steps == 0:
@@ -89,11 +134,13 @@ class Checkpoint(keras.callbacks.Callback):
         return None
 
     def _save(self, kind: str) -> None:
-        from .saving import save
+        from .saving import pruned, save
         eng = self._engine()
         if self._last == eng.step:
             return
-        info = save(self.directory, self.model, incremental=kind == "delta")
+        info = save(self.directory, self.model, incremental=kind == "delta",
+                    max_to_keep=self.max_to_keep)
+        self.pruned += pruned.pop(eng, ())
         self.saves.append(info)
         self._last = eng.step
         self.on_save(info)
@@ -128,7 +175,10 @@ class Checkpoint(keras.callbacks.Callback):
 
 class Export(keras.callbacks.Callback):
     """kv.export at the end of training (and at every epoch end with `every_epoch`): a
-    SavedModel that serves with TensorFlow alone, plus the embedding dictionary."""
+    SavedModel that serves with TensorFlow alone, plus the embedding dictionary.
+    directory: where the export goes (replaced each time); `exports` holds what each
+    export returned. Raises what kv.export raises (InvalidArgumentError,
+    CommTimeoutError), from fit."""
 
     def __init__(self, directory, every_epoch: bool = False):
         super().__init__()
@@ -153,7 +203,8 @@ class Evict(keras.callbacks.Callback):
     evict_policy) every `every_n_steps` steps, on this rank's shards (no collective).
     With `stagger`, table i is evicted at steps where (step + i) is a multiple of
     every_n_steps, which spreads the pause over the steps. `pauses` holds the seconds
-    each eviction took."""
+    each eviction took. Arguments: every_n_steps (a positive integer), stagger (bool).
+    Raises InvalidArgumentError for an every_n_steps that is not a positive integer."""
 
     def __init__(self, every_n_steps: int = 100, stagger: bool = True):
         super().__init__()
@@ -182,7 +233,13 @@ class TableStats(keras.callbacks.Callback):
     (so the progress bar, History, CSVLogger and TensorBoard record them; put it before
     those): `kv_rows`, `kv_bytes`, `kv_admitted`, `kv_rejected`, `kv_evicted`,
     `kv_dropped_grads`; with per_table=True also `<table>/rows` and so on. A collective
-    at every epoch end. `history` keeps every table's figures per epoch."""
+    at every epoch end. `history` keeps every table's figures per epoch.
+
+    `admitted` counts the rows admitted since training began, counting the rows a
+    restore brought back as admitted (the run that wrote them admitted them); the
+    other counters (rejected, evicted, dropped_grads) count this process's steps.
+    Arguments: per_table (bool). Raises CommTimeoutError when a rank does not reach the
+    epoch's end in time."""
 
     FIELDS = ("rows", "bytes", "admitted", "rejected", "evicted", "dropped_grads")
 
@@ -192,9 +249,17 @@ class TableStats(keras.callbacks.Callback):
         self.history = []
 
     def on_epoch_end(self, epoch, logs=None):
+        from .saving import restored_rows
         eng = engine_of(self.model)
-        local = np.array([[getattr(t.stats(), f) for f in self.FIELDS]
-                          for t in eng.tables.values()], np.float64)
+        base = restored_rows.get(eng, {})
+        rows = []
+        for name, t in eng.tables.items():
+            s = t.stats()
+            got = {f: getattr(s, f) for f in self.FIELDS}
+            if name in base:   # rows restored + admitted since the restore
+                got["admitted"] = base[name][0] + max(0, s.admitted - base[name][1])
+            rows.append([got[f] for f in self.FIELDS])
+        local = np.array(rows, np.float64).reshape(len(eng.tables), len(self.FIELDS))
         total = eng.comm.allreduce(local.reshape(-1), op="table_stats").reshape(local.shape)
         tables = {name: dict(zip(self.FIELDS, map(int, row)))
                   for name, row in zip(eng.tables, total)}
@@ -321,3 +386,71 @@ class Publish(keras.callbacks.Callback):
         if eng.synchronous and self.published and self.published[-1].step == eng.step:
             return  # (BSP: the same step on every rank; SSP/ASP always publish here)
         self.publish()
+
+
+class Throughput(keras.callbacks.Callback):
+    """Training throughput in the logs: `samples_per_sec`, the samples of every rank's
+    training steps per second of those steps, in each epoch's logs (so the progress
+    line, History, CSVLogger and TensorBoard show it), and `rank_samples_per_sec`, this
+    rank's own so far, in each batch's logs.
+
+    It times Keras' call of the step function alone (reading the batch, kvcoll's step,
+    the step's collectives): unlike Keras' ms/step, it leaves out validation, other
+    callbacks (checkpoint writes, exports) and the time between epochs. The epoch's
+    figure is the sum over ranks of each rank's samples over its step seconds (in BSP
+    the ranks step together, so that is the global batch per step time; in SSP/ASP each
+    rank's own pace counts). A collective at every epoch end (one small allreduce).
+    `history` keeps each epoch's {"samples", "seconds", "samples_per_sec"}; `seconds`
+    and `samples` this rank's for the current epoch. Put it before the callbacks that
+    read the logs. Arguments: none. Raises nothing of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.history = []
+        self.samples = 0
+        self.seconds = 0.0
+        self._wrapped = None
+
+    def on_train_begin(self, logs=None):
+        # Keras calls make_train_function, then on_train_begin, then train_function once
+        # per step (both majors): time that call, nothing around it.
+        inner = getattr(self.model, "train_function", None)
+        if inner is None:
+            return
+        inner = getattr(inner, "_kv_timed", inner)   # a fit that raised left a wrapper
+        eng = engine_of(self.model)
+
+        def timed(iterator):
+            t0 = time.perf_counter()
+            try:
+                return inner(iterator)
+            finally:
+                self.seconds += time.perf_counter() - t0
+                self.samples += eng.last_samples
+
+        timed._kv_timed = inner
+        self._wrapped = inner
+        self.model.train_function = timed
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.samples, self.seconds = 0, 0.0
+
+    def on_train_batch_end(self, batch, logs=None):
+        if logs is not None and self.seconds > 0:
+            logs["rank_samples_per_sec"] = self.samples / self.seconds
+
+    def on_epoch_end(self, epoch, logs=None):
+        eng = engine_of(self.model)
+        own = self.samples / self.seconds if self.seconds > 0 else 0.0
+        total = eng.comm.allreduce(np.array([own, self.samples, self.seconds], np.float64),
+                                   op="throughput")
+        entry = {"samples": int(total[1]), "seconds": float(total[2]) / eng.comm.size,
+                 "samples_per_sec": float(total[0])}
+        self.history.append(entry)
+        if logs is not None:
+            logs["samples_per_sec"] = entry["samples_per_sec"]
+
+    def on_train_end(self, logs=None):
+        if self._wrapped is not None:
+            self.model.train_function = self._wrapped
+            self._wrapped = None

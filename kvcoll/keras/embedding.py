@@ -71,7 +71,14 @@ class Embedding(keras.layers.Layer):
         (or Trainer.evict()) enforces the last three.
 
     Call it on a model input of ids: 1-D (one id per sample) or, with a combiner, 2-D
-    or ragged (several per sample). Ids may be int64, int32 or strings (hashed).
+    or ragged (several per sample). Ids may be int64, int32 or strings (hashed). The
+    model that holds it trains with fit once built as kv.Model (or passed through
+    kv.distribute), or through kv.Trainer.
+
+    Raises InvalidArgumentError for a bad setting (dim < 1, an unknown combiner,
+    initializer, admit or evict_policy), when called on something other than a model
+    input of ids, when two layers share a table with different settings, and at the
+    first step of a plain keras.Model (which did not opt in: the message names the fix).
     """
 
     def __init__(self, table: str, dim: int, *, combiner: str | None = None,

@@ -276,7 +276,11 @@ class Engine:
 
 
 def broadcast_variables(variables, root_rank: int = 0, comm=None) -> None:
-    """Give every rank rank root's values (one fused broadcast of a flat buffer)."""
+    """Give every rank rank root's values of `variables` (TensorFlow or Keras
+    variables, the same list on every rank), in one fused broadcast of a flat buffer.
+    A collective. root_rank: whose values win; comm: kvcoll's communicator (default
+    the run's). Raises KvcollError before kv.init() without a comm, CommTimeoutError
+    when a rank does not take part in time."""
     variables = list(variables)
     comm = comm if comm is not None else runtime.comm()
     if not variables or comm.size == 1:

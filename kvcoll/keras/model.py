@@ -325,8 +325,24 @@ class _Kvcoll:
 
 class Model(_Kvcoll, keras.Model):
     """A keras.Model whose fit, evaluate and predict run kvcoll's step loop: build it as
-    `kv.Model(inputs, outputs)`, or inherit from it in a subclassed model. Everything
-    else is Keras' (see kvcoll.keras.model)."""
+    `kv.Model(inputs, outputs)` (Keras' functional arguments: inputs, outputs, name),
+    or inherit from it in a subclassed model. Everything else is Keras'.
+
+    What fit/evaluate/predict then do: each rank passes its own part of the data (its
+    batch_size); a rank whose data ran out keeps taking part with no samples until
+    every rank's has, then the epoch ends everywhere at the same step; the logs and
+    metrics are global (over every rank's samples), so EarlyStopping and
+    ReduceLROnPlateau decide the same everywhere; `stop_training` on any rank stops
+    every rank after the same step; SIGTERM (or kvcollrun's SIGUSR2) stops every rank
+    after the same step and fit returns with `history.preempted = True`; the progress
+    bar prints on rank 0, and TensorBoard, CSVLogger, ModelCheckpoint, BackupAndRestore
+    and RemoteMonitor run on rank 0 only.
+
+    Raises (from fit/evaluate/predict, on every rank at the same step, nothing applied)
+    InvalidArgumentError for bad batches (float ids, an unknown feature, layouts that
+    differ between ranks) and for a train_step override (kvcoll applies the gradients
+    itself: override compute_loss instead), NonFiniteError for a NaN/Inf loss or
+    input, CommTimeoutError when a rank does not take part within the step deadline."""
 
     def __new__(cls, *args, **kwargs):
         # kv.Model(inputs, outputs) is a functional model, as keras.Model(inputs,
@@ -360,7 +376,10 @@ def distribute(model):
     as keras.Model): returns the same model, whose class is now a subclass of its own
     class with kvcoll's step functions (this instance only; Keras' classes are not
     touched). Saving records the model's own class, so a reloaded model is passed
-    through kv.distribute again (or built as kv.Model)."""
+    through kv.distribute again (or built as kv.Model). Its fit, evaluate and predict
+    then behave as kv.Model's. Calling it twice returns the model unchanged.
+
+    model: a keras.Model. Raises InvalidArgumentError for anything else."""
     if not isinstance(model, keras.Model):
         raise InvalidArgumentError(
             f"kv.distribute takes a {keras.__name__}.Model, got {type(model).__name__}")

@@ -45,7 +45,12 @@ def DistributedOptimizer(optimizer, sparse=None, dense_backend=None):
     dense_backend: who sums the dense gradients in a BSP step: "kvcoll" (one fused MPI
     allreduce with the step's loss and metrics) or "horovod" (Horovod's allreduce; needs
     hvd.init()). Default: "horovod" when `optimizer` is an hvd.DistributedOptimizer,
-    else "kvcoll". The rows always go through kvcoll's all-to-all."""
+    else "kvcoll". The rows always go through kvcoll's all-to-all.
+
+    Returns an optimizer of the wrapped optimizer's own class (isinstance holds; a saved
+    model records the plain class). Raises InvalidArgumentError when `optimizer` is not
+    a Keras optimizer (on Keras 2: not a keras.optimizers.legacy one), `sparse` is not
+    a kv.optimizers row optimizer, or dense_backend is not "kvcoll" or "horovod"."""
     if dense_backend is None:
         dense_backend = getattr(optimizer, "_kvcoll_dense_backend", None) or (
             "horovod" if _horovod.is_horovod_optimizer(optimizer) else "kvcoll")

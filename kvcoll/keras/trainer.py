@@ -32,7 +32,19 @@ class Trainer:
     step. loss: a Keras loss (or a callable (labels, outputs) -> per-sample loss);
     optimizer: kv.DistributedOptimizer(...) (a plain Keras optimizer gives the rows the
     default row optimizer, and says so); step_mode: "bsp", "ssp", "asp" or a
-    kv.StepMode (default: the run's --step-mode); staleness: SSP's bound."""
+    kv.StepMode (default: the run's --step-mode); staleness: SSP's bound. model: any
+    keras.Model with kv.Embedding layers (no kv.Model needed). jit: compile the step
+    with tf.function; comm: kvcoll's communicator (default the run's); prefetch: BSP,
+    prepare the next batch while a step computes.
+
+    `train_step(features, labels)` returns the step's global mean loss; `finish()`
+    keeps a rank whose data ended in step with the others until every rank's has;
+    `evaluate`, `predict` (unknown ids read zeros, no table changes) and `evict()`
+    follow. A Trainer is what kv.save, kv.restore and kv.export take, as a model.
+
+    Raises InvalidArgumentError for a bad step mode or optimizer and (from its steps,
+    on every rank at once, nothing applied) for bad batches; NonFiniteError for a
+    NaN/Inf loss or input; CommTimeoutError when a rank does not take part in time."""
 
     def __init__(self, model, loss, optimizer, *, jit: bool = True, comm=None, step_mode=None,
                  staleness: int | None = None, prefetch: bool = False):

@@ -1,8 +1,8 @@
 """The compatibility table from what `./dev compat` ran: reads tests/compat/results/
 <lane>.json (each lane's versions and test counts, written by the suite) and writes
-results/lanes.md and the README's table between its compat markers.
+results/lanes.md and the table of docs/versions.md between its compat markers.
 
-    python tests/compat/report.py tests/compat/results README.md
+    python tests/compat/report.py tests/compat/results docs/versions.md
 """
 
 import json

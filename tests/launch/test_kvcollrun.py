@@ -155,3 +155,66 @@ def test_signals_are_passed_on_to_mpirun(tmp_path, sent, code):
     assert proc.stdout.readline().strip() == "ready"
     proc.send_signal(sent)
     assert proc.wait(timeout=20) == code
+
+
+def test_a_bare_python_runs_the_projects_interpreter_when_no_venv_is_active(tmp_path):
+    """`kvcollrun -np 2 python train.py` as the README shows it, typed without the venv
+    active: every rank failed with "No module named 'keras'" (issue 33, defect 10)."""
+    venv_py = str(ROOT / ".venv" / "bin" / "python")
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "CONDA_PREFIX")}
+    env["MPIRUN"] = str(fake(tmp_path, ECHO))
+    for prog in ("python", "python3"):
+        run = subprocess.run([str(KVCOLLRUN), "-np", "2", "--map-by", "slot", prog, "t.py",
+                              "python"], env=env, capture_output=True, text=True, timeout=60)
+        argv = json.loads(run.stdout.split("ARGS ", 1)[1].splitlines()[0])["argv"]
+        assert argv[-3:] == [venv_py, "t.py", "python"], argv
+        assert f"running {venv_py} for `{prog}` (no virtual environment is active" in run.stderr
+    # an active venv, or an interpreter named by its path, is left alone
+    argv, _ = flags(tmp_path, ["-np", "2", "python", "t.py"], {"VIRTUAL_ENV": "/some/venv"})
+    assert argv[-2:] == ["python", "t.py"]
+    argv, _ = flags(tmp_path, ["-np", "2", "/usr/bin/python3", "t.py"])
+    assert argv[-2:] == ["/usr/bin/python3", "t.py"]
+    argv, _ = flags(tmp_path, ["-x", "A=1", "--mca", "btl", "self", "-np", "1", "python"])
+    assert argv[-1] == venv_py
+
+
+# A stand-in for mpirun whose ranks print TensorFlow's start-up notices and a real error.
+NOISY = f"""#!{sys.executable}
+import sys
+lines = [
+    "[1,0]<stderr>: WARNING: All log messages before absl::InitializeLog() is called are "
+    "written to STDERR",
+    "[1,0]<stderr>: I0000 00:00:1795686603.214866    6358 port.cc:153] oneDNN custom "
+    "operations are on. You may see slightly different numerical results due to "
+    "floating-point round-off errors from different computation orders. To turn them off, "
+    "set the environment variable `TF_ENABLE_ONEDNN_OPTS=0`.",
+    "[1,1]<stderr>: I0000 00:00:1795686603.252691    6358 cpu_feature_guard.cc:227] This "
+    "TensorFlow binary is optimized to use available CPU instructions in "
+    "performance-critical operations.",
+    "[1,1]<stderr>: To enable the following instructions: AVX2 AVX512F FMA, in other "
+    "operations, rebuild TensorFlow with the appropriate compiler flags.",
+    "[1,0]<stderr>: I0000 00:00:1795686676.245684    7851 generator_dataset_op.cc:213] "
+    "Memory patch applied: M_TRIM_THRESHOLD=128 kb was set.",
+    "[1,1]<stderr>: E0000 00:00:1795686676.2 7851 op.cc:12] a real error, oneDNN aside",
+    "[1,1]<stderr>: W0000 00:00:1795686676.2 7851 op.cc:13] a real warning",
+]
+for line in lines:
+    print(line, file=sys.stderr)
+print("[1,0]<stdout>: Epoch 1/1", flush=True)
+"""
+
+
+def test_tensorflows_startup_notices_are_left_out_and_nothing_else(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCOLLRUN")}
+    env["MPIRUN"] = str(fake(tmp_path, NOISY))
+    run = subprocess.run([str(KVCOLLRUN), "-np", "2", "/bin/true"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.splitlines() == [
+        "[1,1]<stderr>: E0000 00:00:1795686676.2 7851 op.cc:12] a real error, oneDNN aside",
+        "[1,1]<stderr>: W0000 00:00:1795686676.2 7851 op.cc:13] a real warning"]
+    assert run.stdout == "[1,0]<stdout>: Epoch 1/1\n"
+    env["KVCOLLRUN_TF_NOISE"] = "1"
+    run = subprocess.run([str(KVCOLLRUN), "-np", "2", "/bin/true"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert len(run.stderr.splitlines()) == 7

@@ -105,7 +105,8 @@ def test_a_killed_fit_resumes_mid_epoch_on_exactly_the_samples_left(tmp_path):
     code, log = run(2, ["-c", FIT, data, tmp_path / "ck", tmp_path / "b", -1], 300,
                     "the resumed fit")
     assert code == 0, log[-4000:]
-    assert "kvcoll: restored ckpt-0000000035" in log and "epoch 2, step 10" in log, log[-3000:]
+    assert "kv.callbacks.Checkpoint: restored ckpt-0000000035" in log, log[-3000:]
+    assert "the next fit continues at epoch 2, step 10" in log, log[-3000:]
     assert "resumed in epoch 2 after step 10; this epoch is short" in log, log[-3000:]
     assert f"done at step {steps}" in log
     ref, first, second = losses(tmp_path / "ref"), losses(tmp_path / "a"), \

@@ -5,8 +5,9 @@
   on held-out samples, and --metrics-out holds every documented field;
 - --model wdl runs a few steps on 1 rank, writes its metrics and TensorBoard events;
 - (--step-mode ssp and asp: tests/launch/test_async_train.py);
-- Criteo TSV files (--data): a file smaller than the evaluation hold-out ends with an
-  error that says so and how to fix it; with a smaller hold-out the same file trains;
+- Criteo TSV files (--data): a small file trains with the demo's defaults (a fraction
+  held out, its size printed); a file smaller than one batch of hold-out ends with an
+  error that says so and how to fix it;
 - uneven data: a rank whose data ends first joins the others' steps with no samples, and
   the periodic evaluation, a collective, goes on.
 """
@@ -160,16 +161,33 @@ def criteo_file(path: Path, lines: int, seed: int = 0) -> Path:
     return path
 
 
+def test_a_small_criteo_file_trains_with_the_demos_defaults(tmp_path):
+    """20,000 lines and the demo's defaults (global batch 4096, --eval-samples 100,000):
+    a tenth of the lines is held out, in one whole batch, and the size is printed."""
+    data = criteo_file(tmp_path / "day.tsv", 20_000)
+    out_json = tmp_path / "m.json"
+    code, out = run_train(2, ["--data", data, "--metrics-out", out_json], timeout=300)
+    assert code == 0, f"exit {code}:\n{out[-8000:]}"
+    assert ("holding out the first 4,096 lines of --data for evaluation "
+            "(--holdout-fraction 0.1 of 20,000 lines); training on the rest") in out, out[-3000:]
+    m = json.loads(out_json.read_text())
+    assert m["steps"] == 4 and m["eval_samples"] == 4096   # 15,904 lines: 3 whole + 1 short
+
+
 def test_criteo_file_smaller_than_the_holdout(tmp_path):
-    data = criteo_file(tmp_path / "day.tsv", 300)
+    data = criteo_file(tmp_path / "day.tsv", 50)
     code, out = run_train(2, ["--data", data, "--batch-size", "64"], timeout=200)
     assert code == 1, f"exit {code}:\n{out[-8000:]}"
-    assert ("error: no training data: the --data files hold 300 lines and the evaluation "
-            "hold-out takes the first 100,032 (--eval-samples 100,000") in out, out[-3000:]
-    assert "pass a smaller --eval-samples, or --eval-data PATH" in out
+    assert ("error: no training data: the --data files hold 50 lines and the evaluation "
+            "hold-out takes the first 64 (at least one whole global batch of --batch-size "
+            "64)") in out, out[-3000:]
+    assert "pass a smaller --batch-size, or --eval-data PATH" in out
+    data = criteo_file(tmp_path / "day.tsv", 300)
     out_json = tmp_path / "m.json"
     code, out = run_train(2, ["--data", data, "--batch-size", "64", "--eval-samples", "64",
                               "--metrics-out", out_json], timeout=200)
     assert code == 0, f"exit {code}:\n{out[-8000:]}"
+    assert ("holding out the first 64 lines of --data for evaluation (--holdout-fraction 0.1 "
+            "of 300 lines)") in out
     m = json.loads(out_json.read_text())
     assert m["steps"] == 4 and m["global_batch_size"] == 64   # 236 lines: 3 whole + 1 short
