@@ -300,7 +300,7 @@ class KerasCompute:
         ys_struct, sws_struct = self.targets
         state_s = tf.TensorSpec([None], tf.float32)
 
-        def model_call(ids, multi, dense, rows, training):
+        def inputs_of(ids, multi, dense):
             leaves = dict(dense)
             for f, t in multi.items():
                 leaves[f] = as_input(t, self.input_dtypes[f])
@@ -308,10 +308,17 @@ class KerasCompute:
                 split = tf.unstack(tf.reshape(ids, [len(lay.single), -1]))
                 for f, t in zip(lay.single, split):
                     leaves[f] = as_input(t, self.input_dtypes[f])
-            x = lay.rebuild(leaves)
-            table_rows = {t: rows[group_key(tab.dim)] for t, tab in self.tables.items()}
-            with rows_scope(table_rows):
+            return lay.rebuild(leaves)
+
+        def scope(rows):
+            return rows_scope({t: rows[group_key(tab.dim)] for t, tab in self.tables.items()})
+
+        def model_call(ids, multi, dense, rows, training):
+            x = inputs_of(ids, multi, dense)
+            with scope(rows):
                 return x, model(x, training=training)
+
+        custom = set(_compat.custom_step_methods(model))
 
         def targets_of(y, sw):
             return (lay.rebuild_targets(list(y), ys_struct) if ys_struct else None,
@@ -351,8 +358,14 @@ class KerasCompute:
             def test(inputs, rows, y, sw, state):
                 ids, multi, dense = inputs
                 self._assign_state(state)
-                x, y_pred = model_call(ids, multi, dense, rows, False)
                 yy, ss = targets_of(y, sw)
+                if "test_step" in custom:   # the user's own, with the rows in place
+                    data = (inputs_of(ids, multi, dense),) + tuple(
+                        v for v in (yy, ss) if v is not None)
+                    with scope(rows):
+                        model.test_step(data)
+                    return self._state_tensor()
+                x, y_pred = model_call(ids, multi, dense, rows, False)
                 loss = _compat.compute_loss(model, x, yy, y_pred, ss, False)
                 _compat.update_loss_tracker(model, loss, batch_size(ids, multi, dense, y))
                 model.compute_metrics(x, yy, y_pred, ss)
@@ -362,6 +375,9 @@ class KerasCompute:
         if kind == "predict":
             def predict(inputs, rows):
                 ids, multi, dense = inputs
+                if "predict_step" in custom:   # the user's own, with the rows in place
+                    with scope(rows):
+                        return model.predict_step((inputs_of(ids, multi, dense),))
                 return model_call(ids, multi, dense, rows, False)[1]
             return self._wrap(predict, [(ids_s, multi_s, dense_s), rows_s])
         raise AssertionError(kind)
