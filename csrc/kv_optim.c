@@ -9,8 +9,7 @@
  * Adagrad, Adam and FTRL; TFPlus's kv_variable/kernels/training_ops.cc for Group Adam
  * and Group Adagrad), so results agree with them to a few ulps. Only scalars computed
  * once per call (beta powers) and the group norm's sum of squares use double.
- * Row-wise Adagrad follows FBGEMM's CPU kernel (fbgemm_gpu's rowwise_adagrad
- * split_weight_update_cpu), float throughout as there.
+ * Row-wise Adagrad follows FBGEMM's CPU kernel bit for bit (see its comment).
  *
  * Slot layout per kind (floats per row, right after the embedding):
  *
@@ -378,18 +377,26 @@ static void group_adagrad_row(const kv_optim_t *o, int32_t dim, float *w, float 
 }
 
 /* ---- Row-wise Adagrad (FBGEMM's EXACT_ROWWISE_ADAGRAD, which TorchRec's
- *      RowWiseAdagrad selects for its fused tables; the rule of fbgemm_gpu's
- *      codegen/genscript/optimizers.py rowwise_adagrad(), CPU kernel) --------------- */
+ *      RowWiseAdagrad selects for its fused tables) -------------------------------- */
 
 /*
- * wd = weight_decay; the mode is FBGEMM's weight_decay_mode (flags):
+ * wd = weight_decay; the mode is fbgemm_gpu's weight_decay_mode (flags):
  *   g'_i   = g_i + wd * w_i                  (L2)        g'_i = g_i  (none, decoupled)
- *   accum += (sum_i g'_i^2) / dim            the MEAN of the squares over the row,
- *                                            summed in index order, in float
+ *   accum += (sum_i g'_i^2) / dim            the MEAN of the squares over the row
  *   m      = lr / (sqrt(accum) + epsilon)    (epsilon outside the sqrt)
  *   c      = 1 - m * wd  (L2),  1 - lr * wd  (decoupled),  1  (none)
  *   w_i    = c * w_i - g_i * m               (the plain gradient: L2's term is in c, so
  *                                            this is w_i - m * g'_i)
+ * The rule and the modes are fbgemm_gpu's (codegen/genscript/optimizers.py,
+ * rowwise_adagrad). The arithmetic is that of the kernel TorchRec runs on CPU for float
+ * tables (fbgemm's JIT GenerateSparseAdaGrad(rowwise), stated by
+ * rowwise_sparse_adagrad_ref in src/RefImplementations.cc): float32, the squares summed
+ * into 8 partial sums (element i into sum i mod 8, the lanes of an AVX2 register) and
+ * those reduced pairwise, ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)); w += g * (-m), which is
+ * w - g * m bit for bit. So with no weight decay (TorchRec's default) a row gets
+ * FBGEMM's bits (tested against fbgemm_gpu 1.8.0). fbgemm_gpu's CPU path passes weight
+ * decay 0 to that kernel, so there the modes only exist on its GPU and shared-table
+ * paths, whose formula this is.
  * Every component of the row moves with one step size m: the accumulator is one float
  * per row, not dim (a row's optimizer state is 4 bytes). With dim = 1 it is Adagrad.
  *                                                                 slots: accum (1)
@@ -399,16 +406,18 @@ static void rowwise_adagrad_row(const kv_optim_t *o, int32_t dim, float *w, floa
 {
     const float lr = o->lr, eps = o->epsilon, wd = o->weight_decay;
     const int l2 = (o->flags & KV_OPTF_WD_L2) != 0;
-    float sumsq = 0.0f;
+    float part[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
     if (l2) {
         for (int32_t i = 0; i < dim; i++) {
             const float gi = g[i] + wd * w[i];
-            sumsq += gi * gi;
+            part[i & 7] += gi * gi;
         }
     } else {
         for (int32_t i = 0; i < dim; i++)
-            sumsq += g[i] * g[i];
+            part[i & 7] += g[i] * g[i];
     }
+    const float sumsq = ((part[0] + part[1]) + (part[2] + part[3])) +
+                        ((part[4] + part[5]) + (part[6] + part[7]));
     const float accum = s[0] + sumsq / (float)dim;
     s[0] = accum;
     const float m = lr / (sqrtf(accum) + eps);
