@@ -24,7 +24,8 @@ Runs, each a fresh launch: every framework on 1 process x 2 threads and on 2 ran
 thread (kvcoll under mpirun; TFRA alone, and on 2 ranks through Horovod under mpirun;
 TorchRec under torchrun, DistributedModelParallel over gloo), and TorchRec once more
 without collisions (--table-rows 0), --peers-reps rounds interleaved (A B C ... A B C
-...). `--peers-only kvcoll,kvcoll-rowwise` runs kvcoll both ways alone (no peer venvs). Before each run the bench waits (up to --peers-wait seconds) until other processes
+...). `--peers-only kvcoll,kvcoll-rowwise` runs kvcoll both ways alone (no peer venvs).
+Before each run the bench waits (up to --peers-wait seconds) until other processes
 use less than 0.3 CPUs and records what they used and /proc/loadavg.
 
 Writes bench/results/peers.json, peers.md and peers.png.
