@@ -24,6 +24,13 @@
                  communication while timed): the per-process limit when N ranks share
                  the machine
 
+--impl horovod-blocks   inside one Horovod job (hvd.init() first), blocks of --block
+                 steps alternating four settings, in a rotating order, --rounds times:
+                 the dense gradients through kvcoll's allreduce or Horovod's, with Open
+                 MPI spinning in its waits or yielding when idle (switched between
+                 blocks, on every rank alike): each comparison made under the same
+                 conditions (python -m bench train --horovod)
+
 --dense-backend horovod   (with --impl kvcoll or fit) the dense gradients ride Horovod's
                  allreduce (hvd.init() first; kv.DistributedOptimizer(dense_backend=
                  "horovod")) instead of kvcoll's own fused MPI allreduce: the Horovod
@@ -57,7 +64,7 @@ NUM_FIELDS, NUM_NUMERIC = 26, 13
 def parse(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--impl", choices=("kvcoll", "fit", "baseline", "baseline-gather", "limit",
-                                      "exchange"),
+                                      "exchange", "horovod-blocks"),
                    required=True)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=10)
@@ -77,8 +84,13 @@ def parse(argv=None):
                    help="kvcoll: train on this Criteo TSV file (kvcoll.data.read_criteo, "
                         "split='global', read ahead in a thread) instead of generating batches")
     p.add_argument("--eval-data", metavar="PATH", help="with --data: the Criteo TSV to evaluate on")
+    p.add_argument("--block", type=int, default=25, help="horovod-blocks: steps per block")
+    p.add_argument("--rounds", type=int, default=6, help="horovod-blocks: rounds of 4 blocks")
     p.add_argument("--out", required=True)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.impl == "horovod-blocks":
+        args.dense_backend = "horovod"
+    return args
 
 
 def keras2_ops():
@@ -155,6 +167,8 @@ def main(argv=None):
             return exchange_only(args, trainer, data, comm)
         if args.impl == "fit":
             return fit(args, trainer, data, comm)
+        if args.impl == "horovod-blocks":
+            return horovod_blocks(args, trainer, data, comm, opt)
         step_fn = trainer.train_step
         predict = trainer.predict
         timings = trainer.timings
@@ -245,6 +259,54 @@ def first_touch_gbps(size: int = 256 << 20) -> float:
     del pages
     m.close()
     return size / seconds / 1e9
+
+
+BLOCK_SETTINGS = (("kvcoll", "spin"), ("horovod", "spin"), ("kvcoll", "yield"),
+                  ("horovod", "yield"))
+
+
+def horovod_blocks(args, trainer, data, comm, opt):
+    """See --impl horovod-blocks: samples/s of every block, by (dense backend, Open MPI's
+    waits). The backend is the optimizer's setting, read by the engine every step; the
+    waits are Open MPI's yield-when-idle flag (kvcoll.keras._horovod)."""
+    import kvcoll as kv
+    from kvcoll.keras import _horovod
+
+    switch = _horovod._opal_function("opal_progress_set_yield_when_idle")
+    if switch is None:
+        raise SystemExit("horovod-blocks needs Open MPI (its yield-when-idle switch)")
+    import ctypes
+
+    switch.argtypes, switch.restype = [ctypes.c_bool], None
+    step = 0
+
+    def run(n, backend, waits):
+        nonlocal step
+        opt._kvcoll_dense_backend = backend
+        switch(waits == "yield")
+        comm.barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            b = data.batch(step, args.batch_size, comm.rank, comm.size)
+            trainer.train_step(features(b), b["label"])
+            step += 1
+        comm.barrier()
+        return n * args.batch_size / (time.perf_counter() - t0)
+
+    for backend, waits in BLOCK_SETTINGS:
+        run(max(1, args.warmup // len(BLOCK_SETTINGS)), backend, waits)   # compiled, warm
+    blocks = {f"{b}/{w}": [] for b, w in BLOCK_SETTINGS}
+    for r in range(args.rounds):
+        order = BLOCK_SETTINGS[r % 4:] + BLOCK_SETTINGS[:r % 4]
+        for backend, waits in order:
+            blocks[f"{backend}/{waits}"].append(run(args.block, backend, waits))
+    record = {"impl": args.impl, "world_size": comm.size, "global_batch_size": args.batch_size,
+              "block_steps": args.block, "rounds": args.rounds, "blocks": blocks,
+              "median_samples_per_sec": {k: float(np.median(v)) for k, v in blocks.items()},
+              "threads_per_rank": args.threads}
+    if comm.rank == 0:
+        Path(args.out).write_text(json.dumps(record))
+    kv.shutdown()
 
 
 def fit(args, trainer, data, comm):

@@ -49,9 +49,11 @@ _OPT_KINDS = {
     "ftrl": lib.KV_OPT_FTRL,
     "group_adam": lib.KV_OPT_GROUP_ADAM,
     "group_adagrad": lib.KV_OPT_GROUP_ADAGRAD,
+    "rowwise_adagrad": lib.KV_OPT_ROWWISE_ADAGRAD,
 }
 
-_OPT_FLAGS = {"eps_inside_sqrt": lib.KV_OPTF_EPS_INSIDE_SQRT}
+_OPT_FLAGS = {"eps_inside_sqrt": lib.KV_OPTF_EPS_INSIDE_SQRT, "wd_l2": lib.KV_OPTF_WD_L2,
+              "wd_decoupled": lib.KV_OPTF_WD_DECOUPLED}
 
 # What KvTable.export reads of a row, in kv_table_export's argument order.
 _EXPORT_COLUMNS = ("keys", "values", "slots", "last_step", "counts", "dirty")
@@ -193,7 +195,8 @@ class KvTable:
         if not hasattr(self.optimizer, "_c_fields"):
             raise errors.InvalidArgumentError(
                 f"table {name!r}: optimizer must be a kvcoll.optimizers row optimizer "
-                f"(SGD, Adagrad, Adam, Ftrl, GroupAdam, GroupAdagrad), got {optimizer!r}")
+                f"(SGD, Adagrad, Adam, Ftrl, GroupAdam, GroupAdagrad, RowWiseAdagrad), got "
+                f"{optimizer!r}")
         self._cfg = ffi.new("kv_table_config_t *")
         self._cfg.dim = self.dim
         self._cfg.init_kind = Initializer._KINDS[self.initializer.kind]
