@@ -530,8 +530,9 @@ def progress_of(model) -> dict | None:
     eng = find_engine(model)
     if run is None or eng is None or eng.loop is None:
         return None
-    complete = run.ended["train"] or (run.epoch_steps is not None
-                                      and run.steps >= run.epoch_steps)
+    stopped = bool(model.__dict__.get("_kv_stop_agreed", False))  # a stop or preemption
+    complete = (run.ended["train"] and not stopped) or (run.epoch_steps is not None
+                                                        and run.steps >= run.epoch_steps)
     position = None
     if run.position is not None:
         position = run.position.position_at(eng.loop.consumed)
