@@ -92,7 +92,7 @@ class _Trace:
     lead: int          # step - 1 - slowest clock seen at the gate
     staleness: int     # step - 1 - slowest clock the owners had seen when they served
     t_start: float     # time.time() after the gate
-    t_end: float = 0.0  # time.time() when its pushes were posted
+    t_end: float = 0.0  # time.time() just before its pushes were posted
 
 
 def _pack(header, ints=(), floats=()) -> np.ndarray:
@@ -404,6 +404,8 @@ class SspExchange:
                 rates[t] = lr[name]
         if dense_lr is not None:
             rates[-1] = dense_lr
+        if self.trace and self.trace[-1].step == step:
+            self.trace[-1].t_end = time.time()   # before any peer can see this step's push
         for r in range(world):
             rg = payload[fl_at[r]:fl_at[r + 1]]
             dg = dense_grad[self._bounds[r]:self._bounds[r + 1]] if dense_grad is not None \
@@ -415,8 +417,6 @@ class SspExchange:
                         [rates, rg, dg if dg is not None else np.zeros(0, np.float32)])
             self._send(self._req, msg, r, f"ssp:push of step {step} to rank {r}")
         self._last = None
-        if self.trace and self.trace[-1].step == step:
-            self.trace[-1].t_end = time.time()
         parts = [np.asarray(p, np.float32).reshape(-1) for p in (dense_grad, extra)
                  if p is not None]
         return Posted(np.concatenate(parts) if parts else None, None,
