@@ -16,10 +16,15 @@
  * records, per received id, which distinct id it was. So a key counts as seen once per
  * step (admission) whatever the number of ranks, and is updated once per step.
  *
- * kv_xapply sums each distinct id's gradients in payload order (the first one copied,
+ * kv_xprepare sums each distinct id's gradients in payload order (the first one copied,
  * the next ones added: a fixed float order) and hands each table's sums to
- * kv_table_apply_refs with the refs and generation of the serve, so the update reads
- * each row once and looks nothing up while no row was freed in between.
+ * kv_table_prepare_refs with the refs and generation of the serve, which computes every
+ * updated row and slot into the caller's buffer (reading each row once, looking nothing
+ * up while no row was freed in between) and changes nothing. So an update that would
+ * make a row or a slot NaN/Inf (a finite but huge gradient: Adagrad's g^2 overflows) is
+ * found before any table changed, and named (table, key); the caller decides, with the
+ * other ranks, whether kv_xcommit writes the buffer or the step is given up. kv_xapply
+ * is both in one call.
  *
  * Nothing here keeps state; the tables' own locks are taken table by table.
  */
@@ -207,17 +212,18 @@ int kv_xserve(kv_table_t *const *tables, int32_t ntab, int32_t world, const int6
     return rc;
 }
 
-int kv_xapply(kv_table_t *const *tables, int32_t ntab, int32_t world, const int64_t *recv_counts,
-              const float *grads, float scale, int64_t step, const int64_t *uidx,
-              const int64_t *ukeys,
-              const uint32_t *urefs, const int64_t *ustart, const uint64_t *gens,
-              int64_t *n_missing) {
+/* Check kv_xapply/kv_xprepare's arguments; fill id_at, fl_at (payload starts) and
+ * dims. KV_OK or KV_EINVAL. */
+static int xapply_args(kv_table_t *const *tables, int32_t ntab, int32_t world,
+                       const int64_t *recv_counts, const float *grads, float scale,
+                       int64_t step, const int64_t *uidx, const int64_t *ukeys,
+                       const uint32_t *urefs, const int64_t *ustart, const uint64_t *gens,
+                       int64_t *total) {
     if (!tables || ntab < 1 || world < 1 || !recv_counts || !ustart || !gens || step < 1 ||
         !isfinite(scale))
         return KV_EINVAL;
-    int64_t total = 0;
-    if (bad_counts(ntab, world, recv_counts, &total)) return KV_EINVAL;
-    if (total > 0 && (!grads || !uidx || !ukeys || !urefs)) return KV_EINVAL;
+    if (bad_counts(ntab, world, recv_counts, total)) return KV_EINVAL;
+    if (*total > 0 && (!grads || !uidx || !ukeys || !urefs)) return KV_EINVAL;
     if (ustart[0] != 0) return KV_EINVAL;
     for (int32_t t = 0; t < ntab; t++) {
         int64_t m = 0;
@@ -225,23 +231,60 @@ int kv_xapply(kv_table_t *const *tables, int32_t ntab, int32_t world, const int6
         int64_t nu = ustart[t + 1] - ustart[t];
         if (!tables[t] || nu < 0 || nu > m || (world == 1 && nu != m)) return KV_EINVAL;
     }
+    return KV_OK;
+}
+
+/* Per table t: where its prepared rows start in the rows buffer (floats: its distinct
+ * ids times dim + slot floats, tables one after another); roff[ntab] = the total. */
+static void prep_starts(kv_table_t *const *tables, int32_t ntab, const int64_t *ustart,
+                        int64_t *roff) {
+    int64_t at = 0;
+    for (int32_t t = 0; t < ntab; t++) {
+        roff[t] = at;
+        at += (ustart[t + 1] - ustart[t]) *
+              ((int64_t)kv_table_dim(tables[t]) + kv_table_slot_floats(tables[t]));
+    }
+    roff[ntab] = at;
+}
+
+int64_t kv_xprepare_floats(kv_table_t *const *tables, int32_t ntab, const int64_t *ustart) {
+    if (!tables || ntab < 1 || !ustart) return -1;
+    for (int32_t t = 0; t < ntab; t++)
+        if (!tables[t] || ustart[t + 1] < ustart[t]) return -1;
+    int64_t *roff = kv_malloc(((size_t)ntab + 1) * sizeof(int64_t));
+    if (!roff) return -1;
+    prep_starts(tables, ntab, ustart, roff);
+    int64_t n = roff[ntab];
+    kv_free(roff);
+    return n;
+}
+
+int kv_xprepare(kv_table_t *const *tables, int32_t ntab, int32_t world,
+                const int64_t *recv_counts, const float *grads, float scale, int64_t step,
+                const int64_t *uidx, const int64_t *ukeys, const uint32_t *urefs,
+                const int64_t *ustart, const uint64_t *gens, float *rows, uint32_t *ids,
+                uint64_t *pgens, int64_t *bad) {
+    int64_t total = 0;
+    if (!bad || !pgens) return KV_EINVAL;
+    bad[0] = -1, bad[1] = 0, bad[2] = 0;
+    int rc = xapply_args(tables, ntab, world, recv_counts, grads, scale, step, uidx, ukeys,
+                         urefs, ustart, gens, &total);
+    if (rc != KV_OK) return rc;
+    if (ustart[ntab] > 0 && (!rows || !ids)) return KV_EINVAL;
     size_t k2 = (size_t)ntab * (size_t)world;
-    int64_t *id_at = kv_malloc(2 * k2 * sizeof(int64_t) + (size_t)ntab * sizeof(int32_t));
+    int64_t *id_at = kv_malloc((3 * k2 + (size_t)ntab + 1) * sizeof(int64_t) +
+                               (size_t)ntab * sizeof(int32_t));
     if (!id_at) return KV_ENOMEM;
-    int64_t *fl_at = id_at + k2;
-    int32_t *dims = (int32_t *)(void *)(fl_at + k2);
-    int64_t floats = 0, most = 0;
+    int64_t *fl_at = id_at + k2, *roff = fl_at + k2;
+    int32_t *dims = (int32_t *)(void *)(roff + ntab + 1);
+    int64_t most = 0;
     for (int32_t t = 0; t < ntab; t++) {
         dims[t] = kv_table_dim(tables[t]);
         int64_t nu = ustart[t + 1] - ustart[t];
         if (nu * dims[t] > most) most = nu * dims[t];
     }
     seg_starts(ntab, world, recv_counts, dims, id_at, fl_at);
-    for (size_t k = 0; k < k2; k++) floats += recv_counts[k] * dims[k % (size_t)ntab];
-    if (!kv_all_finite(grads, (size_t)floats)) {
-        kv_free(id_at);
-        return KV_ENONFINITE;
-    }
+    prep_starts(tables, ntab, ustart, roff);
     /* uidx must index each table's distinct ids (the sums below write there) */
     for (size_t k = 0; k < k2; k++) {
         int32_t t = (int32_t)(k % (size_t)ntab);
@@ -252,6 +295,19 @@ int kv_xapply(kv_table_t *const *tables, int32_t ntab, int32_t world, const int6
                 return KV_EINVAL;
             }
     }
+    /* a received gradient that is NaN/Inf: name the first (table, key) */
+    for (size_t k = 0; k < k2; k++) {
+        int32_t t = (int32_t)(k % (size_t)ntab);
+        size_t d = (size_t)dims[t];
+        for (int64_t j = 0; j < recv_counts[k]; j++)
+            if (!kv_all_finite(grads + fl_at[k] + (size_t)j * d, d)) {
+                bad[0] = t;
+                bad[1] = ukeys[ustart[t] + uidx[id_at[k] + j]];
+                bad[2] = 1;
+                kv_free(id_at);
+                return KV_ENONFINITE;
+            }
+    }
     float *sums = kv_malloc((size_t)(most ? most : 1) * sizeof(float));
     uint8_t *seen = kv_malloc((size_t)(total ? total : 1));
     if (!sums || !seen) {
@@ -260,10 +316,9 @@ int kv_xapply(kv_table_t *const *tables, int32_t ntab, int32_t world, const int6
         kv_free(id_at);
         return KV_ENOMEM;
     }
-    int rc = KV_OK;
     for (int32_t t = 0; rc == KV_OK && t < ntab; t++) {
         size_t d = (size_t)dims[t];
-        int64_t us = ustart[t], nu = ustart[t + 1] - us, miss = 0;
+        int64_t us = ustart[t], nu = ustart[t + 1] - us, b = -1;
         /* sums[u] = the scaled gradients of distinct id u, added in payload order */
         if (world == 1) { /* one source, distinct ids, in uniq order */
             const float *src = grads + fl_at[t];
@@ -285,13 +340,75 @@ int kv_xapply(kv_table_t *const *tables, int32_t ntab, int32_t world, const int6
                 }
             }
         }
-        rc = kv_table_apply_refs(tables[t], ukeys + us, urefs + us, nu, sums, step, gens[t],
-                                 &miss);
-        if (n_missing) n_missing[t] = miss;
+        for (int64_t u = 0; u < nu; u++) /* a sum (or a scaled one) can overflow */
+            if (!kv_all_finite(sums + (size_t)u * d, d)) {
+                bad[0] = t;
+                bad[1] = ukeys[us + u];
+                bad[2] = 3;
+                rc = KV_ENONFINITE;
+                break;
+            }
+        if (rc != KV_OK) break;
+        rc = kv_table_prepare_refs(tables[t], ukeys + us, urefs + us, nu, sums, step, gens[t],
+                                   rows + roff[t], ids + us, &pgens[t], &b);
+        if (rc == KV_ENONFINITE && b >= 0) {
+            bad[0] = t;
+            bad[1] = ukeys[us + b];
+            bad[2] = 2;
+        }
     }
     kv_free(sums);
     kv_free(seen);
     kv_free(id_at);
+    return rc;
+}
+
+int kv_xcommit(kv_table_t *const *tables, int32_t ntab, const int64_t *ukeys,
+               const int64_t *ustart, const uint32_t *ids, const uint64_t *pgens,
+               const float *rows, int64_t step, int64_t *n_missing) {
+    if (!tables || ntab < 1 || !ustart || !pgens || step < 1 || ustart[0] != 0)
+        return KV_EINVAL;
+    for (int32_t t = 0; t < ntab; t++)
+        if (!tables[t] || ustart[t + 1] < ustart[t]) return KV_EINVAL;
+    if (ustart[ntab] > 0 && (!ukeys || !ids || !rows)) return KV_EINVAL;
+    int64_t *roff = kv_malloc(((size_t)ntab + 1) * sizeof(int64_t));
+    if (!roff) return KV_ENOMEM;
+    prep_starts(tables, ntab, ustart, roff);
+    int rc = KV_OK;
+    for (int32_t t = 0; rc == KV_OK && t < ntab; t++) {
+        int64_t us = ustart[t], miss = 0;
+        rc = kv_table_commit_refs(tables[t], ukeys + us, ids + us, ustart[t + 1] - us,
+                                  rows + roff[t], step, pgens[t], &miss);
+        if (n_missing) n_missing[t] = miss;
+    }
+    kv_free(roff);
+    return rc;
+}
+
+int kv_xapply(kv_table_t *const *tables, int32_t ntab, int32_t world, const int64_t *recv_counts,
+              const float *grads, float scale, int64_t step, const int64_t *uidx,
+              const int64_t *ukeys,
+              const uint32_t *urefs, const int64_t *ustart, const uint64_t *gens,
+              int64_t *n_missing) {
+    int64_t total = 0, bad[3];
+    int rc = xapply_args(tables, ntab, world, recv_counts, grads, scale, step, uidx, ukeys,
+                         urefs, ustart, gens, &total);
+    if (rc != KV_OK) return rc;
+    int64_t nf = kv_xprepare_floats(tables, ntab, ustart);
+    float *rows = kv_malloc((size_t)(nf > 0 ? nf : 1) * sizeof(float));
+    uint32_t *ids = kv_malloc((size_t)(ustart[ntab] ? ustart[ntab] : 1) * sizeof(uint32_t));
+    uint64_t *pgens = kv_malloc((size_t)ntab * sizeof(uint64_t));
+    if (nf < 0 || !rows || !ids || !pgens) {
+        rc = KV_ENOMEM;
+    } else {
+        rc = kv_xprepare(tables, ntab, world, recv_counts, grads, scale, step, uidx, ukeys,
+                         urefs, ustart, gens, rows, ids, pgens, bad);
+        if (rc == KV_OK)
+            rc = kv_xcommit(tables, ntab, ukeys, ustart, ids, pgens, rows, step, n_missing);
+    }
+    kv_free(rows);
+    kv_free(ids);
+    kv_free(pgens);
     return rc;
 }
 
@@ -350,6 +467,23 @@ int kv_xrowgrad(int64_t n_rows, int32_t dim, const float *vals, const int64_t *i
         float *o = out + idx[i] * dim;
         const float *v = vals + i * dim;
         for (int32_t k = 0; k < dim; k++) o[k] += v[k];
+    }
+    return KV_OK;
+}
+
+int kv_xfind_nonfinite(const float *v, int64_t rows, int32_t width, int64_t *row) {
+    if (!row || rows < 0 || width < 0 || (rows && width && !v)) return KV_EINVAL;
+    *row = -1;
+    if (!width) return KV_OK;
+    const size_t w = (size_t)width, block = 4096; /* rows per pass: branch-free inside */
+    for (int64_t r0 = 0; r0 < rows; r0 += (int64_t)block) {
+        size_t n = (size_t)(rows - r0) < block ? (size_t)(rows - r0) : block;
+        if (kv_all_finite(v + (size_t)r0 * w, n * w)) continue;
+        for (size_t i = 0; i < n; i++)
+            if (!kv_all_finite(v + ((size_t)r0 + i) * w, w)) {
+                *row = r0 + (int64_t)i;
+                return KV_OK;
+            }
     }
     return KV_OK;
 }

@@ -345,7 +345,7 @@ static void test_errors(void) {
     CHECK(digest() == before);
     /* failed allocations: apply fails cleanly and changes nothing */
     fail_alloc_install();
-    for (int k = 1; k <= 6; k++) {
+    for (int k = 1; k <= 16; k++) {
         fail_alloc_arm(k);
         int rc = kv_xapply(S.shard[0], NT, 2, S.rcounts[0], g, 1.0f, 1, S.uidx[0], S.ukeys[0],
                            S.urefs[0], S.ustart[0], S.gens[0], NULL);
@@ -400,8 +400,8 @@ static void test_errors(void) {
 }
 
 /* A row freed between serve and apply: the table goes by key, with the same result as
- * a reference that never had the row freed... except that the freed key is created
- * again with its initial value (as kv_table_apply_gradients with create_missing). */
+ * a reference that had the row freed too: the freed key's gradient is dropped (counted
+ * missing; it is not created again), every other key's is applied. */
 static void test_generation(void) {
     make_tables(1);
     make_ids(11, 200);
@@ -418,14 +418,17 @@ static void test_generation(void) {
     CHECK_EQ_INT(kv_table_delete(S.ref[0], &victim, 1, &nd), KV_OK);
     static float g[NT * B * 5];
     grads_for(0, g);
+    int64_t missing[NT];
     CHECK_EQ_INT(kv_xapply(S.shard[0], NT, 1, S.rcounts[0], g, 1.0f, 1, S.uidx[0], S.ukeys[0],
-                           S.urefs[0], S.ustart[0], S.gens[0], NULL), KV_OK);
+                           S.urefs[0], S.ustart[0], S.gens[0], missing), KV_OK);
+    CHECK_EQ_INT(missing[0], 1);
     for (int t = 0; t < NT; t++) { /* world 1: the sender's unique ids are the payload */
         int64_t c = S.rcounts[0][t], a = seg_at(S.rcounts[0], 1, 0, t, 0);
         int64_t fa = seg_at(S.rcounts[0], 1, 0, t, 1);
-        CHECK_EQ_INT(kv_table_apply_gradients(S.ref[t], S.recv[0] + a, c, g + fa, 1,
-                                              KV_APPLY_CREATE_MISSING, NULL), KV_OK);
+        CHECK_EQ_INT(kv_table_apply_gradients(S.ref[t], S.recv[0] + a, c, g + fa, 1, 0, NULL),
+                     KV_OK);
         CHECK(same_tables(S.ref[t], &S.shard[0][t], 1));
+        if (t) CHECK_EQ_INT(missing[t], 0);
     }
     uint64_t g1;
     float row[3];
@@ -433,6 +436,109 @@ static void test_generation(void) {
     CHECK_EQ_INT(kv_table_find_or_create_gen(S.shard[0][0], &victim, 1, row, 2, NULL, &ref, &g1),
                  KV_OK);
     CHECK(g1 != g0);
+    free_tables();
+}
+
+/* Finite gradients whose update is not finite (Adagrad's g^2 overflows at 1e30): the
+ * prepare names the first (table, key) and changes nothing, and so does kv_xapply;
+ * a scaled gradient that overflows is named as a gradient; a good prepare changes
+ * nothing until its commit, which equals kv_xapply on twin tables. */
+static void test_nonfinite(void) {
+    make_tables(2);
+    make_ids(21, 300);
+    CHECK_EQ_INT(plan_and_route(), KV_OK);
+    CHECK_EQ_INT(serve_all(1), KV_OK);
+    static float g[MAXW * NT * B * 5];
+    grads_for(0, g);
+    uint64_t before = digest();
+    const int64_t *rc0 = S.rcounts[0];
+    int64_t nf = kv_xprepare_floats(S.shard[0], NT, S.ustart[0]);
+    int64_t want_nf = 0;
+    for (int t = 0; t < NT; t++)
+        want_nf += (S.ustart[0][t + 1] - S.ustart[0][t]) * (2 * DIMS[t]); /* Adagrad: dim slots */
+    CHECK_EQ_INT(nf, want_nf);
+    static float rows[MAXW * NT * B * 10];
+    static uint32_t ids[MAXW * NT * B];
+    uint64_t pg[NT];
+    int64_t bad[3];
+    /* the first id table 2 received from rank 1: a huge gradient */
+    int64_t j1 = seg_at(rc0, 2, 1, 2, 0), f1 = seg_at(rc0, 2, 1, 2, 1);
+    CHECK(rc0[1 * NT + 2] > 0);
+    float keep[5];
+    memcpy(keep, g + f1, 3 * sizeof(float));
+    g[f1 + 1] = 1e30f;
+    int64_t key = S.ukeys[0][S.ustart[0][2] + S.uidx[0][j1]];
+    CHECK_EQ_INT(kv_xprepare(S.shard[0], NT, 2, rc0, g, 1.0f, 1, S.uidx[0], S.ukeys[0],
+                             S.urefs[0], S.ustart[0], S.gens[0], rows, ids, pg, bad),
+                 KV_ENONFINITE);
+    CHECK_EQ_INT(bad[0], 2);
+    CHECK_EQ_INT(bad[1], key);
+    CHECK_EQ_INT(bad[2], 2);
+    CHECK(digest() == before);
+    CHECK_EQ_INT(kv_xapply(S.shard[0], NT, 2, rc0, g, 1.0f, 1, S.uidx[0], S.ukeys[0], S.urefs[0],
+                           S.ustart[0], S.gens[0], NULL), KV_ENONFINITE);
+    CHECK(digest() == before);
+    /* 1e30 scaled by 1e10 overflows: the summed gradient, named as such */
+    g[f1 + 1] = 1e30f;
+    CHECK_EQ_INT(kv_xprepare(S.shard[0], NT, 2, rc0, g, 1e10f, 1, S.uidx[0], S.ukeys[0],
+                             S.urefs[0], S.ustart[0], S.gens[0], rows, ids, pg, bad),
+                 KV_ENONFINITE);
+    CHECK_EQ_INT(bad[0], 2);
+    CHECK_EQ_INT(bad[1], key);
+    CHECK_EQ_INT(bad[2], 3);
+    /* a NaN as received: its table and key */
+    g[f1 + 1] = NAN;
+    CHECK_EQ_INT(kv_xprepare(S.shard[0], NT, 2, rc0, g, 1.0f, 1, S.uidx[0], S.ukeys[0],
+                             S.urefs[0], S.ustart[0], S.gens[0], rows, ids, pg, bad),
+                 KV_ENONFINITE);
+    CHECK_EQ_INT(bad[0], 2);
+    CHECK_EQ_INT(bad[1], key);
+    CHECK_EQ_INT(bad[2], 1);
+    CHECK(digest() == before);
+    memcpy(g + f1, keep, 3 * sizeof(float));
+    /* a good push: prepared (nothing changes), then committed; equals kv_xapply on twins */
+    kv_table_t *twin[NT];
+    for (int t = 0; t < NT; t++) {
+        kv_table_config_t c = config(t);
+        CHECK_EQ_INT(kv_table_create(&c, &twin[t]), KV_OK);
+        int64_t cur = 0, n = 0, keys[B * 8];
+        static float v[B * 8 * 5], sl[B * 8 * 5];
+        uint32_t st[B * 8], cn[B * 8];
+        kv_table_export(S.shard[0][t], &cur, B * 8, 0, keys, v, sl, st, cn, NULL, &n);
+        CHECK(n < B * 8);
+        CHECK_EQ_INT(kv_table_import(twin[t], keys, n, v, sl, st, cn), KV_OK);
+    }
+    CHECK_EQ_INT(kv_xprepare(S.shard[0], NT, 2, rc0, g, 0.5f, 3, S.uidx[0], S.ukeys[0],
+                             S.urefs[0], S.ustart[0], S.gens[0], rows, ids, pg, bad),
+                 KV_OK);
+    CHECK_EQ_INT(bad[0], -1);
+    CHECK(digest() == before);
+    int64_t miss[NT];
+    CHECK_EQ_INT(kv_xcommit(S.shard[0], NT, S.ukeys[0], S.ustart[0], ids, pg, rows, 3, miss),
+                 KV_OK);
+    CHECK(digest() != before);
+    /* the twins' refs are by key (other tables: the serve's refs do not name their rows) */
+    for (int t = 0; t < NT; t++) {
+        int64_t us = S.ustart[0][t], nu = S.ustart[0][t + 1] - us;
+        static float tmp[MAXW * B * 5];
+        static uint32_t tref[MAXW * B];
+        uint64_t tg;
+        CHECK_EQ_INT(kv_table_find_or_create_gen(twin[t], S.ukeys[0] + us, nu, tmp, 1, NULL, tref,
+                                                 &tg), KV_OK);
+        for (int64_t u = 0; u < nu; u++) S.urefs[0][us + u] = tref[u];
+        S.gens[0][t] = tg;
+        CHECK_EQ_INT(miss[t], 0);
+    }
+    CHECK_EQ_INT(kv_xapply(twin, NT, 2, rc0, g, 0.5f, 3, S.uidx[0], S.ukeys[0], S.urefs[0],
+                           S.ustart[0], S.gens[0], NULL), KV_OK);
+    for (int t = 0; t < NT; t++) {
+        CHECK(same_tables(twin[t], &S.shard[0][t], 1));
+        kv_table_stats_t a, b;
+        kv_table_stats(twin[t], &a);
+        kv_table_stats(S.shard[0][t], &b);
+        CHECK_EQ_INT(a.rows, b.rows);
+        kv_table_destroy(twin[t]);
+    }
     free_tables();
 }
 
@@ -483,6 +589,7 @@ int main(void) {
     }
     test_errors();
     test_generation();
+    test_nonfinite();
     test_rowgrad();
     return test_summary();
 }

@@ -9,14 +9,17 @@ ssp.py) move the payloads between ranks; nothing here calls MPI.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from .. import errors
 from .._buffers import aligned_empty
 from .._c import EMPTY, check, ffi, lib, ptr, step32
 from ..routing import OwnerMap
+from ..table import nonfinite_update_error
 
-__all__ = ["TableSet", "gather_grad"]
+__all__ = ["TableSet", "Prepared", "gather_grad"]
 
 
 class TableSet:
@@ -37,6 +40,8 @@ class TableSet:
         first = {}
         self.group = np.array([first.setdefault(int(d), len(first)) for d in self.dims], np.int32)
         self.group_dims = list(first)  # dim of each group
+        self._spare = None  # the last commit's rows buffer, for the next prepare
+        self._spare_lock = threading.Lock()
 
     def _handles(self):
         return ffi.new("kv_table_t *[]", [t._handle() for t in self.tables])
@@ -95,9 +100,12 @@ class TableSet:
                             ptr("uint64_t *", gens)), "exchange: serve")
         return (rc, uidx, ukeys, urefs, ustart, gens)
 
-    def apply(self, state, grads: np.ndarray, step: int, scale: float = 1.0) -> np.ndarray:
-        """Owner side of a push (kv_xapply): scale * grads (float32, payload layout) of
-        the ids a serve returned `state` for. Returns the ids without a row, per table."""
+    def prepare(self, state, grads: np.ndarray, step: int, scale: float = 1.0) -> "Prepared":
+        """Owner side of a push, first half (kv_xprepare): every row and optimizer slot
+        scale * grads (float32, payload layout) would give the ids a serve returned
+        `state` for, computed without changing any table. Raises NonFiniteError naming
+        the table and the key when an update (or a gradient) is not finite: then the
+        step must be given up (nothing to undo). commit() writes what it computed."""
         rc, uidx, ukeys, urefs, ustart, gens = state
         if grads.dtype != np.float32 or not grads.flags.c_contiguous or \
                 grads.size != int((rc * self.dims).sum()):
@@ -106,14 +114,52 @@ class TableSet:
         if not isinstance(step, (int, np.integer)) or step < 1:
             raise errors.InvalidArgumentError(
                 f"exchange: step must be an integer >= 1, got {step!r}")
+        handles = self._handles()
+        ntab = len(self.tables)
+        floats = int(lib.kv_xprepare_floats(handles, ntab, ptr("int64_t *", ustart)))
+        check(lib.KV_EINVAL if floats < 0 else lib.KV_OK, "exchange: prepare")
+        with self._spare_lock:
+            rows, self._spare = self._spare, None
+        if rows is None or rows.size < floats:
+            rows = aligned_empty(max(floats, 1), np.float32)
+        ids = np.empty(int(ustart[-1]), np.uint32)
+        pgens = np.empty(ntab, np.uint64)
+        bad = np.zeros(3, np.int64)
+        status = lib.kv_xprepare(handles, ntab, rc.shape[0], ptr("int64_t *", rc),
+                                 ptr("float *", grads), float(scale), int(step),
+                                 ptr("int64_t *", uidx), ptr("int64_t *", ukeys),
+                                 ptr("uint32_t *", urefs), ptr("int64_t *", ustart),
+                                 ptr("uint64_t *", gens), ptr("float *", rows),
+                                 ptr("uint32_t *", ids), ptr("uint64_t *", pgens),
+                                 ptr("int64_t *", bad))
+        if status == lib.KV_ENONFINITE and bad[0] >= 0:
+            self._spare = rows
+            raise nonfinite_update_error(self.tables[int(bad[0])], int(bad[1]), int(bad[2]),
+                                         int(step))
+        if status != lib.KV_OK:
+            self._spare = rows
+        check(status, "exchange: apply gradients")
+        return Prepared(state, rows, ids, pgens, int(step))
+
+    def commit(self, prepared: "Prepared") -> np.ndarray:
+        """Owner side of a push, second half (kv_xcommit): write what prepare() computed.
+        Between the two, nothing else may change these rows. Returns the ids without a
+        row, per table."""
+        _, _, ukeys, _, ustart, _ = prepared.state
         missing = np.zeros(len(self.tables), np.int64)
-        check(lib.kv_xapply(self._handles(), len(self.tables), rc.shape[0], ptr("int64_t *", rc),
-                            ptr("float *", grads), float(scale), int(step),
-                            ptr("int64_t *", uidx),
-                            ptr("int64_t *", ukeys), ptr("uint32_t *", urefs),
-                            ptr("int64_t *", ustart), ptr("uint64_t *", gens),
-                            ptr("int64_t *", missing)), "exchange: apply gradients")
+        check(lib.kv_xcommit(self._handles(), len(self.tables), ptr("int64_t *", ukeys),
+                             ptr("int64_t *", ustart), ptr("uint32_t *", prepared.ids),
+                             ptr("uint64_t *", prepared.gens), ptr("float *", prepared.rows),
+                             prepared.step, ptr("int64_t *", missing)),
+              "exchange: apply gradients")
+        self._spare, prepared.rows = prepared.rows, None
         return missing
+
+    def apply(self, state, grads: np.ndarray, step: int, scale: float = 1.0) -> np.ndarray:
+        """Owner side of a push at once: prepare() then commit(), so an update that is
+        not finite changes nothing (NonFiniteError naming the table and the key).
+        Returns the ids without a row, per table."""
+        return self.commit(self.prepare(state, grads, step, scale))
 
     def forget_new(self, state, step: int) -> int:
         """Undo a rejected step's lookups: the rows its serve (`state`) created, never
@@ -141,6 +187,17 @@ class TableSet:
                               ffi.new("float *[]", [ffi.cast("float *", b) for b in bufs]),
                               ptr("float *", payload)),
               "exchange: ungroup")
+
+
+class Prepared:
+    """A push computed by TableSet.prepare and not yet written: the serve's state, every
+    updated row and slot (rows), the row each goes to (ids) and the tables' generations
+    they were found at, and the step."""
+
+    __slots__ = ("state", "rows", "ids", "gens", "step")
+
+    def __init__(self, state, rows, ids, gens, step):
+        self.state, self.rows, self.ids, self.gens, self.step = state, rows, ids, gens, step
 
 
 def gather_grad(values: np.ndarray, indices: np.ndarray, n_rows: int) -> np.ndarray:
