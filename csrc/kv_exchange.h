@@ -30,14 +30,21 @@
  * g's matrix, and kv_xplan's pos/upos index rows of that matrix. With one group the
  * payload is the matrix.
  *
+ * Threads: kv_xplan, kv_xserve, kv_xprepare, kv_xcommit, kv_xapply and kv_xrowgrad take
+ * a pool (kv_pool.h; NULL: the calling thread alone) and split their work over its
+ * threads by table and by key range; the results are the same bits whatever the pool
+ * (kv_exchange.c says how). A pool runs one job at a time: two calls at once with the
+ * same pool are correct, the second runs on its caller's thread.
+ *
  * None of these functions keeps state. kv_xserve, kv_xprepare (read), kv_xcommit and
- * kv_xapply take each table's lock in turn (see kv_table.h); kv_xplan and the regroup
- * kernels lock nothing.
+ * kv_xapply take each table's lock (see kv_table.h), for several tables at once with
+ * a pool; kv_xplan and the regroup kernels lock nothing.
  */
 #ifndef KV_EXCHANGE_H
 #define KV_EXCHANGE_H
 
 #include <stdint.h>
+#include "kv_pool.h"
 #include "kv_status.h"
 #include "kv_table.h"
 
@@ -61,8 +68,8 @@
  * Returns KV_OK, KV_EINVAL (sizes, groups, NULL buffers, an owner outside the world),
  * KV_ENOMEM.
  */
-int kv_xplan(int32_t ntab, const int32_t *owners, int32_t buckets, int32_t world,
-             const int64_t *const *ids, const int64_t *n, const int32_t *group,
+int kv_xplan(kv_pool_t *pool, int32_t ntab, const int32_t *owners, int32_t buckets,
+             int32_t world, const int64_t *const *ids, const int64_t *n, const int32_t *group,
              int64_t *send_ids, int64_t *counts, int64_t *inverse, int64_t *upos, int64_t *pos,
              int64_t *n_unique);
 
@@ -82,12 +89,14 @@ int kv_xplan(int32_t ntab, const int32_t *owners, int32_t buckets, int32_t world
  *                    after table, and their row refs (0: no row, not admitted)
  *   ustart           out [ntab + 1]: where each table's distinct ids start
  *   gens             out [ntab]: each table's generation at the serve
- * Returns KV_OK, KV_EINVAL, KV_ENOMEM, KV_EFULL. On an error, tables served before the
- * failing one keep their new rows (a retry serves the same values).
+ * Returns KV_OK, KV_EINVAL, KV_ENOMEM, KV_EFULL (the first failing table's, in table
+ * order). On an error, the other tables keep their new rows (a retry serves the same
+ * values): those before the failing one, and with a pool any other.
  */
-int kv_xserve(kv_table_t *const *tables, int32_t ntab, int32_t world, const int64_t *recv_ids,
-              const int64_t *recv_counts, uint32_t step, int32_t create, float *reply,
-              int64_t *uidx, int64_t *ukeys, uint32_t *urefs, int64_t *ustart, uint64_t *gens);
+int kv_xserve(kv_pool_t *pool, kv_table_t *const *tables, int32_t ntab, int32_t world,
+              const int64_t *recv_ids, const int64_t *recv_counts, uint32_t step,
+              int32_t create, float *reply, int64_t *uidx, int64_t *ukeys, uint32_t *urefs,
+              int64_t *ustart, uint64_t *gens);
 
 /*
  * Prepare a push on the owner, changing no table: grads (payload layout, like
@@ -108,7 +117,7 @@ int kv_xserve(kv_table_t *const *tables, int32_t ntab, int32_t world, const int6
  *           table -1 if none
  * Returns KV_OK, KV_EINVAL, KV_ENONFINITE (bad says where), KV_ENOMEM. Read locks.
  */
-int kv_xprepare(kv_table_t *const *tables, int32_t ntab, int32_t world,
+int kv_xprepare(kv_pool_t *pool, kv_table_t *const *tables, int32_t ntab, int32_t world,
                 const int64_t *recv_counts, const float *grads, float scale, int64_t step,
                 const int64_t *uidx, const int64_t *ukeys, const uint32_t *urefs,
                 const int64_t *ustart, const uint64_t *gens, float *rows, uint32_t *ids,
@@ -125,7 +134,7 @@ int64_t kv_xprepare_floats(kv_table_t *const *tables, int32_t ntab, const int64_
  * Returns KV_OK, KV_EINVAL, KV_ENOMEM (only if a row was freed since the prepare;
  * the tables before the failing one are written).
  */
-int kv_xcommit(kv_table_t *const *tables, int32_t ntab, const int64_t *ukeys,
+int kv_xcommit(kv_pool_t *pool, kv_table_t *const *tables, int32_t ntab, const int64_t *ukeys,
                const int64_t *ustart, const uint32_t *ids, const uint64_t *pgens,
                const float *rows, int64_t step, int64_t *n_missing);
 
@@ -135,11 +144,10 @@ int kv_xcommit(kv_table_t *const *tables, int32_t ntab, const int64_t *ukeys,
  * NULL): ids without a row, per table.
  * Returns KV_OK, KV_EINVAL, KV_ENONFINITE, KV_ENOMEM.
  */
-int kv_xapply(kv_table_t *const *tables, int32_t ntab, int32_t world, const int64_t *recv_counts,
-              const float *grads, float scale, int64_t step, const int64_t *uidx,
-              const int64_t *ukeys,
-              const uint32_t *urefs, const int64_t *ustart, const uint64_t *gens,
-              int64_t *n_missing);
+int kv_xapply(kv_pool_t *pool, kv_table_t *const *tables, int32_t ntab, int32_t world,
+              const int64_t *recv_counts, const float *grads, float scale, int64_t step,
+              const int64_t *uidx, const int64_t *ukeys, const uint32_t *urefs,
+              const int64_t *ustart, const uint64_t *gens, int64_t *n_missing);
 
 /*
  * Payload rows (layout above, dims[t] floats per row) <-> one matrix per group:
@@ -162,8 +170,8 @@ int kv_xungroup(int32_t ntab, int32_t world, const int64_t *counts, const int32_
  * Returns KV_OK, or KV_EINVAL (a bad size, a NULL buffer, an index outside
  * [0, n_rows)), leaving out unchanged.
  */
-int kv_xrowgrad(int64_t n_rows, int32_t dim, const float *vals, const int64_t *idx, int64_t n,
-                float *out);
+int kv_xrowgrad(kv_pool_t *pool, int64_t n_rows, int32_t dim, const float *vals,
+                const int64_t *idx, int64_t n, float *out);
 
 /*
  * The first of `rows` rows of `width` floats (v, row-major) that holds a NaN or an Inf:

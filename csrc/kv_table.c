@@ -1088,6 +1088,10 @@ static void write_rows(kv_table_t *t, const uint32_t *ids, int64_t u0, int64_t u
     }
 }
 
+#ifndef KV_COMMIT_PARALLEL /* -D overrides: tests thread small commits too */
+#define KV_COMMIT_PARALLEL 8192 /* rows of a commit below which one thread writes them */
+#endif
+
 /* A buffer for n prepared rows of t (at least one byte). */
 static float *prep_buffer(const kv_table_t *t, int64_t n) {
     return kv_malloc((size_t)(n ? n : 1) * row_floats(t) * sizeof(float));
@@ -1310,8 +1314,22 @@ int kv_table_prepare_refs(kv_table_t *t, const int64_t *keys, const uint32_t *re
     return *bad >= 0 ? KV_ENONFINITE : KV_OK;
 }
 
-int kv_table_commit_refs(kv_table_t *t, const int64_t *keys, const uint32_t *ids, int64_t n,
-                         const float *rows, int64_t step, uint64_t gen, int64_t *n_missing) {
+typedef struct {
+    kv_table_t *t;
+    const uint32_t *ids;
+    const float *rows;
+    int64_t n, parts, step;
+} commit_job_t;
+
+/* Part q of a commit's rows (the write lock is held by the caller of the job). */
+static void commit_part(void *arg, int64_t q) {
+    commit_job_t *j = arg;
+    write_rows(j->t, j->ids, q * j->n / j->parts, (q + 1) * j->n / j->parts, j->rows, j->step);
+}
+
+int kv_table_commit_refs(kv_table_t *t, kv_pool_t *pool, const int64_t *keys,
+                         const uint32_t *ids, int64_t n, const float *rows, int64_t step,
+                         uint64_t gen, int64_t *n_missing) {
     if (check_batch(t, keys, n) != KV_OK || (n > 0 && (!ids || !rows)) || step < 1)
         return KV_EINVAL;
     if (n_missing) *n_missing = 0;
@@ -1334,7 +1352,10 @@ int kv_table_commit_refs(kv_table_t *t, const int64_t *keys, const uint32_t *ids
             if (!ids[i]) now[i] = 0; /* no row at the prepare: nothing was computed */
         ids = now;
     }
-    write_rows(t, ids, 0, n, rows, step);
+    /* by key range over the pool's threads: each row is written by one of them */
+    commit_job_t job = {.t = t, .ids = ids, .rows = rows, .n = n, .step = step,
+                        .parts = n >= KV_COMMIT_PARALLEL ? 4 * (int64_t)kv_pool_threads(pool) : 1};
+    kv_pool_run(job.parts > 1 ? pool : NULL, job.parts, commit_part, &job);
     t->n_dropped += n_zero;
     pthread_rwlock_unlock(&t->lock);
     kv_free(now);

@@ -52,6 +52,7 @@
 #define KV_TABLE_H
 
 #include <stdint.h>
+#include "kv_pool.h"
 #include "kv_status.h"
 #include "kv_optim.h"
 
@@ -236,11 +237,14 @@ int kv_table_prepare_refs(kv_table_t *t, const int64_t *keys, const uint32_t *re
  * generation is still gen the rows are those ids names; else each key is found again
  * (a row freed since the prepare is skipped and counted). Between the prepare and the
  * commit the caller changes none of these rows (the commit writes the prepared values
- * over any change). Write lock. KV_OK, KV_EINVAL, KV_ENOMEM (only after a row was
- * freed since the prepare; nothing changed).
+ * over any change). pool (kv_pool.h; may be NULL): a large commit writes its rows by
+ * key range on the pool's threads, under the one write lock this call holds. Write
+ * lock. KV_OK, KV_EINVAL, KV_ENOMEM (only after a row was freed since the prepare;
+ * nothing changed).
  */
-int kv_table_commit_refs(kv_table_t *t, const int64_t *keys, const uint32_t *ids, int64_t n,
-                         const float *rows, int64_t step, uint64_t gen, int64_t *n_missing);
+int kv_table_commit_refs(kv_table_t *t, kv_pool_t *pool, const int64_t *keys,
+                         const uint32_t *ids, int64_t n, const float *rows, int64_t step,
+                         uint64_t gen, int64_t *n_missing);
 
 /*
  * Which key of a kv_table_apply_gradients(t, keys, n, grads, step, flags) call would

@@ -1593,7 +1593,7 @@ static void test_nonfinite_updates(void) {
         CHECK_EQ_INT(kv_table_create(&c, &twin), KV_OK);
         CHECK_EQ_INT(kv_table_import(twin, before.keys, before.n, before.values, before.slots,
                                      before.steps, before.counts), KV_OK);
-        CHECK_EQ_INT(kv_table_commit_refs(t, keys, ids, N, out, 2, pgen, &miss), KV_OK);
+        CHECK_EQ_INT(kv_table_commit_refs(t, NULL, keys, ids, N, out, 2, pgen, &miss), KV_OK);
         CHECK_EQ_INT(miss, 0);
         CHECK_EQ_INT(kv_table_apply_gradients(twin, keys, N, g, 2, 0, &miss), KV_OK);
         snap_t a = snapshot(t), b = snapshot(twin);
