@@ -1,17 +1,24 @@
 /*
  * kv_pool.c - the exchange kernels' thread pool (see kv_pool.h).
  *
- * State under the mutex m: the job (fn, arg, ntasks), its number gen, the number of
- * workers that finished it, and stop. A job: the caller takes `busy` (trylock: if it
- * is taken, the job runs on the caller alone), publishes the job under m, bumps gen and
- * wakes every worker; then everyone, the caller too, takes task indices from the
- * atomic counter `next` until they run out. Each worker, once out of tasks, counts
- * itself finished under m; the caller returns when all T - 1 have, so no worker still
- * reads the job when the next one is published, and every task's writes happen before
- * kv_pool_run returns (the mutex orders them). A worker that wakes late finds no task
- * left and only counts itself. Workers sleep on a condition variable between jobs (no
- * spinning: on a host whose cores TensorFlow also uses, a spinning thread would take
- * a core from it).
+ * A job: the caller takes `busy` (trylock: if it is taken, the job runs on the caller
+ * alone), publishes the job under the mutex m (fn, arg, ntasks; a new job number in the
+ * high 32 bits of the atomic `ticket`, its next task index, 0, in the low 32) and
+ * wakes the workers; then everyone, the caller too, claims task indices from the ticket
+ * with a compare-and-swap that succeeds only while the ticket still carries the job
+ * number the thread joined, until the indices run out.
+ *
+ * The caller does not wait for workers to wake up: a worker that is still asleep when
+ * the tasks run out has nothing left to do, and on a host whose cores are busy (with
+ * TensorFlow, with other ranks) a wake-up can take milliseconds. It waits only while
+ * some worker is `active`, i.e. has joined a job (counted under m) and may be running
+ * one of its tasks, so every task has returned, and its writes are visible (the mutex
+ * orders them), when kv_pool_run returns. A worker that wakes late, even after the
+ * next job was published, joins with the job number it read under m: its claim fails
+ * on a ticket of another job or past the end, so it never runs a task of a job that
+ * has returned (nor one of a later job with an earlier job's fn and arg), and it never
+ * takes an index another job needs. Workers sleep on a condition variable between jobs
+ * (no spinning: a spinning thread would take a core from TensorFlow).
  */
 #include "kv_pool.h"
 
@@ -24,39 +31,49 @@ struct kv_pool {
     pthread_cond_t wake, done;
     pthread_mutex_t busy; /* held by the caller of the job in progress */
     /* under m */
-    uint64_t gen;
-    int32_t finished;
+    uint32_t job;   /* the latest job's number */
+    int32_t active; /* workers inside a job */
     int stop;
     void (*fn)(void *, int64_t);
     void *arg;
     int64_t ntasks;
-    /* atomic */
-    int64_t next;
+    /* atomic: job number << 32 | next task index */
+    uint64_t ticket;
 };
 
-static void run_tasks(kv_pool_t *p, void (*fn)(void *, int64_t), void *arg, int64_t n) {
+/* Claim the next task of job `job` (< n): its index, or -1 when there is none left or
+ * the ticket belongs to another job. */
+static int64_t claim(kv_pool_t *p, uint32_t job, int64_t n) {
+    uint64_t t = __atomic_load_n(&p->ticket, __ATOMIC_RELAXED);
     for (;;) {
-        int64_t i = __atomic_fetch_add(&p->next, 1, __ATOMIC_RELAXED);
-        if (i >= n) return;
-        fn(arg, i);
+        if ((uint32_t)(t >> 32) != job || (int64_t)(t & 0xffffffffu) >= n) return -1;
+        if (__atomic_compare_exchange_n(&p->ticket, &t, t + 1, 1, __ATOMIC_RELAXED,
+                                        __ATOMIC_RELAXED))
+            return (int64_t)(t & 0xffffffffu);
     }
+}
+
+static void run_tasks(kv_pool_t *p, uint32_t job, void (*fn)(void *, int64_t), void *arg,
+                      int64_t n) {
+    for (int64_t i; (i = claim(p, job, n)) >= 0;) fn(arg, i);
 }
 
 static void *worker(void *vp) {
     kv_pool_t *p = vp;
-    uint64_t seen = 0;
+    uint32_t seen = 0;
     pthread_mutex_lock(&p->m);
     for (;;) {
-        while (p->gen == seen && !p->stop) pthread_cond_wait(&p->wake, &p->m);
+        while (p->job == seen && !p->stop) pthread_cond_wait(&p->wake, &p->m);
         if (p->stop) break;
-        seen = p->gen;
+        uint32_t job = seen = p->job;
         void (*fn)(void *, int64_t) = p->fn;
         void *arg = p->arg;
         int64_t n = p->ntasks;
+        p->active++;
         pthread_mutex_unlock(&p->m);
-        run_tasks(p, fn, arg, n);
+        run_tasks(p, job, fn, arg, n);
         pthread_mutex_lock(&p->m);
-        if (++p->finished == p->threads - 1) pthread_cond_signal(&p->done);
+        if (--p->active == 0) pthread_cond_broadcast(&p->done);
     }
     pthread_mutex_unlock(&p->m);
     return NULL;
@@ -115,22 +132,23 @@ int32_t kv_pool_threads(const kv_pool_t *p) { return p ? p->threads : 1; }
 void kv_pool_run(kv_pool_t *p, int64_t ntasks, void (*fn)(void *arg, int64_t task),
                  void *arg) {
     if (ntasks <= 0) return;
-    if (!p || p->threads == 1 || ntasks == 1 || pthread_mutex_trylock(&p->busy) != 0) {
+    if (!p || p->threads == 1 || ntasks == 1 || ntasks > INT32_MAX ||
+        pthread_mutex_trylock(&p->busy) != 0) {
         for (int64_t i = 0; i < ntasks; i++) fn(arg, i);
         return;
     }
     pthread_mutex_lock(&p->m);
+    uint32_t job = ++p->job;
+    if (!job) job = ++p->job; /* 0 is every worker's "seen nothing yet" */
     p->fn = fn;
     p->arg = arg;
     p->ntasks = ntasks;
-    __atomic_store_n(&p->next, 0, __ATOMIC_RELAXED);
-    p->finished = 0;
-    p->gen++;
+    __atomic_store_n(&p->ticket, (uint64_t)job << 32, __ATOMIC_RELAXED);
     pthread_cond_broadcast(&p->wake);
     pthread_mutex_unlock(&p->m);
-    run_tasks(p, fn, arg, ntasks);
+    run_tasks(p, job, fn, arg, ntasks);
     pthread_mutex_lock(&p->m);
-    while (p->finished < p->threads - 1) pthread_cond_wait(&p->done, &p->m);
+    while (p->active > 0) pthread_cond_wait(&p->done, &p->m);
     pthread_mutex_unlock(&p->m);
     pthread_mutex_unlock(&p->busy);
 }

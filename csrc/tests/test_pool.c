@@ -135,6 +135,34 @@ static void test_concurrent_callers(void) {
     kv_pool_destroy(p);
 }
 
+/* Many small jobs in a row: a worker that wakes late never runs a task twice, nor a
+ * task of a job that has returned (each job's tasks count into that job's own slots). */
+typedef struct {
+    int64_t *slots;
+} small_job_t;
+
+static void small_task(void *arg, int64_t i) {
+    small_job_t *j = arg;
+    __atomic_fetch_add(&j->slots[i], 1, __ATOMIC_RELAXED);
+}
+
+static void test_many_small_jobs(void) {
+    enum { JOBS = 20000, TASKS = 3 };
+    static int64_t slots[JOBS][TASKS];
+    memset(slots, 0, sizeof slots);
+    kv_pool_t *p;
+    CHECK_EQ_INT(kv_pool_create(4, &p), KV_OK);
+    for (int k = 0; k < JOBS; k++) {
+        small_job_t j = {slots[k]};
+        kv_pool_run(p, TASKS, small_task, &j);
+    }
+    int ok = 1;
+    for (int k = 0; k < JOBS; k++)
+        for (int i = 0; i < TASKS; i++) ok &= slots[k][i] == 1;
+    CHECK(ok);
+    kv_pool_destroy(p);
+}
+
 static void test_errors(void) {
     kv_pool_t *p = (kv_pool_t *)&p;
     CHECK_EQ_INT(kv_pool_create(0, &p), KV_EINVAL);
@@ -161,6 +189,7 @@ int main(void) {
     test_parallel();
     test_nested();
     test_concurrent_callers();
+    test_many_small_jobs();
     test_errors();
     return test_summary();
 }
