@@ -388,50 +388,41 @@ int64_t kv_xprepare_floats(kv_table_t *const *tables, int32_t ntab, const int64_
 typedef struct {
     kv_table_t *const *tables;
     int32_t ntab, world;
-    const int64_t *recv_counts, *uidx, *ukeys, *ustart, *id_at, *fl_at, *soff, *roff;
+    const int64_t *recv_counts, *uidx, *ukeys, *ustart, *id_at, *fl_at, *roff, *small;
     const uint32_t *urefs;
     const uint64_t *gens;
     const int32_t *dims;
     const float *grads;
-    float scale, *sums, *rows;
-    int64_t step;
-    uint8_t *seen;
+    float scale, *rows, *sums; /* sums: the big table being prepared by ranges */
+    int64_t step, big, piece;  /* big: that table; piece: distinct ids per range */
     uint32_t *ids;
     /* per table: the first bad gradient as received (source rank, index in its
-     * segment; -1: none) and the first distinct id whose sum is not finite (-1) */
-    int64_t *bad_rj, *bad_sum;
-    /* per range task: its table, first and end distinct id, generation, first bad */
-    const int64_t *rt, *ru0, *ru1;
-    uint64_t *rgen;
+     * segment; -1: none), the first distinct id whose sum is not finite (-1), the
+     * first whose update is not (-1), its status and the generation of its ids */
+    int64_t *bad_rj, *bad_sum, *bad_upd;
+    int *rc;
+    uint64_t *pgens;
+    /* per range of the big table: first bad update, generation, status */
     int64_t *rbad;
+    uint64_t *rgen;
     int *rrc;
 } prep_job_t;
 
-/* Table t: check what it received, then sum each distinct id's scaled gradients in
- * payload order into sums + soff[t] and check the sums. */
-static void prep_sums(void *arg, int64_t t) {
-    prep_job_t *j = arg;
+/* Table t's sums: sum each distinct id's scaled gradients in payload order into sums
+ * (its distinct ids x dim floats) and check them; a NaN/Inf received makes its sum
+ * NaN/Inf too, so only when a sum is not finite is what was received looked at, to say
+ * which of the two it was. seen: a byte per distinct id. Returns whether all is
+ * finite. */
+static int prep_sums(prep_job_t *j, int64_t t, float *sums, uint8_t *seen) {
     size_t d = (size_t)j->dims[t];
-    int64_t us = j->ustart[t], nu = j->ustart[t + 1] - us;
-    j->bad_rj[2 * t] = -1;
-    j->bad_sum[t] = -1;
-    for (int32_t r = 0; r < j->world && j->bad_rj[2 * t] < 0; r++) {
-        int64_t k = (int64_t)r * j->ntab + t;
-        for (int64_t i = 0; i < j->recv_counts[k]; i++)
-            if (!kv_all_finite(j->grads + j->fl_at[k] + (size_t)i * d, d)) {
-                j->bad_rj[2 * t] = r;
-                j->bad_rj[2 * t + 1] = i;
-                break;
-            }
-    }
-    if (j->bad_rj[2 * t] >= 0) return;
-    float *sums = j->sums + j->soff[t];
+    int64_t nu = j->ustart[t + 1] - j->ustart[t];
+    j->bad_rj[2 * t] = j->bad_sum[t] = j->bad_upd[t] = -1;
+    j->rc[t] = KV_OK;
     const float scale = j->scale;
     if (j->world == 1) { /* one source, distinct ids, in uniq order */
         const float *src = j->grads + j->fl_at[t];
         for (size_t e = 0; e < (size_t)nu * d; e++) sums[e] = scale * src[e];
     } else {
-        uint8_t *seen = j->seen + us;
         memset(seen, 0, (size_t)nu);
         for (int32_t r = 0; r < j->world; r++) {
             int64_t k = (int64_t)r * j->ntab + t;
@@ -448,34 +439,65 @@ static void prep_sums(void *arg, int64_t t) {
             }
         }
     }
-    for (int64_t u = 0; u < nu; u++) /* a sum (or a scaled one) can overflow */
+    if (kv_all_finite(sums, (size_t)nu * d)) return 1;
+    for (int32_t r = 0; r < j->world; r++) { /* a NaN/Inf received: the first one */
+        int64_t k = (int64_t)r * j->ntab + t;
+        for (int64_t i = 0; i < j->recv_counts[k]; i++)
+            if (!kv_all_finite(j->grads + j->fl_at[k] + (size_t)i * d, d)) {
+                j->bad_rj[2 * t] = r;
+                j->bad_rj[2 * t + 1] = i;
+                return 0;
+            }
+    }
+    for (int64_t u = 0; u < nu; u++) /* else a sum (or a scaled one) overflowed */
         if (!kv_all_finite(sums + (size_t)u * d, d)) {
             j->bad_sum[t] = u;
-            return;
+            break;
         }
+    return 0;
 }
 
-/* Range task q: the optimizer step on distinct ids [ru0, ru1) of table rt. */
-static void prep_range(void *arg, int64_t q) {
-    prep_job_t *j = arg;
-    int64_t t = j->rt[q], u0 = j->ru0[q], u1 = j->ru1[q], us = j->ustart[t];
+/* The optimizer step on distinct ids [u0, u1) of table t (sums: the table's). */
+static int prep_part(prep_job_t *j, int64_t t, const float *sums, int64_t u0, int64_t u1,
+                     uint64_t *gen, int64_t *bad) {
+    int64_t us = j->ustart[t], b = -1;
     size_t d = (size_t)j->dims[t];
     size_t f = d + (size_t)kv_table_slot_floats(j->tables[t]); /* floats per prepared row */
-    j->rbad[q] = -1;
-    if (j->bad_rj[2 * t] >= 0 || j->bad_sum[t] >= 0) { /* already refused */
-        j->rrc[q] = KV_OK;
-        return;
-    }
-    int64_t b = -1;
     int rc = kv_table_prepare_refs(j->tables[t], j->ukeys + us + u0, j->urefs + us + u0,
-                                   u1 - u0, j->sums + j->soff[t] + (size_t)u0 * d, j->step,
-                                   j->gens[t], j->rows + j->roff[t] + (size_t)u0 * f,
-                                   j->ids + us + u0, &j->rgen[q], &b);
+                                   u1 - u0, sums + (size_t)u0 * d, j->step, j->gens[t],
+                                   j->rows + j->roff[t] + (size_t)u0 * f, j->ids + us + u0,
+                                   gen, &b);
+    *bad = -1;
     if (rc == KV_ENONFINITE && b >= 0) {
-        j->rbad[q] = u0 + b;
+        *bad = u0 + b;
         rc = KV_OK;
     }
-    j->rrc[q] = rc;
+    return rc;
+}
+
+/* Task q: table small[q] whole, with sums of its own (so one thread's working set is
+ * one table's, as without threads). */
+static void prep_table(void *arg, int64_t q) {
+    prep_job_t *j = arg;
+    int64_t t = j->small[q], nu = j->ustart[t + 1] - j->ustart[t];
+    float *sums = kv_malloc((size_t)(nu ? nu : 1) * (size_t)j->dims[t] * sizeof(float));
+    uint8_t *seen = kv_malloc((size_t)(nu ? nu : 1));
+    if (!sums || !seen) {
+        j->bad_rj[2 * t] = j->bad_sum[t] = j->bad_upd[t] = -1;
+        j->rc[t] = KV_ENOMEM;
+    } else if (prep_sums(j, t, sums, seen)) {
+        j->rc[t] = prep_part(j, t, sums, 0, nu, &j->pgens[t], &j->bad_upd[t]);
+    }
+    kv_free(sums);
+    kv_free(seen);
+}
+
+/* Range task q of the big table. */
+static void prep_range(void *arg, int64_t q) {
+    prep_job_t *j = arg;
+    int64_t nu = j->ustart[j->big + 1] - j->ustart[j->big];
+    int64_t u0 = q * j->piece, u1 = u0 + j->piece < nu ? u0 + j->piece : nu;
+    j->rrc[q] = prep_part(j, j->big, j->sums, u0, u1, &j->rgen[q], &j->rbad[q]);
 }
 
 int kv_xprepare(kv_pool_t *pool, kv_table_t *const *tables, int32_t ntab, int32_t world,
@@ -492,19 +514,15 @@ int kv_xprepare(kv_pool_t *pool, kv_table_t *const *tables, int32_t ntab, int32_
     int64_t ndist = ustart[ntab];
     if (ndist > 0 && (!rows || !ids)) return KV_EINVAL;
     size_t k2 = (size_t)ntab * (size_t)world;
-    int64_t *id_at = kv_malloc((2 * k2 + 6 * (size_t)ntab + 2) * sizeof(int64_t) +
-                               (size_t)ntab * sizeof(int32_t));
+    int64_t *id_at = kv_malloc((2 * k2 + 6 * (size_t)ntab + 1) * sizeof(int64_t) +
+                               (size_t)ntab * (sizeof(int32_t) + sizeof(int)));
     if (!id_at) return KV_ENOMEM;
-    int64_t *fl_at = id_at + k2, *roff = fl_at + k2, *soff = roff + ntab + 1;
-    int64_t *bad_rj = soff + ntab + 1, *bad_sum = bad_rj + 2 * ntab;
-    int32_t *dims = (int32_t *)(void *)(bad_sum + ntab);
-    int64_t floats = 0;
-    for (int32_t t = 0; t < ntab; t++) {
-        dims[t] = kv_table_dim(tables[t]);
-        soff[t] = floats;
-        floats += (ustart[t + 1] - ustart[t]) * dims[t];
-    }
-    soff[ntab] = floats;
+    int64_t *fl_at = id_at + k2, *roff = fl_at + k2, *small = roff + ntab + 1;
+    int64_t *bad_rj = small + ntab, *bad_sum = bad_rj + 2 * ntab, *bad_upd = bad_sum + ntab;
+    int32_t *dims = (int32_t *)(void *)(bad_upd + ntab);
+    int *trc = (int *)(void *)(dims + ntab);
+    int64_t most_big = 0;
+    for (int32_t t = 0; t < ntab; t++) dims[t] = kv_table_dim(tables[t]);
     seg_starts(ntab, world, recv_counts, dims, id_at, fl_at);
     prep_starts(tables, ntab, ustart, roff);
     /* uidx must index each table's distinct ids (the sums write there) */
@@ -517,44 +535,69 @@ int kv_xprepare(kv_pool_t *pool, kv_table_t *const *tables, int32_t ntab, int32_
                 return KV_EINVAL;
             }
     }
-    /* the range tasks: each table's distinct ids in pieces of KV_X_RANGE_ROWS or more, about
-     * four per thread over all */
+    /* a table with more than its share of the distinct ids (with several threads) is
+     * a big one: its optimizer step runs by key range on every thread, one big table
+     * after another; the others run a table per task */
     kv_pool_t *p = pool_for(pool, total);
-    int64_t piece = ndist / (4 * (int64_t)kv_pool_threads(p)) + 1;
-    if (piece < KV_X_RANGE_ROWS) piece = KV_X_RANGE_ROWS;
-    int64_t nq = 0;
-    for (int32_t t = 0; t < ntab; t++)
-        nq += (ustart[t + 1] - ustart[t] + piece - 1) / piece;
-    float *sums = kv_malloc((size_t)(floats ? floats : 1) * sizeof(float));
-    uint8_t *seen = kv_malloc((size_t)(ndist ? ndist : 1));
-    int64_t *rt = kv_malloc((size_t)(nq ? nq : 1) * (4 * sizeof(int64_t) + sizeof(uint64_t) +
-                                                     sizeof(int)));
-    if (!sums || !seen || !rt) {
+    int32_t threads = kv_pool_threads(p);
+    int64_t share = ndist / threads, ns = 0, piece = 0, most_ranges = 0;
+    for (int32_t t = 0; t < ntab; t++) {
+        int64_t nu = ustart[t + 1] - ustart[t];
+        if (p && nu > share && nu >= 2 * KV_X_RANGE_ROWS) {
+            if (nu * dims[t] > most_big) most_big = nu * dims[t];
+        } else {
+            small[ns++] = t;
+        }
+    }
+    if (most_big) { /* ranges of about a quarter of a thread's share, at least */
+        piece = share / 4 > KV_X_RANGE_ROWS ? share / 4 : KV_X_RANGE_ROWS;
+        for (int32_t t = 0; t < ntab; t++) {
+            int64_t r = (ustart[t + 1] - ustart[t] + piece - 1) / piece;
+            if (r > most_ranges) most_ranges = r;
+        }
+    }
+    float *sums = most_big ? kv_malloc((size_t)most_big * sizeof(float)) : NULL;
+    uint8_t *seen = most_big ? kv_malloc((size_t)most_big) : NULL;
+    int64_t *rbad = most_big ? kv_malloc((size_t)most_ranges * (sizeof(int64_t) +
+                                         sizeof(uint64_t) + sizeof(int))) : NULL;
+    if (most_big && (!sums || !seen || !rbad)) {
         kv_free(sums);
         kv_free(seen);
-        kv_free(rt);
+        kv_free(rbad);
         kv_free(id_at);
         return KV_ENOMEM;
     }
-    int64_t *ru0 = rt + nq, *ru1 = ru0 + nq, *rbad = ru1 + nq;
-    uint64_t *rgen = (uint64_t *)(void *)(rbad + nq);
-    int *rrc = (int *)(void *)(rgen + nq);
-    int64_t q = 0;
-    for (int32_t t = 0; t < ntab; t++)
-        for (int64_t u = 0, nu = ustart[t + 1] - ustart[t]; u < nu; u += piece, q++) {
-            rt[q] = t;
-            ru0[q] = u;
-            ru1[q] = u + piece < nu ? u + piece : nu;
-        }
+    uint64_t *rgen = rbad ? (uint64_t *)(void *)(rbad + most_ranges) : NULL;
+    int *rrc = rgen ? (int *)(void *)(rgen + most_ranges) : NULL;
     prep_job_t j = {.tables = tables, .ntab = ntab, .world = world,
                     .recv_counts = recv_counts, .uidx = uidx, .ukeys = ukeys, .ustart = ustart,
-                    .id_at = id_at, .fl_at = fl_at, .soff = soff, .roff = roff, .urefs = urefs,
-                    .gens = gens, .dims = dims, .grads = grads, .scale = scale, .sums = sums,
-                    .rows = rows, .step = step, .seen = seen, .ids = ids, .bad_rj = bad_rj,
-                    .bad_sum = bad_sum, .rt = rt, .ru0 = ru0, .ru1 = ru1, .rgen = rgen,
-                    .rbad = rbad, .rrc = rrc};
-    kv_pool_run(p, ntab, prep_sums, &j);
-    kv_pool_run(p, nq, prep_range, &j);
+                    .id_at = id_at, .fl_at = fl_at, .roff = roff, .small = small,
+                    .urefs = urefs, .gens = gens, .dims = dims, .grads = grads, .scale = scale,
+                    .rows = rows, .sums = sums, .step = step, .piece = piece, .ids = ids,
+                    .bad_rj = bad_rj, .bad_sum = bad_sum, .bad_upd = bad_upd, .rc = trc,
+                    .pgens = pgens, .rbad = rbad, .rgen = rgen, .rrc = rrc};
+    for (int32_t t = 0, s = 0; t < ntab; t++) {
+        if (s < ns && small[s] == t) {
+            s++;
+            continue;
+        }
+        /* a big table: sums on this thread, then its ranges on the pool */
+        int64_t nu = ustart[t + 1] - ustart[t], nr = (nu + piece - 1) / piece;
+        if (!prep_sums(&j, t, sums, seen)) continue;
+        j.big = t;
+        kv_pool_run(p, nr, prep_range, &j);
+        pgens[t] = rgen[0];
+        for (int64_t q = 0; q < nr; q++) {
+            if (trc[t] == KV_OK && rrc[q] != KV_OK) trc[t] = rrc[q];
+            if (bad_upd[t] < 0 && rbad[q] >= 0) bad_upd[t] = rbad[q];
+            if (rgen[q] != rgen[0] && trc[t] == KV_OK && bad_upd[t] < 0) {
+                /* a row was freed by another thread between two ranges: again, whole */
+                trc[t] = prep_part(&j, t, sums, 0, nu, &pgens[t], &bad_upd[t]);
+                break;
+            }
+        }
+    }
+    kv_pool_run(p, ns, prep_table, &j);
     /* a gradient as received that is NaN/Inf: the first in payload order */
     int64_t br = -1, bt = -1, bi = 0;
     for (int32_t t = 0; t < ntab; t++)
@@ -569,49 +612,20 @@ int kv_xprepare(kv_pool_t *pool, kv_table_t *const *tables, int32_t ntab, int32_
         bad[2] = 1;
         rc = KV_ENONFINITE;
     }
-    /* else the first table whose sums or updates are not finite, then its first id */
-    int64_t q0 = 0;
+    /* else the first table whose status, sums or updates say no, then its first id */
     for (int32_t t = 0; rc == KV_OK && t < ntab; t++) {
-        int64_t qn = q0;
-        while (qn < nq && rt[qn] == t) qn++;
-        if (bad_sum[t] >= 0) {
+        if (trc[t] != KV_OK) {
+            rc = trc[t];
+        } else if (bad_sum[t] >= 0 || bad_upd[t] >= 0) {
             bad[0] = t;
-            bad[1] = ukeys[ustart[t] + bad_sum[t]];
-            bad[2] = 3;
+            bad[1] = ukeys[ustart[t] + (bad_sum[t] >= 0 ? bad_sum[t] : bad_upd[t])];
+            bad[2] = bad_sum[t] >= 0 ? 3 : 2;
             rc = KV_ENONFINITE;
-            break;
         }
-        for (int64_t r = q0; rc == KV_OK && r < qn; r++) {
-            if (rrc[r] != KV_OK) {
-                rc = rrc[r];
-            } else if (rbad[r] >= 0) {
-                bad[0] = t;
-                bad[1] = ukeys[ustart[t] + rbad[r]];
-                bad[2] = 2;
-                rc = KV_ENONFINITE;
-            }
-        }
-        /* the ranges of one table found its rows at one generation (a row freed by
-         * another thread in between: prepare the table again, in one piece) */
-        int same = 1;
-        for (int64_t r = q0 + 1; r < qn; r++) same &= rgen[r] == rgen[q0];
-        pgens[t] = qn > q0 ? rgen[q0] : gens[t];
-        if (rc == KV_OK && !same) {
-            int64_t b = -1, us = ustart[t];
-            rc = kv_table_prepare_refs(tables[t], ukeys + us, urefs + us, ustart[t + 1] - us,
-                                       sums + soff[t], step, gens[t], rows + roff[t],
-                                       ids + us, &pgens[t], &b);
-            if (rc == KV_ENONFINITE && b >= 0) {
-                bad[0] = t;
-                bad[1] = ukeys[us + b];
-                bad[2] = 2;
-            }
-        }
-        q0 = qn;
     }
     kv_free(sums);
     kv_free(seen);
-    kv_free(rt);
+    kv_free(rbad);
     kv_free(id_at);
     return rc;
 }

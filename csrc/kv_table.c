@@ -1294,13 +1294,8 @@ int kv_table_prepare_refs(kv_table_t *t, const int64_t *keys, const uint32_t *re
         (n > 0 && (!grads || !ref || !out || !ids)))
         return KV_EINVAL;
     if (step < 1) return KV_EINVAL;
-    *bad = -1;
-    size_t d = (size_t)t->dim;
-    for (int64_t i = 0; i < n; i++) /* row by row, to name the first bad one */
-        if (!kv_all_finite(grads + (size_t)i * d, d)) {
-            *bad = i;
-            return KV_ENONFINITE;
-        }
+    /* a NaN/Inf gradient is not looked for apart: it makes its row's update NaN/Inf
+     * (every rule puts g, or g^2 in a slot, into what it writes), which is checked */
     int64_t n_zero = 0;
     pthread_rwlock_rdlock(&t->lock);
     if (refs_current(t, ref, n, gen, &n_zero)) {
@@ -1353,8 +1348,8 @@ int kv_table_commit_refs(kv_table_t *t, kv_pool_t *pool, const int64_t *keys,
         ids = now;
     }
     /* by key range over the pool's threads: each row is written by one of them */
-    commit_job_t job = {.t = t, .ids = ids, .rows = rows, .n = n, .step = step,
-                        .parts = n >= KV_COMMIT_PARALLEL ? 4 * (int64_t)kv_pool_threads(pool) : 1};
+    commit_job_t job = {.t = t, .ids = ids, .rows = rows, .n = n, .step = step, .parts = 1};
+    if (n >= KV_COMMIT_PARALLEL) job.parts = 4 * (int64_t)kv_pool_threads(pool);
     kv_pool_run(job.parts > 1 ? pool : NULL, job.parts, commit_part, &job);
     t->n_dropped += n_zero;
     pthread_rwlock_unlock(&t->lock);

@@ -222,8 +222,8 @@ int kv_table_apply_refs(kv_table_t *t, const int64_t *keys, const uint32_t *ref,
  *            the generation is still gen; else each key is found again, and a key
  *            whose row was freed since is skipped (not created again)
  *   gen_out  the generation ids belong to
- *   bad      the first i whose gradient, or whose row or slots after the update, are
- *            NaN/Inf; -1 if none
+ *   bad      the first i whose row or slots after the update are NaN/Inf (a NaN/Inf
+ *            gradient makes them so, whatever the optimizer); -1 if none
  * Read lock. KV_OK; KV_ENONFINITE (*bad says which key); KV_EINVAL. Changes nothing.
  */
 int kv_table_prepare_refs(kv_table_t *t, const int64_t *keys, const uint32_t *ref, int64_t n,

@@ -1581,8 +1581,18 @@ static void test_nonfinite_updates(void) {
             CHECK(snap_equal(&before, &after));
             snap_free(&after);
         }
-        /* without the bad key: applied, every row and slot finite */
+        /* a NaN or an Inf gradient makes its row's update NaN/Inf under every rule:
+         * the prepare names it without looking at the gradients apart */
         g[17 * D + 2] = 0.0f;
+        static const float odd[] = {NAN, INFINITY, -INFINITY};
+        for (int k2 = 0; k2 < 3; k2++) {
+            g[23 * D + 1] = odd[k2];
+            CHECK_EQ_INT(kv_table_prepare_refs(t, keys, ref, N, g, 2, gen, out, ids, &pgen,
+                                               &bad), KV_ENONFINITE);
+            CHECK_EQ_INT(bad, 23);
+        }
+        g[23 * D + 1] = 0.0f;
+        /* without the bad key: applied, every row and slot finite */
         CHECK_EQ_INT(kv_table_prepare_refs(t, keys, ref, N, g, 2, gen, out, ids, &pgen, &bad),
                      KV_OK);
         CHECK_EQ_INT(bad, -1);
