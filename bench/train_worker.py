@@ -221,6 +221,7 @@ def main(argv=None):
         "eval_auc": auc(all_labels, all_preds),
         "planted_auc": data.planted_auc(args.eval_samples),
         "final_loss": float(last), "threads_per_rank": args.threads,
+        "c_threads": c_threads(),
         "samples_trained": (args.warmup + args.steps) * args.batch_size,
         "dense_backend": args.dense_backend,
         "data": "criteo-tsv" if args.data else "synthetic",
@@ -235,6 +236,14 @@ def main(argv=None):
     if rank == 0:
         Path(args.out).write_text(json.dumps(record))
     kv.shutdown()
+
+
+def c_threads() -> int:
+    """The C threads of the exchange kernels (KVCOLL_THREADS; 0 = the cores TensorFlow
+    leaves free)."""
+    from kvcoll.exchange import kernels
+
+    return kernels.threads()
 
 
 def table_row_bytes(trainer) -> int:
@@ -426,7 +435,7 @@ def exchange_only(args, trainer, data, comm):
     record = {"impl": "exchange", "world_size": world, "global_batch_size": args.batch_size,
               "hidden": list(args.hidden),
               "samples_per_sec": args.batch_size / (ms[:, 0].max() / 1e3), "eval_auc": None,
-              "threads_per_rank": args.threads,
+              "threads_per_rank": args.threads, "c_threads": c_threads(),
               "ms_per_step": {"total": float(ms[:, 0].mean()), "tables": float(ms[:, 1].mean())}}
     if rank == 0:
         Path(args.out).write_text(json.dumps(record))

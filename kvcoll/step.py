@@ -495,10 +495,10 @@ class Loop:
         codes = agreement.codes
         bad = agreement.outcome_failed
         failed = [r for r in bad if codes[r] == FAILED]
+        own = own if own is not None else agreement.outcome_error  # e.g. the push refused
         texts = self._texts(own, bool(failed))
         if failed:
-            raise _agreed(texts, failed, f"rank(s) {failed} failed in the compute of step "
-                          f"{step}", own)
+            raise _agreed(texts, failed, f"rank(s) {failed} failed in step {step}", own)
         why = self.compute.explain(batch) if batch is not None else None
         reason = f" (this rank: {why})" if why else ""
         raise errors.NonFiniteError(
