@@ -98,6 +98,11 @@ class Config:
         checkpoint's own hash when it is restored before any string id is hashed. A
         checkpoint whose hash differs from a fixed one (set here, or already used) is
         refused.
+    pipeline: "on" or "off": BSP steps pipelined (the next batch read, prepared, routed
+        and its ids exchanged by a helper thread while a step computes; the results are
+        the unpipelined loop's). See docs/performance.md.
+    xla: "on" or "off": compile the dense step with XLA (jit_compile), the rows padded
+        to a few bucket sizes so it does not recompile. See docs/performance.md.
     """
 
     step_mode: str = "bsp"
@@ -106,6 +111,8 @@ class Config:
     io_timeout: float = 1800.0
     startup_timeout: float = 600.0
     id_hash: str = "auto"
+    pipeline: str = "on"
+    xla: str = "off"
 
     def __post_init__(self):
         if self.step_mode not in STEP_MODES:
@@ -116,6 +123,10 @@ class Config:
         if self.id_hash not in ID_HASH_SETTINGS:
             raise InvalidArgumentError(
                 f"id_hash {self.id_hash!r} is unknown; use one of {', '.join(ID_HASH_SETTINGS)}")
+        for name in ("pipeline", "xla"):
+            if getattr(self, name) not in ("on", "off"):
+                raise InvalidArgumentError(
+                    f"{name} must be 'on' or 'off', got {getattr(self, name)!r}")
         for name in ("comm_timeout", "io_timeout", "startup_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
