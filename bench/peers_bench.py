@@ -399,7 +399,7 @@ def _summarise(ranks: list[dict], labels: np.ndarray, steps: int, batch: int) ->
            "peak_rss_mb": [round(r["peak_rss_bytes"] / 2**20) for r in ranks],
            "peak_rss_mb_max": max(r["peak_rss_bytes"] for r in ranks) / 2**20,
            "rows": sum(r["rows"] for r in ranks), "config": ranks[0]["config"]}
-    for key in ("rows_touched", "distinct_ids", "table_rows"):
+    for key in ("rows_touched", "distinct_ids", "table_rows", "floor"):
         if key in ranks[0]:
             out[key] = ranks[0][key]
     return out
@@ -437,6 +437,10 @@ def summarise(records: list[dict]) -> list[dict]:
                      if r["others_busy_cores_during"] <= DISTURBED]
             s.update(quiet_runs=len(quiet),
                      quiet_samples_per_sec=statistics.median(quiet) if quiet else None)
+            floors = [r["floor"] for r in ok if "floor" in r]
+            if floors:   # kvcoll's: the step's floor, each run's own (issue #32)
+                s["floor"] = {k: statistics.median(f[k] for f in floors)
+                              for k in floors[0] if isinstance(floors[0][k], (int, float))}
         out.append(s)
     return out
 
@@ -525,6 +529,7 @@ def markdown(summary, manifest, records, machine) -> str:
             f"--peers-retries times; the last attempt counts): {again} were. Per run: "
             f"`others_busy_cores`, `others_busy_cores_during` and `loadavg_before` in "
             f"peers.json.")
+    lines += floor_lines(summary)
     lines += ["", "## How each framework is set up", ""]
     for s in summary:
         if not s.get("runs"):
@@ -555,6 +560,32 @@ def markdown(summary, manifest, records, machine) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def floor_lines(summary: list[dict]) -> list[str]:
+    """kvcoll's step beside its floor, measured in the same runs (medians over runs)."""
+    rows = [s for s in summary if s.get("floor")]
+    if not rows:
+        return []
+    lines = ["", "## kvcoll's step and its floor", "",
+             "Each kvcoll run, after its timed fit and its evaluation, measures on 30 batches "
+             "of the timed range: the dense step alone (forward, backward, the rows' "
+             "gradient, the dense optimizer, on ready-made rows; every rank at once, no "
+             "communication while timed) and the sparse side alone (the batch read and "
+             "prepared, the pull and the push of its rows with a zero gradient; no "
+             "TensorFlow step), wall and CPU time. The floor is the larger of the dense "
+             "step alone and (dense + sparse CPU) / cores: a pipeline hides waiting, not "
+             "CPU work. (CPU includes MPI's polling while a rank waits for its peers.)", "",
+             "| ranks x threads | step (fit) ms | dense alone ms (CPU ms) | sparse alone ms "
+             "(CPU ms) | floor ms | step / floor |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for s in rows:
+        f = s["floor"]
+        lines.append(f"| {s['ranks']} x {s['threads_per_rank']} | {f['step_ms']:.1f} | "
+                     f"{f['dense_ms']:.1f} ({f['dense_cpu_ms']:.1f}) | {f['sparse_ms']:.1f} "
+                     f"({f['sparse_cpu_ms']:.1f}) | {f['floor_ms']:.1f} | "
+                     f"{f['step_over_floor']:.2f} |")
+    return lines
 
 
 def chart(summary: list[dict], path: str) -> None:

@@ -167,7 +167,16 @@ def main(argv=None):
         if args.impl == "limit":
             return limit(args, trainer, data, tf, world_comm)
         if args.impl == "dense":
-            return dense_probe(args, trainer, data, tf, loss)
+            def make(xla):
+                m = kv.distribute(build_deepfm(
+                    NUM_FIELDS, NUM_NUMERIC, args.dim, lambda f, w: kv.Embedding(
+                        f, w, initializer=("normal", 0.0, DEFAULTS["init_std"]),
+                        seed=args.seed), hidden=args.hidden))
+                o = kv.DistributedOptimizer(keras.optimizers.Adam(DEFAULTS["lr"]),
+                                            sparse=kv.optimizers.Adagrad(DEFAULTS["sparse_lr"]))
+                return kv.Trainer(m, loss, o, comm=comm, xla=xla, prefetch=False)
+
+            return dense_probe(args, data, tf, loss, make)
         if args.impl == "exchange":
             return exchange_only(args, trainer, data, comm)
         if args.impl == "fit":
@@ -366,9 +375,10 @@ def limit(args, trainer, data, tf, world_comm):
     kv.shutdown()
 
 
-def dense_probe(args, trainer, data, tf, loss_obj):
+def dense_probe(args, data, tf, loss_obj, make_trainer):
     """The compiled dense step taken apart, one process, on ready-made rows of real
-    batches (ms a step, medians of interleaved rounds):
+    batches, plain and under XLA in the same process (two trainers of the same model,
+    timed in interleaved rounds; ms a step, medians over the rounds):
 
     model      forward and backward of the model alone (a tf.function of the loss and
                the gradients of the dense weights and the rows matrices)
@@ -390,6 +400,41 @@ def dense_probe(args, trainer, data, tf, loss_obj):
     from kvcoll.keras.embedding import rows_scope
 
     n = args.limit_batch or args.batch_size
+    runs = {}
+    for variant in ("plain", "xla"):
+        runs[variant] = _dense_variant(args, data, tf, loss_obj, make_trainer(variant == "xla"),
+                                       n, group_key, gather_grad, _gathered_grad, as_input,
+                                       rows_scope)
+    names = ["model", "grads", "train_fn", "gather", "train", "apply"]
+    for i in range(8):                       # compile every shape first
+        for variant, run in runs.items():
+            for name in names:
+                run(name, i)
+    reps = max(10, args.steps // 10)
+    times = {v: {name: [] for name in names} for v in runs}
+    for r in range(7):                       # interleaved rounds
+        for variant, run in runs.items():
+            for name in names:
+                t0 = time.perf_counter()
+                for i in range(reps):
+                    run(name, i)
+                times[variant][name].append((time.perf_counter() - t0) / reps * 1e3)
+    ms = {v: {name: statistics.median(t) for name, t in d.items()} for v, d in times.items()}
+    ratio = {name: statistics.median(x / p for x, p in zip(times["xla"][name],
+                                                             times["plain"][name]))
+             for name in names}
+    record = {"impl": "dense", "batch": n, "dim": args.dim, "threads": args.threads,
+              "hidden": list(args.hidden), "ms": ms, "xla_over_plain": ratio,
+              "rounds": times, "reps": reps,
+              "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "default")}
+    Path(args.out).write_text(json.dumps(record))
+    kv.shutdown()
+
+
+def _dense_variant(args, data, tf, loss_obj, trainer, n, group_key, gather_grad,
+                   _gathered_grad, as_input, rows_scope):
+    """The timed pieces of one trainer's dense step: run(name, i) runs piece `name` on
+    ready-made batch i."""
     eng = trainer.engine
     batches = []
     for step in range(8):
@@ -400,7 +445,6 @@ def dense_probe(args, trainer, data, tf, loss_obj):
         batches.append((batch, eng.loop.ex.lookup(compute.ids(batch))))
     model, lay = compute.model, compute.layout
     dense_vars = compute.dense_vars
-    xla = args.xla == "on"
 
     def model_call(ids, dense, rows):
         leaves = dict(dense)
@@ -428,7 +472,9 @@ def dense_probe(args, trainer, data, tf, loss_obj):
         return loss, flat, {k: _gathered_grad(g, rows[k])
                             for k, g in zip(rows, grads[len(dense_vars):])}
 
-    fns = {name: tf.function(fn, jit_compile=xla or None, autograph=False)
+    xla = compute.xla
+    fns = {name: tf.function(fn, jit_compile=xla or None, autograph=False,
+                             reduce_retracing=True)
            for name, fn in (("model", model_only), ("grads", with_grads))}
     prepared = []
     for batch, pulled in batches:
@@ -459,25 +505,7 @@ def dense_probe(args, trainer, data, tf, loss_obj):
             for v, j, k in row_np.values():
                 gather_grad(v, j, k)
 
-    names = ["model", "grads", "train_fn", "gather", "train", "apply"]
-    for i in range(8):                       # compile every shape first
-        for name in names:
-            run(name, i)
-    reps = max(10, args.steps // 10)
-    times = {name: [] for name in names}
-    for r in range(5):                       # interleaved rounds
-        for name in names:
-            t0 = time.perf_counter()
-            for i in range(reps):
-                run(name, i)
-            times[name].append((time.perf_counter() - t0) / reps * 1e3)
-    ms = {name: statistics.median(v) for name, v in times.items()}
-    record = {"impl": "dense", "xla": args.xla, "batch": n, "dim": args.dim,
-              "threads": args.threads, "hidden": list(args.hidden), "ms": ms,
-              "rounds": times, "reps": reps,
-              "tracing": compute.tracing_count("train")}
-    Path(args.out).write_text(json.dumps(record))
-    kv.shutdown()
+    return run
 
 
 def exchange_only(args, trainer, data, comm):
