@@ -269,7 +269,9 @@ class Loop:
         data has run out or a rank asked to stop (BSP: on every rank at the same step;
         SSP/ASP: this rank's own data or stop); IDLE when no rank had samples but some
         rank's data goes on. Raises the agreed error when a rank's batch was bad or its
-        compute failed: the same error class on every rank (BSP), nothing changed."""
+        compute failed: the same error class on every rank (BSP), nothing changed.
+        An element train_next prefetched is dropped first (every rank alike)."""
+        self.drop_staged()
         batch, err = self._prepare(element)
         return self._train(element, batch, err, None, None)
 
@@ -513,7 +515,9 @@ class Loop:
 
     def set_step(self, step: int) -> None:
         """Continue from `step` (a restore, on every rank between steps); SSP/ASP: the
-        dense weights the compute now holds become the slices'."""
+        dense weights the compute now holds become the slices'. A prefetched element
+        is dropped (it was planned for the old step)."""
+        self.drop_staged()
         self.ex.set_step(int(step))
         if self._dense_started:
             self.start_dense(replace=True)
