@@ -91,6 +91,8 @@ def parse(argv=None):
     p.add_argument("--eval-data", metavar="PATH", help="with --data: the Criteo TSV to evaluate on")
     p.add_argument("--xla", choices=("on", "off"), default="off")
     p.add_argument("--prefetch", choices=("on", "off"), default="off")
+    p.add_argument("--dense-variants", default="plain,xla",
+                   help="--impl dense: which variants to time (plain, xla)")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -401,7 +403,7 @@ def dense_probe(args, data, tf, loss_obj, make_trainer):
 
     n = args.limit_batch or args.batch_size
     runs = {}
-    for variant in ("plain", "xla"):
+    for variant in args.dense_variants.split(","):
         runs[variant] = _dense_variant(args, data, tf, loss_obj, make_trainer(variant == "xla"),
                                        n, group_key, gather_grad, _gathered_grad, as_input,
                                        rows_scope)
@@ -422,7 +424,7 @@ def dense_probe(args, data, tf, loss_obj, make_trainer):
     ms = {v: {name: statistics.median(t) for name, t in d.items()} for v, d in times.items()}
     ratio = {name: statistics.median(x / p for x, p in zip(times["xla"][name],
                                                              times["plain"][name]))
-             for name in names}
+             for name in names} if len(runs) == 2 else None
     record = {"impl": "dense", "batch": n, "dim": args.dim, "threads": args.threads,
               "hidden": list(args.hidden), "ms": ms, "xla_over_plain": ratio,
               "rounds": times, "reps": reps,
