@@ -105,7 +105,8 @@ def run(args) -> None:
     out_dir = args.out or (tempfile.mkdtemp() if args.quick else common.RESULTS)
     if args.train_pipeline_pairs and not args.train_file_only:
         n = 1 if args.quick else args.train_pipeline_pairs
-        recs = pipeline_pairs(steps, batch, 8192 if args.quick else 50_000, n)
+        recs = ab_runs(steps, batch, 8192 if args.quick else 50_000, 2 if args.quick else 10)
+        recs += pipeline_pairs(steps, batch, 8192 if args.quick else 50_000, n)
         common.publish(out_dir, "pipeline", recs,
                        lambda m: pipeline_markdown(recs, steps, batch, m))
         if args.train_pipeline_only:
@@ -164,6 +165,59 @@ PIPELINE_COMPARISONS = (
 SHAPES = ((1, 2), (2, 1))      # (ranks, TensorFlow threads per rank): the peers' shapes
 
 
+AB = (("pipeline", "pipeline, loop (kv.Trainer.train_next)"),
+      ("pipeline-fit", "pipeline, model.fit"), ("xla", "XLA, loop"))
+
+
+def ab_runs(steps: int, batch: int, evals: int, block: int) -> list[dict]:
+    """In one launch: A (off) and B (on) as two trainers of the same model on the same
+    batches, in alternating blocks of `block` steps (bench/train_worker.py --impl ab),
+    for each comparison and shape: B / A per pair of blocks under the same load."""
+    records = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for which, what in AB:
+            for world, threads in SHAPES:
+                busy = common.busy_cores(0.5)
+                path = os.path.join(tmp, "ab.json")
+                print(f"[train] A/B blocks: {what} on {world} x {threads} (others busy "
+                      f"{busy:.2f} CPUs)", flush=True)
+                _mpirun(world, ["--impl", "ab", "--ab", which, "--ab-block", str(block),
+                                "--steps", str(steps), "--batch-size", str(batch),
+                                "--threads", str(threads), "--dim", "15", "--eval-samples",
+                                str(evals), "--out", path], timeout=3600)
+                with open(path, encoding="utf-8") as f:
+                    records.append(dict(json.load(f), comparison=what,
+                                        busy_before=round(busy, 2)))
+    return records
+
+
+def ab_lines(records) -> list[str]:
+    rs = [r for r in records if r.get("impl") == "ab"]
+    if not rs:
+        return []
+    lines = [
+        "## A and B in one process, alternating blocks",
+        "",
+        f"Two trainers of the same model (the same initial weights) in one launch, each "
+        f"over its own iterator of the same batches, stepping alternating blocks of "
+        f"{rs[0]['block']} steps (A B A B ...; a barrier around each block), so both see "
+        f"the machine's load alike: B / A is the ratio of a pair of blocks' speeds; the "
+        f"median and the quartiles over the {len(rs[0]['ratios'])} pairs. A: off, B: on.",
+        "",
+        "| comparison | ranks x threads | B / A (median) | quartiles | samples/s A, B "
+        "(median block) | final loss A, B | eval AUC A, B | others busy before |",
+        "|---|---|---:|---|---|---|---|---:|"]
+    for r in rs:
+        q = statistics.quantiles(r["ratios"], n=4) if len(r["ratios"]) > 1 else [r["ratio"]] * 3
+        sps, loss, auc = r["samples_per_sec"], r["final_loss"], r["eval_auc"]
+        lines.append(
+            f"| {r['comparison']} | {r['world_size']} x {r['threads_per_rank']} | "
+            f"{r['ratio']:.3f} | {q[0]:.2f}-{q[2]:.2f} | {sps['A']:,.0f}, {sps['B']:,.0f} | "
+            f"{loss['A']:.6f}, {loss['B']:.6f} | {auc['A']:.4f}, {auc['B']:.4f} | "
+            f"{r['busy_before']:.2f} |")
+    return lines + [""]
+
+
 def pipeline_pairs(steps: int, batch: int, evals: int, pairs: int) -> list[dict]:
     """Each comparison on each shape: `pairs` runs of A and B alternating (A B A B ...),
     each a fresh launch of bench/train_worker.py; the CPUs other processes used just
@@ -193,6 +247,7 @@ def pipeline_pairs(steps: int, batch: int, evals: int, pairs: int) -> list[dict]
 def pipeline_summary(records) -> list[dict]:
     """Per comparison and shape: B / A samples/s per pair, their median, and the final
     losses and AUCs of both sides."""
+    records = [r for r in records if r.get("impl") != "ab"]
     out = []
     for what, _, flags_a, flags_b in PIPELINE_COMPARISONS:
         for world, threads in SHAPES:
@@ -228,12 +283,18 @@ def pipeline_markdown(records, steps, batch, machine) -> str:
         "# Pipelined steps and the XLA dense step, each against its baseline",
         "",
         f"`./dev bench train --train-pipeline-only` — DeepFM (rows of 16 floats: dim 15 + "
-        f"the first-order weight), {steps} timed steps of a global batch of {batch} per "
-        f"run, BSP, SyntheticCTR; A and B alternate (A B A B ...), each a fresh launch; "
+        f"the first-order weight), global batch {batch}, BSP, SyntheticCTR, on 1 process x "
+        f"2 TensorFlow threads and 2 ranks x 1 thread. {machine['cpu']}, "
+        f"{machine['cores']} cores, TensorFlow {machine.get('tensorflow', '?')}, "
+        f"{machine.get('date', '')}.",
+        "",
+        *ab_lines(records),
+        "## Separate launches, alternating",
+        "",
+        f"{steps} timed steps per run; A and B alternate (A B A B ...), each a fresh launch; "
         f"the ratio is B / A samples/s within a pair. The machine is shared: other "
         f"processes used {statistics.median(busy):.2f} CPUs (median; at most "
-        f"{max(busy):.2f}) just before the runs. {machine['cpu']}, {machine['cores']} "
-        f"cores, TensorFlow {machine.get('tensorflow', '?')}, {machine.get('date', '')}.",
+        f"{max(busy):.2f}) just before the runs.",
         "",
         "| comparison | ranks x threads | A | B | B / A per pair | B / A (median) | "
         "samples/s A, B (median) | ms/step total A, B | final loss A, B | eval AUC A, B |",

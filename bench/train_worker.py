@@ -69,7 +69,7 @@ NUM_FIELDS, NUM_NUMERIC = 26, 13
 def parse(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--impl", choices=("kvcoll", "fit", "baseline", "baseline-gather", "limit",
-                                      "exchange", "dense"),
+                                      "exchange", "dense", "ab"),
                    required=True)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=10)
@@ -91,6 +91,10 @@ def parse(argv=None):
     p.add_argument("--eval-data", metavar="PATH", help="with --data: the Criteo TSV to evaluate on")
     p.add_argument("--xla", choices=("on", "off"), default="off")
     p.add_argument("--prefetch", choices=("on", "off"), default="off")
+    p.add_argument("--ab", choices=("pipeline", "xla", "pipeline-fit"), default=None,
+                   help="--impl ab: two trainers in this process, A (pipeline / XLA off) "
+                        "and B (on), stepping the same batches in alternating blocks")
+    p.add_argument("--ab-block", type=int, default=10, help="--impl ab: steps a block")
     p.add_argument("--dense-variants", default="plain,xla",
                    help="--impl dense: which variants to time (plain, xla)")
     p.add_argument("--out", required=True)
@@ -168,6 +172,22 @@ def main(argv=None):
         kv.broadcast_variables(model.variables, root_rank=0, comm=comm)
         if args.impl == "limit":
             return limit(args, trainer, data, tf, world_comm)
+        if args.impl == "ab":
+            def make_ab(on):
+                keras.utils.set_random_seed(args.seed)      # A and B start alike
+                m = kv.distribute(build_deepfm(
+                    NUM_FIELDS, NUM_NUMERIC, args.dim, lambda f, w: kv.Embedding(
+                        f, w, initializer=("normal", 0.0, DEFAULTS["init_std"]),
+                        seed=args.seed), hidden=args.hidden))
+                o = kv.DistributedOptimizer(keras.optimizers.Adam(DEFAULTS["lr"]), sparse=kv.optimizers.Adagrad(
+                    DEFAULTS["sparse_lr"], initial_accumulator_value=DEFAULTS["sparse_init_accum"]))
+                xla = on if args.ab == "xla" else False
+                prefetch = on if args.ab != "xla" else False
+                t = kv.Trainer(m, loss, o, comm=comm, xla=xla, prefetch=prefetch)
+                kv.broadcast_variables(m.variables, root_rank=0, comm=comm)
+                return t
+
+            return ab(args, data, comm, make_ab)
         if args.impl == "dense":
             def make(xla):
                 m = kv.distribute(build_deepfm(
@@ -373,6 +393,65 @@ def limit(args, trainer, data, tf, world_comm):
               "samples_per_sec": float(rates.sum()), "eval_auc": None,
               "threads_per_rank": args.threads, "ms_per_step": {"total": float(ms.mean())}}
     if world_comm.rank == 0:
+        Path(args.out).write_text(json.dumps(record))
+    kv.shutdown()
+
+
+def ab(args, data, comm, make):
+    """A (off) and B (on) in one process: two trainers of the same model, each over its
+    own iterator of the same batches, stepping alternating blocks of --ab-block steps
+    (A B A B ...), so both see the machine's load alike; B / A per pair of blocks."""
+    import statistics
+
+    import kvcoll as kv
+    from kvcoll.data import auc
+
+    rank, world = comm.rank, comm.size
+    sides = {"A": make(False), "B": make(True)}
+
+    def stream():
+        for step in range(args.warmup + args.steps):
+            b = data.batch(step, args.batch_size, rank, world)
+            yield features(b), b["label"]
+
+    its = {k: stream() for k in sides}
+    fit = args.ab == "pipeline-fit"
+
+    def block(k, n):
+        t = sides[k]
+        if fit:
+            hist = t.model.fit(its[k], steps_per_epoch=n, epochs=1, verbose=0)
+            return hist.history["loss"][-1]
+        for _ in range(n):
+            last = t.train_next(its[k])
+        return last
+
+    for k in sides:
+        block(k, args.warmup)
+    seconds = {k: [] for k in sides}
+    last = {}
+    for _ in range(args.steps // args.ab_block):
+        for k in sides:
+            comm.barrier()
+            t0 = time.perf_counter()
+            last[k] = block(k, args.ab_block)
+            comm.barrier()
+            seconds[k].append(time.perf_counter() - t0)
+    ratios = [a / b for a, b in zip(seconds["A"], seconds["B"])]   # B's speed over A's
+    ev = data.eval_set(args.eval_samples, rank, world)
+    aucs = {}
+    for k, t in sides.items():
+        preds = np.asarray(t.predict(features(ev)), np.float32).reshape(-1)
+        all_preds, _ = comm.allgatherv(preds)
+        all_labels, _ = comm.allgatherv(ev["label"].astype(np.float32))
+        aucs[k] = auc(all_labels, all_preds)
+    record = {"impl": "ab", "ab": args.ab, "world_size": world, "threads_per_rank": args.threads,
+              "global_batch_size": args.batch_size, "dim": args.dim, "block": args.ab_block,
+              "steps": args.steps, "ratio": statistics.median(ratios), "ratios": ratios,
+              "samples_per_sec": {k: args.ab_block * args.batch_size / statistics.median(v)
+                                  for k, v in seconds.items()},
+              "final_loss": {k: float(v) for k, v in last.items()}, "eval_auc": aucs}
+    if rank == 0:
         Path(args.out).write_text(json.dumps(record))
     kv.shutdown()
 
