@@ -179,8 +179,11 @@ def main(argv=None):
                     NUM_FIELDS, NUM_NUMERIC, args.dim, lambda f, w: kv.Embedding(
                         f, w, initializer=("normal", 0.0, DEFAULTS["init_std"]),
                         seed=args.seed), hidden=args.hidden))
-                o = kv.DistributedOptimizer(keras.optimizers.Adam(DEFAULTS["lr"]), sparse=kv.optimizers.Adagrad(
-                    DEFAULTS["sparse_lr"], initial_accumulator_value=DEFAULTS["sparse_init_accum"]))
+                o = kv.DistributedOptimizer(
+                    keras.optimizers.Adam(DEFAULTS["lr"]),
+                    sparse=kv.optimizers.Adagrad(
+                        DEFAULTS["sparse_lr"],
+                        initial_accumulator_value=DEFAULTS["sparse_init_accum"]))
                 xla = on if args.ab == "xla" else False
                 prefetch = on if args.ab != "xla" else False
                 t = kv.Trainer(m, loss, o, comm=comm, xla=xla, prefetch=prefetch)
