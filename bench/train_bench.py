@@ -83,6 +83,11 @@ def add_arguments(p) -> None:
                    help="pipeline on/off and XLA on/off pairs per shape (0 skips)")
     g.add_argument("--train-pipeline-only", action="store_true",
                    help="only the pipeline and XLA pairs (writes pipeline.json and .md)")
+    g.add_argument("--train-dense-only", action="store_true",
+                   help="only the dense step taken apart, plain and XLA, oneDNN on and off "
+                        "(writes dense.json and .md)")
+    g.add_argument("--train-dense-pairs", type=int, default=3,
+                   help="oneDNN on/off pairs of the dense probe (0 skips)")
 
 
 def _mpirun(world: int, args: list[str], timeout: float) -> None:
@@ -103,6 +108,11 @@ def run(args) -> None:
     batch = 1024 if args.quick else args.train_batch
     evals = 8192 if args.quick else 100_000
     out_dir = args.out or (tempfile.mkdtemp() if args.quick else common.RESULTS)
+    if args.train_dense_pairs and not (args.train_file_only or args.train_pipeline_only):
+        recs = dense_pairs(steps, batch, 1 if args.quick else args.train_dense_pairs)
+        common.publish(out_dir, "dense", recs, lambda m: dense_markdown(recs, m))
+        if args.train_dense_only:
+            return
     if args.train_pipeline_pairs and not args.train_file_only:
         n = 1 if args.quick else args.train_pipeline_pairs
         recs = ab_runs(steps, batch, 8192 if args.quick else 50_000, 2 if args.quick else 10)
@@ -163,6 +173,71 @@ PIPELINE_COMPARISONS = (
     ("XLA, loop", "kvcoll", ["--xla", "off"], ["--xla", "on"]),
 )
 SHAPES = ((1, 2), (2, 1))      # (ranks, TensorFlow threads per rank): the peers' shapes
+
+
+DENSE_PIECES = (("model", "the model's forward and backward alone"),
+                ("grads", "+ kvcoll's gradient outputs (flat dense gradient, gathered rows)"),
+                ("train_fn", "+ the metrics: kvcoll's compiled train function"),
+                ("train", "+ inputs in, outputs out, gather_grad in C, finite checks "
+                          "(compute.train)"),
+                ("gather", "gather_grad alone (inside the line above)"),
+                ("apply", "the dense optimizer's apply and the logs (compute.apply)"))
+
+
+def dense_pairs(steps: int, batch: int, pairs: int) -> list[dict]:
+    """bench/train_worker.py --impl dense (plain and XLA timed in one process, interleaved)
+    in fresh processes alternating oneDNN's custom ops on and off (TF_ENABLE_ONEDNN_OPTS
+    1 / 0), 1 process x 2 TensorFlow threads, the global batch on one process."""
+    records = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for pair in range(pairs):
+            for onednn in ("1", "0"):
+                busy = common.busy_cores(0.5)
+                path = os.path.join(tmp, "dense.json")
+                print(f"[train] the dense step taken apart, oneDNN {onednn}, pair {pair + 1} "
+                      f"(others busy {busy:.2f} CPUs)", flush=True)
+                env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS=onednn, TF_CPP_MIN_LOG_LEVEL="2")
+                proc = subprocess.run([sys.executable, WORKER, "--impl", "dense", "--steps",
+                                       str(steps), "--batch-size", str(batch), "--threads", "2",
+                                       "--dim", "15", "--out", path], env=env, timeout=3600,
+                                      capture_output=True, text=True)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"dense probe failed:\n{proc.stderr[-3000:]}")
+                with open(path, encoding="utf-8") as f:
+                    records.append(dict(json.load(f), pair=pair, busy_before=round(busy, 2)))
+    return records
+
+
+def dense_markdown(records, machine) -> str:
+    on = [r for r in records if r["onednn"] == "1"]
+    off = [r for r in records if r["onednn"] == "0"]
+    med = statistics.median
+    lines = [
+        "# The dense step taken apart: plain, XLA, oneDNN",
+        "",
+        f"`./dev bench train --train-dense-only` — DeepFM (dim 15, MLP "
+        f"{'-'.join(map(str, records[0]['hidden']))}), a batch of {records[0]['batch']} on one "
+        f"process with 2 TensorFlow threads, ready-made rows of real batches (8 of them, "
+        f"their shapes compiled first); each piece timed over {records[0]['reps']} steps, 7 "
+        f"rounds interleaved piece after piece, plain then XLA, in one process; ms a step, "
+        f"the median of the rounds (then of the {len(on)} processes). Processes alternate "
+        f"oneDNN's custom ops on (TensorFlow's default here) and off. Other processes used "
+        f"{med(r['busy_before'] for r in records):.2f} CPUs (median) before them. "
+        f"{machine['cpu']}, {machine['cores']} cores, TensorFlow "
+        f"{machine.get('tensorflow', '?')}, {machine.get('date', '')}.",
+        "",
+        "| piece | plain ms | XLA ms | XLA / plain (median of rounds) | plain, oneDNN off ms |"
+        " oneDNN off / on |",
+        "|---|---:|---:|---:|---:|---:|"]
+    for key, what in DENSE_PIECES:
+        p = med(r["ms"]["plain"][key] for r in on)
+        x = med(r["ms"]["xla"][key] for r in on)
+        ratio = med(r["xla_over_plain"][key] for r in on)
+        p0 = med(r["ms"]["plain"][key] for r in off) if off else float("nan")
+        lines.append(f"| {key}: {what} | {p:.1f} | {x:.1f} | {ratio:.2f} | {p0:.1f} | "
+                     f"{p0 / p:.2f} |")
+    lines += ["", "Each row but `gather` and `apply` includes the row above it.", ""]
+    return "\n".join(lines)
 
 
 AB = (("pipeline", "pipeline, loop (kv.Trainer.train_next)"),
