@@ -59,7 +59,8 @@ BUILD_ENV = {"HOROVOD_WITH_TENSORFLOW": "1", "HOROVOD_WITH_MPI": "1",
              "HOROVOD_WITHOUT_GLOO": "1", "TF_USE_LEGACY_KERAS": "1"}
 DISTURBED = 0.5      # CPUs used by other processes during a run that make it run again
 LABELS = {"kvcoll": "kvcoll", "tfra": "TFRA", "torchrec": "TorchRec",
-          "torchrec-exact": "TorchRec, no collisions"}
+          "torchrec-exact": "TorchRec, no collisions",
+          "kvcoll-nopipe": "kvcoll, pipeline off"}
 
 
 def add_arguments(p) -> None:
@@ -72,7 +73,8 @@ def add_arguments(p) -> None:
     g.add_argument("--peers-table-rows", type=int, default=1_000_000,
                    help="TorchRec's rows per table (ids modulo this)")
     g.add_argument("--peers-only", default="",
-                   help="comma-separated subset of kvcoll,tfra,torchrec,torchrec-exact")
+                   help="comma-separated subset of kvcoll,tfra,torchrec,torchrec-exact; "
+                        "kvcoll-nopipe (kvcoll with --pipeline off) runs only when named")
     g.add_argument("--peers-wait", type=float, default=90,
                    help="seconds to wait at most for a quiet machine before each run")
     g.add_argument("--peers-retries", type=int, default=1,
@@ -203,6 +205,9 @@ def command(impl: str, world: int, threads: int, flags: list[str]) -> tuple[list
     flags = [*flags, "--threads", str(threads)]
     mpirun = [os.path.join(os.path.dirname(sys.executable), "mpirun"), "--oversubscribe",
               "--bind-to", "none", "-np", str(world)]
+    if impl == "kvcoll-nopipe":
+        env["KVCOLL_PIPELINE"] = "off"
+        impl = "kvcoll"
     if impl == "kvcoll":
         return [*mpirun, sys.executable, "-m", "bench.peers.kvcoll_worker", *flags], env
     if impl == "tfra":
@@ -295,7 +300,10 @@ def plan(only: list[str]) -> list[tuple[str, int, int]]:
     runs = [(impl, world, 2 // world) for world in (1, 2)
             for impl in ("kvcoll", "tfra", "torchrec")]
     runs.append(("torchrec-exact", 1, 2))
-    return [r for r in runs if not only or r[0] in only]
+    # opt-in (--peers-only ...,kvcoll-nopipe): kvcoll's unpipelined steps, the pipeline's
+    # baseline in the same rounds
+    runs += [("kvcoll-nopipe", world, 2 // world) for world in (1, 2)]
+    return [r for r in runs if (not only and r[0] != "kvcoll-nopipe") or r[0] in only]
 
 
 def run(args) -> None:
@@ -576,12 +584,13 @@ def floor_lines(summary: list[dict]) -> list[str]:
              "TensorFlow step), wall and CPU time. The floor is the larger of the dense "
              "step alone and (dense + sparse CPU) / cores: a pipeline hides waiting, not "
              "CPU work. (CPU includes MPI's polling while a rank waits for its peers.)", "",
-             "| ranks x threads | step (fit) ms | dense alone ms (CPU ms) | sparse alone ms "
-             "(CPU ms) | floor ms | step / floor |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "| framework | ranks x threads | step (fit) ms | dense alone ms (CPU ms) | "
+             "sparse alone ms (CPU ms) | floor ms | step / floor |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for s in rows:
         f = s["floor"]
-        lines.append(f"| {s['ranks']} x {s['threads_per_rank']} | {f['step_ms']:.1f} | "
+        lines.append(f"| {LABELS[s['framework']]} | {s['ranks']} x {s['threads_per_rank']} | "
+                     f"{f['step_ms']:.1f} | "
                      f"{f['dense_ms']:.1f} ({f['dense_cpu_ms']:.1f}) | {f['sparse_ms']:.1f} "
                      f"({f['sparse_cpu_ms']:.1f}) | {f['floor_ms']:.1f} | "
                      f"{f['step_over_floor']:.2f} |")
@@ -594,7 +603,7 @@ def chart(summary: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    impls = [i for i in ("kvcoll", "tfra", "torchrec", "torchrec-exact")
+    impls = [i for i in ("kvcoll", "kvcoll-nopipe", "tfra", "torchrec", "torchrec-exact")
              if any(s["framework"] == i for s in summary)]
     fig, ax = plt.subplots(figsize=(7.5, 4), dpi=110)
     width = 0.38
