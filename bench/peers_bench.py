@@ -63,7 +63,8 @@ BUILD_ENV = {"HOROVOD_WITH_TENSORFLOW": "1", "HOROVOD_WITH_MPI": "1",
              "HOROVOD_WITHOUT_GLOO": "1", "TF_USE_LEGACY_KERAS": "1"}
 DISTURBED = 0.5      # CPUs used by other processes during a run that make it run again
 LABELS = {"kvcoll": "kvcoll", "kvcoll-rowwise": "kvcoll, row-wise Adagrad", "tfra": "TFRA",
-          "torchrec": "TorchRec", "torchrec-exact": "TorchRec, no collisions"}
+          "torchrec": "TorchRec", "torchrec-exact": "TorchRec, no collisions",
+          "kvcoll-nopipe": "kvcoll, pipeline off"}
 
 
 def add_arguments(p) -> None:
@@ -77,7 +78,8 @@ def add_arguments(p) -> None:
                    help="TorchRec's rows per table (ids modulo this)")
     g.add_argument("--peers-only", default="",
                    help="comma-separated subset of kvcoll,kvcoll-rowwise,tfra,torchrec,"
-                        "torchrec-exact")
+                        "torchrec-exact; kvcoll-nopipe (kvcoll with --pipeline off) runs "
+                        "only when named")
     g.add_argument("--peers-wait", type=float, default=90,
                    help="seconds to wait at most for a quiet machine before each run")
     g.add_argument("--peers-retries", type=int, default=1,
@@ -208,6 +210,9 @@ def command(impl: str, world: int, threads: int, flags: list[str]) -> tuple[list
     flags = [*flags, "--threads", str(threads)]
     mpirun = [os.path.join(os.path.dirname(sys.executable), "mpirun"), "--oversubscribe",
               "--bind-to", "none", "-np", str(world)]
+    if impl == "kvcoll-nopipe":
+        env["KVCOLL_PIPELINE"] = "off"
+        impl = "kvcoll"
     if impl in ("kvcoll", "kvcoll-rowwise"):
         if impl == "kvcoll-rowwise":
             flags = [*flags, "--row-optimizer", "rowwise"]
@@ -302,7 +307,10 @@ def plan(only: list[str]) -> list[tuple[str, int, int]]:
     runs = [(impl, world, 2 // world) for world in (1, 2)
             for impl in ("kvcoll", "kvcoll-rowwise", "tfra", "torchrec")]
     runs.append(("torchrec-exact", 1, 2))
-    return [r for r in runs if not only or r[0] in only]
+    # opt-in (--peers-only ...,kvcoll-nopipe): kvcoll's unpipelined steps, the pipeline's
+    # baseline in the same rounds
+    runs += [("kvcoll-nopipe", world, 2 // world) for world in (1, 2)]
+    return [r for r in runs if (not only and r[0] != "kvcoll-nopipe") or r[0] in only]
 
 
 def run(args) -> None:
@@ -406,7 +414,7 @@ def _summarise(ranks: list[dict], labels: np.ndarray, steps: int, batch: int) ->
            "peak_rss_mb": [round(r["peak_rss_bytes"] / 2**20) for r in ranks],
            "peak_rss_mb_max": max(r["peak_rss_bytes"] for r in ranks) / 2**20,
            "rows": sum(r["rows"] for r in ranks), "config": ranks[0]["config"]}
-    for key in ("rows_touched", "distinct_ids", "table_rows", "row_bytes"):
+    for key in ("rows_touched", "distinct_ids", "table_rows", "row_bytes", "floor"):
         if key in ranks[0]:
             out[key] = ranks[0][key]
     return out
@@ -444,6 +452,10 @@ def summarise(records: list[dict]) -> list[dict]:
                      if r["others_busy_cores_during"] <= DISTURBED]
             s.update(quiet_runs=len(quiet),
                      quiet_samples_per_sec=statistics.median(quiet) if quiet else None)
+            floors = [r["floor"] for r in ok if "floor" in r]
+            if floors:   # kvcoll's: the step's floor, each run's own (issue #32)
+                s["floor"] = {k: statistics.median(f[k] for f in floors)
+                              for k in floors[0] if isinstance(floors[0][k], (int, float))}
         out.append(s)
     return out
 
@@ -533,6 +545,7 @@ def markdown(summary, manifest, records, machine) -> str:
             f"--peers-retries times; the last attempt counts): {again} were. Per run: "
             f"`others_busy_cores`, `others_busy_cores_during` and `loadavg_before` in "
             f"peers.json.")
+    lines += floor_lines(summary)
     lines += ["", "## How each framework is set up", ""]
     for s in summary:
         if not s.get("runs"):
@@ -590,13 +603,41 @@ def _rowwise_lines(summary: list[dict]) -> list[str]:
     return lines
 
 
+def floor_lines(summary: list[dict]) -> list[str]:
+    """kvcoll's step beside its floor, measured in the same runs (medians over runs)."""
+    rows = [s for s in summary if s.get("floor")]
+    if not rows:
+        return []
+    lines = ["", "## kvcoll's step and its floor", "",
+             "Each kvcoll run, after its timed fit and its evaluation, measures on 30 batches "
+             "of the timed range: the dense step alone (forward, backward, the rows' "
+             "gradient, the dense optimizer, on ready-made rows; every rank at once, no "
+             "communication while timed) and the sparse side alone (the batch read and "
+             "prepared, the pull and the push of its rows with a zero gradient; no "
+             "TensorFlow step), wall and CPU time. The floor is the larger of the dense "
+             "step alone and (dense + sparse CPU) / cores: a pipeline hides waiting, not "
+             "CPU work. (CPU includes MPI's polling while a rank waits for its peers.)", "",
+             "| framework | ranks x threads | step (fit) ms | dense alone ms (CPU ms) | "
+             "sparse alone ms (CPU ms) | floor ms | step / floor |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for s in rows:
+        f = s["floor"]
+        lines.append(f"| {LABELS[s['framework']]} | {s['ranks']} x {s['threads_per_rank']} | "
+                     f"{f['step_ms']:.1f} | "
+                     f"{f['dense_ms']:.1f} ({f['dense_cpu_ms']:.1f}) | {f['sparse_ms']:.1f} "
+                     f"({f['sparse_cpu_ms']:.1f}) | {f['floor_ms']:.1f} | "
+                     f"{f['step_over_floor']:.2f} |")
+    return lines
+
+
 def chart(summary: list[dict], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    impls = [i for i in ("kvcoll", "kvcoll-rowwise", "tfra", "torchrec", "torchrec-exact")
+    impls = [i for i in ("kvcoll", "kvcoll-rowwise", "kvcoll-nopipe", "tfra", "torchrec",
+                         "torchrec-exact")
              if any(s["framework"] == i for s in summary)]
     fig, ax = plt.subplots(figsize=(7.5, 4), dpi=110)
     width = 0.38

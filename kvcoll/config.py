@@ -105,6 +105,11 @@ class Config:
         host's cores (its CPU affinity / the ranks on the host) less TensorFlow's
         intra-op threads (all of that share unless set lower), at least 1; see
         kvcoll.exchange.kernels.default_threads.
+    pipeline: "on" or "off": BSP steps pipelined (the next batch read, prepared, routed
+        and its ids exchanged by a helper thread while a step computes; the results are
+        the unpipelined loop's). See docs/performance.md.
+    xla: "on" or "off": compile the dense step with XLA (jit_compile), the rows padded
+        to a few bucket sizes so it does not recompile. See docs/performance.md.
     """
 
     step_mode: str = "bsp"
@@ -114,6 +119,8 @@ class Config:
     startup_timeout: float = 600.0
     id_hash: str = "auto"
     threads: int = 0
+    pipeline: str = "on"
+    xla: str = "off"
 
     def __post_init__(self):
         if self.step_mode not in STEP_MODES:
@@ -129,6 +136,10 @@ class Config:
             raise InvalidArgumentError(
                 f"threads must be an integer >= 0 (0: the cores TensorFlow leaves free), "
                 f"got {self.threads!r}")
+        for name in ("pipeline", "xla"):
+            if getattr(self, name) not in ("on", "off"):
+                raise InvalidArgumentError(
+                    f"{name} must be 'on' or 'off', got {getattr(self, name)!r}")
         for name in ("comm_timeout", "io_timeout", "startup_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:

@@ -177,13 +177,20 @@ class Pull(Mapping):
 
 class IdsInFlight:
     """A pull whose ids are on their way (BspExchange.send_ids): the first half of a pull,
-    which the prefetch stage runs ahead; BspExchange.fetch completes it."""
+    which the prefetch stage runs ahead; BspExchange.receive_ids waits for the ids (and
+    settles the vote), BspExchange.fetch serves them.
 
-    __slots__ = ("step", "create", "agreement", "given", "plan", "handle")
+    proceeds: None until the vote is settled; then whether the step happens. received:
+    (the ids this rank serves, their counts) once they are in."""
+
+    __slots__ = ("step", "create", "agreement", "given", "plan", "handle", "proceeds",
+                 "received")
 
     def __init__(self, step, create, agreement, given, plan, handle):
         self.step, self.create, self.agreement = step, create, agreement
         self.given, self.plan, self.handle = given, plan, handle
+        self.proceeds = None
+        self.received = None
 
 
 class BspExchange:
@@ -230,11 +237,15 @@ class BspExchange:
         return self.fetch(self.send_ids(ids, agreement, create=False))
 
     def send_ids(self, ids: dict[str, np.ndarray], agreement: Agreement | None = None,
-                 create: bool = True) -> IdsInFlight:
+                 create: bool = True, *, step: int | None = None,
+                 comm: Comm | None = None) -> IdsInFlight:
         """The first half of a pull: plan it (unique + partition, one C call) and post
         the id all-to-all, whose counts phase carries the agreement's vote. Nothing is
         served: a step's lookups must wait until the previous step's update is applied
-        (fetch). The prefetch stage runs this for the next step while this one computes."""
+        (fetch). The prefetch stage runs this for the next step while this one computes,
+        in a thread of its own: `step` is then the step it is for (default: the next
+        one) and `comm` a communicator of that thread's (a dup of this one's, so its
+        collectives never interleave with the step's own; default this one's)."""
         if set(ids) != set(self._names):
             unknown = sorted(set(ids) - set(self._names))
             missing = sorted(set(self._names) - set(ids))
@@ -242,26 +253,42 @@ class BspExchange:
                                        f"{unknown}, missing {missing}")
         given = [np.ascontiguousarray(ids[n], np.int64) for n in self._names]
         plan = self._set.plan(given, self.owners)
-        step = self.step + 1 if create else self.step
-        self.comm.step = step  # named by a timeout error of this step's collectives
-        handle = self.comm.alltoallv(plan[0], plan[1], op="pull:ids",
-                                     header=None if agreement is None else agreement.header())
+        if step is None:
+            step = self.step + 1 if create else self.step
+        comm = self.comm if comm is None else comm
+        comm.step = step  # named by a timeout error of this step's collectives
+        handle = comm.alltoallv(plan[0], plan[1], op="pull:ids",
+                                header=None if agreement is None else agreement.header())
         return IdsInFlight(step, create, agreement, given, plan, handle)
+
+    def receive_ids(self, pending: IdsInFlight) -> bool:
+        """Complete the id all-to-all of `pending` (any thread; nothing is served): settle
+        the agreement and, when the step proceeds, wait for the ids this rank serves.
+        Returns whether the step proceeds (every rank decides the same). A prefetched
+        element that is dropped is drained with it, on every rank alike."""
+        if pending.proceeds is None:
+            agreement = pending.agreement
+            pending.proceeds = agreement is None or \
+                agreement.settle(pending.handle.headers()).proceeds
+        if pending.proceeds and pending.received is None:
+            pending.received = pending.handle.wait()
+        return pending.proceeds
 
     def fetch(self, pending: IdsInFlight) -> Pull | None:
         """The second half of a pull: settle the agreement; when the step proceeds, the
         owners serve the ids and the rows come back (and a training pull's step
         becomes this rank's step)."""
-        agreement = pending.agreement
-        if agreement is not None and not agreement.settle(pending.handle.headers()).proceeds:
+        if not self.receive_ids(pending):
             return None  # every rank decides the same: nobody posts the payload
-        recv_ids, recv_counts = pending.handle.wait()
+        recv_ids, recv_counts = pending.received
+        pending.received = None
         dims = self._dims
         reply = aligned_empty(int((recv_counts * dims).sum()), np.float32)
         t0 = time.perf_counter()
         served = self._set.serve(recv_ids, recv_counts, pending.step, pending.create, reply)
         self.table_seconds += time.perf_counter() - t0
         counts = pending.plan[1]
+        self.comm.step = pending.step
         got, _ = self.comm.alltoallv(reply, (recv_counts * dims).sum(axis=1), op="pull:rows",
                                      recv_counts=(counts * dims).sum(axis=1)).wait()
         out = Pull(self._set, self._names, [a.size for a in pending.given], got, pending.plan)
