@@ -98,6 +98,9 @@ class Config:
         checkpoint's own hash when it is restored before any string id is hashed. A
         checkpoint whose hash differs from a fixed one (set here, or already used) is
         refused.
+    elastic_min_np: 0 (default): a lost rank ends the job. N >= 1: the run is elastic
+        (kvcoll.elastic; the elastic launcher, `kvcollrun --elastic --min-np N`, sets it):
+        the survivors of a lost rank continue in memory while at least N ranks are left.
     """
 
     step_mode: str = "bsp"
@@ -106,6 +109,7 @@ class Config:
     io_timeout: float = 1800.0
     startup_timeout: float = 600.0
     id_hash: str = "auto"
+    elastic_min_np: int = 0
 
     def __post_init__(self):
         if self.step_mode not in STEP_MODES:
@@ -116,6 +120,10 @@ class Config:
         if self.id_hash not in ID_HASH_SETTINGS:
             raise InvalidArgumentError(
                 f"id_hash {self.id_hash!r} is unknown; use one of {', '.join(ID_HASH_SETTINGS)}")
+        if isinstance(self.elastic_min_np, bool) or not isinstance(self.elastic_min_np, int) \
+                or self.elastic_min_np < 0:
+            raise InvalidArgumentError(
+                f"elastic_min_np must be an integer >= 0, got {self.elastic_min_np!r}")
         for name in ("comm_timeout", "io_timeout", "startup_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:

@@ -1,0 +1,237 @@
+"""A training job for the elastic tests, without TensorFlow (it starts in a fraction of a
+second): kvcoll's step loop (kvcoll.step.Loop) over two tables and a small dense vector
+(a linear model on the rows, computed in numpy), checkpoints through
+kvcoll.checkpoint.Checkpointer.
+
+The global batch of step t depends on --seed and t alone; each rank takes its even part
+of it for the world it is in when it reads it (kv.rank(), kv.size()), so after a lost
+rank the survivors continue on the same global batches, each a larger part.
+
+    kvcollrun --elastic --min-np 2 -np 3 python elastic_job.py --steps 60 --ckpt D \\
+        --full-every 20 --incremental-every 5 --losses L.json
+
+Prints "step S loss L" on rank 0 every step (and "rank R step S" every --log-every steps
+on every rank), "rank R done" at the end. Test hooks: --save-at S --save-dir D saves a
+full checkpoint at step S;
+--kill-rank R --kill-at S: rank R kills itself (SIGKILL) after step S.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import kvcoll as kv
+from kvcoll import runtime
+from kvcoll.checkpoint import Checkpointer, latest
+from kvcoll.data import even_split
+from kvcoll.exchange import make_exchange
+from kvcoll.step import Grads, Loop
+
+DIMS = {"user": 8, "item": 4}
+VOCAB = {"user": 50_000, "item": 20_000}
+LR = 0.05
+
+
+class Batch:
+    def __init__(self, ids, y):
+        self.ids, self.y, self.n = ids, y, len(y)
+
+
+class Linear:
+    """p = sigmoid(sum over tables of row(id) . w_table): the compute of kvcoll.step."""
+
+    dense_slots = 0
+
+    def __init__(self):
+        self.w = np.full(sum(DIMS.values()), 0.1, np.float32)
+        self.n_dense = self.w.size
+        self._state = np.zeros(2, np.float32)
+
+    def prepare(self, element, x_only=False):
+        ids, y = element
+        return Batch({n: np.asarray(ids[n], np.int64) for n in DIMS}, np.asarray(y, np.float32))
+
+    def ids(self, batch):
+        return {n: batch.ids[n] if batch is not None else np.zeros(0, np.int64) for n in DIMS}
+
+    def _parts(self, pull):
+        out, at = [], 0
+        for n, d in DIMS.items():
+            out.append((n, pull.rows[f"dim{d}"], pull.pos[n], self.w[at:at + d], at))
+            at += d
+        return out
+
+    def _logit(self, batch, pull):
+        return sum(rows[pos] @ w for _, rows, pos, w, _ in self._parts(pull))
+
+    def train(self, batch, pull, weight):
+        p = 1 / (1 + np.exp(-self._logit(batch, pull)))
+        y = batch.y
+        eps = 1e-7
+        loss = float(-np.mean(y * np.log(p + eps) + (1 - y) * np.log(1 - p + eps)))
+        d = ((p - y) / batch.n * weight).astype(np.float32)
+        dense = np.zeros_like(self.w)
+        grads = {g: np.zeros_like(m) for g, m in pull.rows.items()}
+        for n, rows, pos, w, at in self._parts(pull):
+            dense[at:at + w.size] = (rows[pos] * d[:, None]).sum(0)
+            np.add.at(grads[f"dim{DIMS[n]}"], pos, d[:, None] * w[None])
+        state = self._state + np.array([loss * batch.n, batch.n], np.float32)
+        return Grads(loss * weight, dense, grads, state)
+
+    def zero_grads(self, pull):
+        return Grads(0.0, np.zeros_like(self.w),
+                     {g: np.zeros_like(m) for g, m in pull.rows.items()}, self._state)
+
+    def state(self):
+        return self._state
+
+    def set_state(self, state):
+        self._state = np.asarray(state, np.float32)
+
+    def apply(self, dense_sum, state, step):
+        if dense_sum is not None:
+            self.w = (self.w - LR * dense_sum).astype(np.float32)
+        return {"loss": float(state[0] / max(state[1], 1))}
+
+    def logs(self, state):
+        return {"loss": float(state[0] / max(state[1], 1))}
+
+    def rates(self, step):
+        return None, None
+
+    def dense_values(self):
+        return self.w.copy(), None, 0
+
+    def set_dense_values(self, flat, state=None, updates=None):
+        self.w = np.asarray(flat, np.float32).copy()
+
+    def explain(self, batch):
+        return None
+
+
+class Dense:
+    """The checkpoint's dense part: the compute's w (what kv.save's DenseState is)."""
+
+    NAME = "dense.npy"
+
+    def __init__(self, compute):
+        self.c = compute
+
+    def write(self, directory):
+        with open(os.path.join(directory, self.NAME), "wb") as f:
+            np.save(f, self.c.w)
+        return [self.NAME]
+
+    def check(self, directory):
+        w = np.load(os.path.join(directory, self.NAME))
+        if w.shape != self.c.w.shape:
+            raise ValueError(f"dense shape {w.shape}, the model has {self.c.w.shape}")
+
+    def read(self, directory):
+        self.c.w = np.load(os.path.join(directory, self.NAME)).astype(np.float32)
+
+    def snapshot(self):
+        return self.c.w.copy()
+
+    def rollback(self, values):
+        self.c.w = values
+
+
+def global_batch(seed: int, step: int, size: int):
+    """Global batch `step`: ids (Zipf-like) and labels from a planted rule."""
+    rng = np.random.default_rng([seed, step])
+    ids = {n: (rng.zipf(1.3, size) % v).astype(np.int64) for n, v in VOCAB.items()}
+    y = ((ids["user"] % 7 + ids["item"] % 3) % 2).astype(np.float32)
+    return ids, y
+
+
+def batches(loop, args):
+    """Rank kv.rank()'s part of global batch loop.step + 1, for the world it is in now."""
+    while True:
+        ids, y = global_batch(args.seed, loop.step + 1, args.batch_size)
+        lo, hi = even_split(args.batch_size, kv.rank(), kv.size())
+        yield {n: a[lo:hi] for n, a in ids.items()}, y[lo:hi]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ckpt", help="checkpoint directory")
+    p.add_argument("--full-every", type=int, default=0)
+    p.add_argument("--incremental-every", type=int, default=0)
+    p.add_argument("--restore", action="store_true", help="continue from --ckpt's latest")
+    p.add_argument("--restore-from", help="restore this directory's latest at the start")
+    p.add_argument("--step-ms", type=float, default=0.0)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--losses", help="rank 0 writes {step: loss} here at the end")
+    p.add_argument("--events", help="rank 0 writes kvcoll.elastic.events() here at the end")
+    p.add_argument("--dump", help="after a recovery, save the recovered state here")
+    p.add_argument("--save-at", type=int, default=0)
+    p.add_argument("--save-dir")
+    p.add_argument("--kill-rank", type=int, default=-1)
+    p.add_argument("--kill-at", type=int, default=0)
+    args, _ = p.parse_known_args(argv)
+
+    cfg = kv.init()
+    comm = runtime.comm()
+    tables = {n: kv.KvTable(d, name=n, initializer=("normal", 0.0, 0.05), seed=3,
+                            optimizer=kv.optimizers.Adagrad(0.1)) for n, d in DIMS.items()}
+    compute = Linear()
+    loop = Loop(make_exchange(comm, tables, cfg.mode), compute)
+    ck = Checkpointer(tables, comm, dense=Dense(compute), owners=loop.ex.owners)
+    source = args.restore_from or (args.ckpt if args.restore else None)
+    if source and latest(source):
+        info = ck.restore(source)
+        loop.set_step(info.step)
+        if comm.rank == 0:
+            print(f"restored {info.name} at step {info.step} on {comm.size} rank(s)",
+                  flush=True)
+    dumped = {"full": False}
+
+    def run(fn):
+        return fn()
+
+    it = batches(loop, args)
+    losses = {}
+    while loop.step < args.steps:
+        out = run(lambda: loop.train_next(it))
+        step = loop.step
+        losses[step] = out.loss
+        if kv.rank() == 0:
+            print(f"step {step} loss {out.loss:.9g}", flush=True)
+        if step % args.log_every == 0:
+            print(f"rank {kv.rank()} step {step}", flush=True)
+        if args.ckpt:
+            full = args.full_every and step % args.full_every == 0
+            delta = args.incremental_every and step % args.incremental_every == 0
+            if full or delta:
+                inc = bool(delta and not full and not dumped["full"])
+                run(lambda inc=inc: ck.save(args.ckpt, loop.step, incremental=inc))
+                dumped["full"] = False
+        if args.save_at and step == args.save_at:
+            Checkpointer(tables, loop.comm, dense=Dense(compute),
+                         owners=loop.ex.owners).save(args.save_dir, step)
+        if kv.rank() == args.kill_rank and step == args.kill_at and \
+                loop.comm.size == int(os.environ.get("OMPI_COMM_WORLD_SIZE", loop.comm.size)):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if args.step_ms:
+            time.sleep(args.step_ms / 1e3)
+    if kv.rank() == 0 and args.losses:
+        with open(args.losses, "w") as f:
+            json.dump(losses, f)
+    print(f"rank {kv.rank()} done", flush=True)
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
