@@ -258,8 +258,13 @@ class BspExchange:
         served = self._set.serve(recv_ids, recv_counts, pending.step, pending.create, reply)
         self.table_seconds += time.perf_counter() - t0
         counts = pending.plan[1]
-        got, _ = self.comm.alltoallv(reply, (recv_counts * dims).sum(axis=1), op="pull:rows",
-                                     recv_counts=(counts * dims).sum(axis=1)).wait()
+        try:
+            got, _ = self.comm.alltoallv(reply, (recv_counts * dims).sum(axis=1),
+                                         op="pull:rows",
+                                         recv_counts=(counts * dims).sum(axis=1)).wait()
+        except BaseException:       # (a lost peer) the rows this step created go again
+            self._set.forget_new(served, pending.step)
+            raise
         out = Pull(self._set, self._names, [a.size for a in pending.given], got, pending.plan)
         out.step, out.served = pending.step, served
         if pending.create:
@@ -369,6 +374,9 @@ class Pushed:
             raise AssertionError("commit() of a step that failed on ranks "
                                  f"{self.agreement.outcome_failed}: abandon it")
         got, _ = self._rows.wait()
+        gate = getattr(self._ex.comm, "gate", None)
+        if gate is not None:        # elastic: every survivor commits this step, or none
+            gate()
         state, self._pull.served = self._pull.served, None
         ex = self._ex
         t0 = time.perf_counter()
@@ -378,7 +386,10 @@ class Pushed:
         ex.table_seconds += time.perf_counter() - t0
 
     def _abandon(self) -> None:
-        """Complete the exchanges, apply nothing (BspExchange.abandon)."""
-        self._wait_reduce()
-        self._rows.wait()
-        self._ex.abandon(self._pull)
+        """Complete the exchanges, apply nothing (BspExchange.abandon); the rows the pull
+        created go even when a wait fails (a lost peer)."""
+        try:
+            self._wait_reduce()
+            self._rows.wait()
+        finally:
+            self._ex.abandon(self._pull)

@@ -1,7 +1,8 @@
 """A training job for the elastic tests, without TensorFlow (it starts in a fraction of a
 second): kvcoll's step loop (kvcoll.step.Loop) over two tables and a small dense vector
 (a linear model on the rows, computed in numpy), checkpoints through
-kvcoll.checkpoint.Checkpointer.
+kvcoll.checkpoint.Checkpointer, and, under the elastic launcher, every step and save in
+a kvcoll.elastic.Session, as kv.Model's fit runs them.
 
 The global batch of step t depends on --seed and t alone; each rank takes its even part
 of it for the world it is in when it reads it (kv.rank(), kv.size()), so after a lost
@@ -11,8 +12,9 @@ rank the survivors continue on the same global batches, each a larger part.
         --full-every 20 --incremental-every 5 --losses L.json
 
 Prints "step S loss L" on rank 0 every step (and "rank R step S" every --log-every steps
-on every rank), "rank R done" at the end. Test hooks: --save-at S --save-dir D saves a
-full checkpoint at step S;
+on every rank), "rank R done" at the end. Test hooks: --dump DIR writes the recovered
+state as a full checkpoint right after a recovery (a Checkpointer of its own; the run's
+next save is then full); --save-at S --save-dir D saves a full checkpoint at step S;
 --kill-rank R --kill-at S: rank R kills itself (SIGKILL) after step S.
 """
 
@@ -28,7 +30,7 @@ import time
 import numpy as np
 
 import kvcoll as kv
-from kvcoll import runtime
+from kvcoll import elastic, runtime
 from kvcoll.checkpoint import Checkpointer, latest
 from kvcoll.data import even_split
 from kvcoll.exchange import make_exchange
@@ -160,6 +162,23 @@ def batches(loop, args):
         yield {n: a[lo:hi] for n, a in ids.items()}, y[lo:hi]
 
 
+def die_in_wait(k: int) -> None:
+    """From now on, this process kills itself (SIGKILL) in its k-th wait (0-based) of a
+    collective or of the elastic vote, with its own part already posted."""
+    from kvcoll.comm import Comm
+    count = {"n": 0}
+
+    def counted(method):
+        def run(self, *a, **kw):
+            if count["n"] == k:
+                os.kill(os.getpid(), signal.SIGKILL)
+            count["n"] += 1
+            return method(self, *a, **kw)
+        return run
+    Comm.wait = counted(Comm.wait)
+    Comm.consensus = counted(Comm.consensus)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=60)
@@ -175,10 +194,13 @@ def main(argv=None) -> int:
     p.add_argument("--losses", help="rank 0 writes {step: loss} here at the end")
     p.add_argument("--events", help="rank 0 writes kvcoll.elastic.events() here at the end")
     p.add_argument("--dump", help="after a recovery, save the recovered state here")
-    p.add_argument("--save-at", type=int, default=0)
+    p.add_argument("--save-at", default="", help="steps (comma-separated)")
     p.add_argument("--save-dir")
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--kill-at", type=int, default=0)
+    p.add_argument("--kill-wait", type=int, default=-1,
+                   help="with --kill-rank/--kill-at: die in the k-th wait of the next step "
+                        "(a collective's wait or the elastic vote), its part posted")
     args, _ = p.parse_known_args(argv)
 
     cfg = kv.init()
@@ -197,8 +219,19 @@ def main(argv=None) -> int:
                   flush=True)
     dumped = {"full": False}
 
+    class Hooks:
+        def on_world_change(self, old, new):
+            print(f"world change {old} -> {new} at step {loop.step}", flush=True)
+            if args.dump:
+                c = Checkpointer(tables, loop.comm, dense=Dense(compute), owners=loop.ex.owners)
+                c.save(args.dump, loop.step)
+                dumped["full"] = True     # the dump cleared the dirty bits
+
+    session = elastic.Session(loop, checkpointer=ck, directory=args.ckpt,
+                              callbacks=lambda: [Hooks()]) if elastic.enabled() else None
+
     def run(fn):
-        return fn()
+        return session.run(fn) if session is not None else fn()
 
     it = batches(loop, args)
     losses = {}
@@ -217,17 +250,23 @@ def main(argv=None) -> int:
                 inc = bool(delta and not full and not dumped["full"])
                 run(lambda inc=inc: ck.save(args.ckpt, loop.step, incremental=inc))
                 dumped["full"] = False
-        if args.save_at and step == args.save_at:
+        if str(step) in args.save_at.split(","):
             Checkpointer(tables, loop.comm, dense=Dense(compute),
-                         owners=loop.ex.owners).save(args.save_dir, step)
+                         owners=loop.ex.owners).save(os.path.join(args.save_dir, str(step)),
+                                                     step)
         if kv.rank() == args.kill_rank and step == args.kill_at and \
                 loop.comm.size == int(os.environ.get("OMPI_COMM_WORLD_SIZE", loop.comm.size)):
-            os.kill(os.getpid(), signal.SIGKILL)
+            if args.kill_wait < 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+            die_in_wait(args.kill_wait)
         if args.step_ms:
             time.sleep(args.step_ms / 1e3)
     if kv.rank() == 0 and args.losses:
         with open(args.losses, "w") as f:
             json.dump(losses, f)
+    if kv.rank() == 0 and args.events:
+        with open(args.events, "w") as f:
+            json.dump(elastic.events(), f)
     print(f"rank {kv.rank()} done", flush=True)
     sys.stdout.flush()
     return 0
