@@ -59,7 +59,8 @@ from .checkpoint import latest
 from .comm import announce
 from .errors import CommError, PeerLostError
 
-__all__ = ["EXIT_BELOW_MIN_NP", "EXIT_FENCED", "Session", "enabled", "events"]
+__all__ = ["EXIT_BELOW_MIN_NP", "EXIT_FENCED", "Session", "enabled", "events",
+           "replan_source"]
 
 EXIT_BELOW_MIN_NP = 3   # the survivors saved and stopped: fewer than --min-np ranks left
 EXIT_FENCED = 4         # this rank was outside the survivors' majority
@@ -97,7 +98,8 @@ class Session:
     min_np: the fewest ranks to continue on (default: the run's --min-np).
     checkpointer: the kvcoll.checkpoint.Checkpointer whose chain refills the lost
     buckets and which saves below --min-np (settable later; None: no refill).
-    directory: where to save below --min-np if the checkpointer never saved.
+    directory: where to save below --min-np if the checkpointer never saved (or a
+    function returning it).
     on_comm(comm, owners): called with the survivors' communicator and owner map (the
     loop, the checkpointer and kv.rank() are taken care of here).
     callbacks(): the objects whose on_world_change(old_size, new_size) to call.
@@ -278,7 +280,8 @@ class Session:
                   f"than --min-np {self.min_np}")
         saved, err = None, None
         ck = self._checkpointer()
-        directory = (ck.chain_dir if ck is not None else None) or self.directory
+        directory = (ck.chain_dir if ck is not None else None) or \
+            (self.directory() if callable(self.directory) else self.directory)
         if ck is not None and directory:
             try:
                 with new.deadline("io"):
@@ -326,6 +329,28 @@ class Session:
             hook = getattr(cb, "on_world_change", None)
             if hook is not None:
                 hook(old.size, new.size)
+
+
+def replan_source(data, rank: int, world: int, consumed: int) -> bool:
+    """A kvcoll data source of global batches (the position protocol, split "global":
+    SyntheticCTR's batches, the readers with split="global"), or a one-pass wrapper of
+    one (its fit_batches()): make it continue on rank `rank` of `world`, right after
+    the first `consumed` batches of the current pass (the steps applied), so the global
+    batches go on where they were, each rank taking its new part. Returns whether it
+    did (False for any other data: it goes on as it is)."""
+    source = data if hasattr(data, "position_at") else getattr(data, "_kvcoll_source", None)
+    if getattr(source, "split", None) != "global" or not all(
+            hasattr(source, a) for a in ("position_at", "resume", "rank", "world")):
+        return False
+    position = source.position_at(consumed)
+    source.rank, source.world = rank, world
+    source.resume(dict(position, rank=rank, world=world))
+    if source is not data and hasattr(data, "_it"):   # the wrapper's pass: a new one
+        close = getattr(data._it, "close", None)
+        if close is not None:
+            close()
+        data._it = iter(source)
+    return True
 
 
 def _who(lost: list) -> str:

@@ -23,7 +23,7 @@ from ..errors import InvalidArgumentError
 from ._compat import keras
 from .engine import engine_of
 
-__all__ = ["Checkpoint", "Export", "Evict", "TableStats"]
+__all__ = ["Checkpoint", "Export", "Evict", "TableStats", "WorldChange"]
 
 
 def _positive(name, value):
@@ -61,6 +61,7 @@ class Checkpoint(keras.callbacks.Callback):
         return engine_of(self.model)
 
     def on_train_begin(self, logs=None):
+        self._engine().checkpoint_dir = self.directory   # (elastic: saves below --min-np)
         if not self.restore:
             return
         eng = self._engine()
@@ -119,6 +120,26 @@ class Checkpoint(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         if self.save_at_end:  # a delta when saving incrementally (it names its parent)
             self._save("delta" if self.incremental_every else "full")
+
+
+class WorldChange(keras.callbacks.Callback):
+    """Calls on_change(old_size, new_size) when an elastic run's world changes (ranks
+    lost: kvcoll.elastic), after the survivors recovered and before the step that was
+    interrupted runs again, on every survivor: e.g. to rescale a learning rate to the
+    new number of ranks (Horovod elastic's reset callbacks).
+
+        kv.callbacks.WorldChange(lambda old, new: print(f"{old} -> {new} ranks"))
+
+    Any callback of fit with a method on_world_change(old_size, new_size) is called the
+    same way; subclass this one to write one."""
+
+    def __init__(self, on_change=None):
+        super().__init__()
+        self._on_change = on_change
+
+    def on_world_change(self, old_size, new_size):
+        if self._on_change is not None:
+            self._on_change(old_size, new_size)
 
 
 class Export(keras.callbacks.Callback):

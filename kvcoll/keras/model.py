@@ -212,6 +212,7 @@ class _Kvcoll:
         run.epoch_steps = known
         callbacks = _rank_callbacks(eng, callbacks)
         callbacks.append(_EpochHooks())
+        eng.fit_callbacks = callbacks   # (kvcoll.elastic calls their on_world_change)
         verbose = _verbose(eng, verbose)
         preempt = _Preemption(self)
         with _joined_on_failure(eng, run, "train"), preempt, warnings.catch_warnings():
@@ -419,11 +420,18 @@ def _train_step(model, iterator):
     eng = engine_of(model)
     loop, compute = eng.loop, eng.compute
     compute.targets = run.targets["train"]
-    loop.stop_asked = bool(model.__dict__.get("_kv_stop_asked", False))
-    out = loop.train(element) if element is not None else loop.train_next(iterator)
-    while out is IDLE:             # every rank waits for data: keep the ranks in step
+    first = [element] if element is not None else []
+
+    def attempt():                 # (an elastic run repeats it on the survivors)
         loop.stop_asked = bool(model.__dict__.get("_kv_stop_asked", False))
-        out = loop.train_next(iterator)
+        if first:
+            return loop.train(first.pop())
+        source = run.source["train"]   # (a world change may have begun a new pass)
+        return loop.train_next(source.iterator() if source is not None else iterator)
+    step = attempt if eng.elastic is None else lambda: eng.elastic.run(attempt)
+    out = step()
+    while out is IDLE:             # every rank waits for data: keep the ranks in step
+        out = step()
     if out is None:                # every rank is out of data, or a stop was agreed
         run.ended["train"] = True
         if loop.stop_asked:
@@ -709,6 +717,16 @@ class _EpochHooks(keras.callbacks.Callback):
         eng = engine_of(self.model)
         if eng.loop is not None:
             eng.loop.new_pass()
+
+    def on_world_change(self, old_size, new_size):
+        """An elastic run lost ranks: a kvcoll data source of global batches continues on
+        this rank's new part, from the first batch not yet trained on."""
+        from ..elastic import replan_source
+        source = _run(self.model).source["train"]
+        eng = engine_of(self.model)
+        if source is not None and replan_source(source.data, eng.comm.rank, eng.comm.size,
+                                                eng.loop.consumed):
+            source.new_pass()
 
     def on_epoch_end(self, epoch, logs=None):
         model = self.model

@@ -34,6 +34,8 @@ def _checkpointer(eng: Engine) -> Checkpointer:
         ck = Checkpointer(eng.tables, eng.comm, dense=DenseState(eng.model, eng.optimizer),
                           owners=eng.loop.ex.owners)   # the exchange's owner map
         _checkpointers[eng] = ck
+        if eng.elastic is not None:   # its chain refills a lost rank's buckets
+            eng.elastic.checkpointer = ck
     return ck
 
 
@@ -52,8 +54,11 @@ def save(directory, model, *, incremental: bool = False) -> SaveInfo:
     latest), CommTimeoutError (a rank did not take part in time)."""
     eng = engine_for(model)
     eng.sync()
-    with eng.comm.deadline("io"):
-        return _checkpointer(eng).save(directory, eng.step, incremental=incremental)
+
+    def attempt():      # (an elastic run saves again on the survivors after a loss)
+        with eng.comm.deadline("io"):
+            return _checkpointer(eng).save(directory, eng.step, incremental=incremental)
+    return attempt() if eng.elastic is None else eng.elastic.run(attempt)
 
 
 def restore(directory, model, *, checkpoint: str | None = None,

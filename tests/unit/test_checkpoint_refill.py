@@ -130,7 +130,7 @@ def test_the_chain_goes_on_under_the_new_map(survivors):
         keys = read_shard(str(f))["keys"]
         assert keys.size and not (THREE.array[bucket_of(keys)] == 1).any(), f.name
     for world, owners in ((1, None), (2, None), (3, None), (2, TWO)):
-        def restore(comm):
+        def restore(comm, owners=owners):
             t = make_tables()
             Checkpointer(t, comm, owners=owners).restore(d)
             s = dump(t)
