@@ -176,10 +176,10 @@ class Session:
                                 [], "commit")
 
     def _stepped(self) -> None:
-        ev = self._pending
-        if ev is not None:
+        if self._pending is not None:
+            ev, t_loss = self._pending
             self._pending = None
-            ev["first_step_after_s"] = round(time.time() - ev.pop("_t0"), 3)
+            ev["first_step_after_s"] = round(time.time() - t_loss, 3)
 
     # -- recovery -----------------------------------------------------------------------
 
@@ -316,8 +316,7 @@ class Session:
               "reverted_to_step": reverted_to[0] if reverted_to else None,
               "checkpoint": reverted_to[1] if reverted_to else None}
         _EVENTS.append(ev)
-        ev["_t0"] = t_loss
-        self._pending = ev
+        self._pending = (ev, t_loss)
         if new.rank == 0:
             tail = (f"{rows:,} rows reverted to step {reverted_to[0]:,}" if reverted_to
                     else "its buckets restart from their initial values (no checkpoint yet)")

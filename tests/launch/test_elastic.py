@@ -13,6 +13,10 @@ checkpoints, BSP, without TensorFlow):
   recovered state (dumped by a test hook) to 1e-5, and the losses before it the
   uninterrupted run's exactly. The event has its timings; the progress line says what
   happened; detection and recovery take well under a second;
+- below --min-np (this host, 2 ranks, --min-np 2, one killed): the survivor saves what
+  it holds (a delta on the chain) and exits non-zero with the reason within seconds,
+  and kvcollrun does not relaunch; that checkpoint restores to the survivor's rows as
+  they were (bit for bit) and the lost rank's as the chain had them;
 - model.fit of a kv.Model (this host, 3 ranks, tests/launch/elastic_keras_job.py): a
   killed rank's survivors finish every step of SyntheticCTR's global batches (the
   data source continues on each survivor's new part, no batch skipped), the
@@ -265,3 +269,27 @@ def test_keras_fit_survives_a_killed_rank(tmp_path):
     assert ev["rows_reverted"] > 0 and ev["first_step_after_s"] < 5, ev
     assert "kvcoll: rank 2 (host " in out and "rows reverted to step 20" in out
     assert got["history"]["auc"][-1] > 0.5, got
+
+
+def test_below_min_np_the_survivors_save_and_stop(tmp_path):
+    ck = tmp_path / "ck"
+    t0 = time.monotonic()
+    code, out = mpirun(2, [JOB, "--steps", STEPS, "--ckpt", ck, "--full-every", 20,
+                           "--incremental-every", 5, "--kill-rank", 1, "--kill-at", 32],
+                       120, "below --min-np",
+                       launcher=[ROOT / "launch" / "kvcollrun", "--elastic", "--min-np", 2])
+    assert code == 3, out[-5000:]
+    assert time.monotonic() - t0 < 60
+    assert re.search(r"kvcoll: rank 1 \(host \S+\) lost at step 32: 1 rank\(s\) left, fewer "
+                     r"than --min-np 2; saved what the survivors hold in \S+ckpt-0000000032; "
+                     r"exiting", out), out[-4000:]
+    assert "kvcollrun: the job stopped below --min-np 2" in out and "relaunching" not in out
+    saved, chain = state_of(ck), state_of(ck, "ckpt-0000000030")
+    ref = tmp_path / "ref"
+    code, ref_out = mpirun(2, [JOB, "--steps", 32, "--save-at", 32, "--save-dir", ref], 120,
+                           "reference")
+    assert code == 0, ref_out[-3000:]
+    lost = OwnerMap.even(2).array == 1
+    same_rows(where(saved, ~lost), where(state_of(ref / "32"), ~lost), "the survivor's rows",
+              33)
+    same_rows(where(saved, lost), where(chain, lost), "the lost rank's rows")
