@@ -103,10 +103,12 @@ class Session:
     on_comm(comm, owners): called with the survivors' communicator and owner map (the
     loop, the checkpointer and kv.rank() are taken care of here).
     callbacks(): the objects whose on_world_change(old_size, new_size) to call.
+    save_on_loss: right after a recovery, save a delta of what the survivors hold (when
+    the checkpointer's chain allows one; see _save_now).
     """
 
     def __init__(self, loop, *, min_np: int | None = None, checkpointer=None,
-                 directory=None, on_comm=None, callbacks=None):
+                 directory=None, on_comm=None, callbacks=None, save_on_loss: bool = True):
         self.loop = loop
         if min_np is None:
             min_np = runtime.config().elastic_min_np if runtime.is_initialized() else 1
@@ -115,6 +117,7 @@ class Session:
         self.directory = directory
         self.on_comm = on_comm
         self.callbacks = callbacks
+        self.save_on_loss = bool(save_on_loss)
         self._voted = True
         self._t: dict = {}       # this attempt's moments of detection and agreement
         self._pending = None     # the last event, until the first step after it commits
@@ -210,6 +213,7 @@ class Session:
                     self._below_min(new, lost, first)
                 rows, reverted_to, t_loss = self._refill(new, first, owners, t_loss)
                 t["refill"] = time.time()
+                self._save_now(new)
                 # every survivor got here: the recovery holds (or another rank is lost)
                 agreed, _ = new.consensus(True, "elastic:recovered")
                 if not agreed:
@@ -271,6 +275,21 @@ class Session:
         rows = int(new.allreduce(np.array([info.rows], np.int64), op="elastic:rows")[0])
         return rows, (info.step, info.name), t_loss
 
+    def _save_now(self, new) -> None:
+        """Right after a loss, a delta of what the survivors hold, when the chain allows
+        one: if the runtime ends the job after all (Open MPI 5.0 ends every rank a while
+        after it lost a host's daemon), the relaunch restores the survivors' rows as
+        they are and only the lost buckets as the chain had them."""
+        ck = self._checkpointer()
+        if not self.save_on_loss or ck is None or ck.parent is None or not ck.chain_dir \
+                or ck.parent.startswith(f"ckpt-{self.loop.step:010d}"):   # (saved just now)
+            return
+        with new.deadline("io"):
+            info = ck.save(ck.chain_dir, self.loop.step, incremental=True)
+        if new.rank == 0:
+            _say(f"kvcoll: saved what the survivors hold at step {info.step:,} "
+                 f"({info.name}, {info.rows:,} rows)")
+
     def _below_min(self, new, lost: list, first) -> None:
         """Fewer than --min-np ranks left: save what the survivors hold, exit (never
         returns)."""
@@ -323,7 +342,8 @@ class Session:
             _say(f"kvcoll: {_who(lost)} lost at step {step:,}: continuing on {new.size} "
                  f"rank(s), {tail}")
         announce({"event": "lost", "mode": "in-memory", "ranks": ev["ranks"],
-                  "hosts": hosts, "world": ev["world"]})
+                  "hosts": hosts, "world": ev["world"],
+                  "procs": [[p["host"], p["pid"]] for p in lost]})
         for cb in (self.callbacks() if self.callbacks is not None else ()):
             hook = getattr(cb, "on_world_change", None)
             if hook is not None:

@@ -16,7 +16,21 @@ Every launch runs mpirun with Open MPI's fault tolerance (`--with-ft ulfm`) and
 KVCOLL_ELASTIC_MIN_NP set, so kv.init() is elastic: a rank that dies, is stopped or is
 cut off does not end the job; the survivors shrink to a communicator of their own and
 continue in memory (kvcoll.elastic), or, below --min-np, save what they hold and exit
-non-zero with the reason. Some failures end the whole job anyway (the runtime daemon of
+non-zero with the reason. A dead process is reported by Open MPI's runtime within a
+second; a stopped one, or one whose host is cut off, by ULFM's heartbeat detector,
+which kvcollrun turns on (its own thread in every rank, so a rank busy computing,
+tracing or writing a checkpoint still beats): --heartbeat-period (default 0.5 s) and
+--heartbeat-timeout (default 2.5 s, more than 3 periods). The runtime's daemons watch
+each other with TCP keepalives (2 s idle, then 5 probes 1 s apart: Open MPI's defaults
+take minutes), so a lost host ends the job in about 7 s, not minutes, after the
+survivors have saved what they hold (see below). mpirun options given on the command
+line (or as OMPI_MCA_/PRTE_MCA_ variables) win.
+
+When the survivors went on without a rank, kvcollrun makes sure its process is gone:
+it kills it on its host through the same agent mpirun starts daemons with (ssh, or
+srun in a SLURM allocation), by the pid the survivors reported (a stopped process
+would otherwise stay; one on a host cut off fences itself: it exits once it finds
+itself outside the survivors' majority). Some failures end the whole job anyway (the runtime daemon of
 a lost host takes every rank with it in Open MPI 5.0; a failure outside a training
 step): then kvcollrun relaunches the job on the hosts that are left, which restores the
 latest checkpoint (kv.callbacks.Checkpoint(restore=True)) resharded onto the new world,
@@ -75,11 +89,15 @@ class Options:
     cooldown: float = 60.0
     max_relaunches: int = 10
     elastic_timeout: float = 60.0
+    heartbeat_period: float = 0.5
+    heartbeat_timeout: float = 2.5
 
 
 _INT_FLAGS = {"--min-np": "min_np", "--max-np": "max_np", "--max-relaunches": "max_relaunches",
               "-np": "np", "-n": "np", "--np": "np", "-c": "np"}
-_FLOAT_FLAGS = {"--cooldown": "cooldown", "--elastic-timeout": "elastic_timeout"}
+_FLOAT_FLAGS = {"--cooldown": "cooldown", "--elastic-timeout": "elastic_timeout",
+                "--heartbeat-period": "heartbeat_period",
+                "--heartbeat-timeout": "heartbeat_timeout"}
 _STR_FLAGS = {"--host-discovery-script": "discovery", "--hostfile": "hostfile",
               "-hostfile": "hostfile", "--machinefile": "hostfile",
               "-machinefile": "hostfile", "-H": "host_list", "--host": "host_list",
@@ -153,6 +171,10 @@ def check(o: Options, program: list) -> None:
         raise LaunchError("give the hosts one way: --host-discovery-script, --hostfile or -H")
     if o.cooldown < 0 or o.elastic_timeout < 0 or o.max_relaunches < 0:
         raise LaunchError("--cooldown, --elastic-timeout and --max-relaunches must be >= 0")
+    if not o.heartbeat_period > 0 or not o.heartbeat_timeout > 3 * o.heartbeat_period:
+        raise LaunchError(f"--heartbeat-timeout {o.heartbeat_timeout:g} must be more than 3 "
+                          f"--heartbeat-period ({o.heartbeat_period:g} s, > 0): a rank is "
+                          "declared lost only after several missed beats")
 
 
 # -- hosts -----------------------------------------------------------------------------
@@ -292,8 +314,12 @@ class Outcome:
     below_min: str | None = None
     raised: list = dataclasses.field(default_factory=list)
     events: list = dataclasses.field(default_factory=list)
+    killed: set = dataclasses.field(default_factory=set)
+    kills: list = dataclasses.field(default_factory=list)
     exits: int = 0          # ranks that said they ended normally (kvcoll's atexit)
     starts: int = 0         # ranks that said they started (kv.init)
+
+    on_lost = None      # called with [(host, pid)] of the ranks survivors went on without
 
     def read(self, line: str) -> None:
         m = EVENT.search(line)
@@ -303,6 +329,11 @@ class Outcome:
             except ValueError:
                 return
             self.events.append(ev)
+            procs = [tuple(p) for p in ev.get("procs", []) if tuple(p) not in self.killed]
+            if ev.get("event") == "lost" and ev.get("mode") == "in-memory" and procs and \
+                    self.on_lost is not None:
+                self.killed.update(procs)
+                self.on_lost(procs)
             if ev.get("event") in ("lost", "below_min_np", "relaunch"):
                 self.lost_hosts.update(h for h in ev.get("hosts", []) if h)
                 self.lost_ranks = max(self.lost_ranks, len(ev.get("ranks", [])))
@@ -349,6 +380,50 @@ def plan(o: Options, hosts: dict | None, cooling: dict, lost_local: int,
     return usable, n
 
 
+def fault_flags(o: Options, mpi_opts: list) -> list:
+    """ULFM's heartbeat detector and the runtime's keepalives (see the module docstring),
+    each unless the command line or the environment sets it already."""
+    given = {mpi_opts[i + 1] for i in range(len(mpi_opts) - 1)
+             if mpi_opts[i] in ("--mca", "-mca", "--prtemca", "--gmca", "-gmca")}
+    given |= {k.split("_MCA_", 1)[1] for k in os.environ
+              if k.startswith(("OMPI_MCA_", "PRTE_MCA_"))}
+    mca = {"mpi_ft_detector": "true", "mpi_ft_detector_thread": "true",
+           "mpi_ft_detector_period": f"{o.heartbeat_period:g}",
+           "mpi_ft_detector_timeout": f"{o.heartbeat_timeout:g}"}
+    prte = {"oob_tcp_keepalive_time": "2", "oob_tcp_keepalive_intvl": "1",
+            "oob_tcp_keepalive_probes": "5"}
+    out = []
+    for flag, table in (("--mca", mca), ("--prtemca", prte)):
+        for k, v in table.items():
+            if k not in given:
+                out += [flag, k, v]
+    return out
+
+
+def kill_lost(procs, agent: list, say):
+    """Make sure the processes the survivors went on without are gone: `kill -9 PID` on
+    each one's host through `agent` (what mpirun reaches hosts with), in the background;
+    a host that cannot be reached is skipped (its rank fences itself). Returns the
+    thread."""
+    import threading
+
+    def run():
+        for host, pid in procs:
+            cmd = ["kill", "-9", str(int(pid))]
+            if not _is_here(host):
+                cmd = [*agent, host, *cmd]
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True,
+                                      timeout=REACH_TIMEOUT, check=False)
+                if done.returncode == 0:
+                    say(f"killed the lost process {pid} on {host}")
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+    t = threading.Thread(target=run, name="kvcollrun-kill-lost", daemon=True)
+    t.start()
+    return t
+
+
 def host_flag(hosts: dict, n: int) -> list:
     """--host a:2,b:1 covering n ranks (hosts in their order, the last one partly)."""
     parts, left = [], n
@@ -386,7 +461,7 @@ def run(argv: list, *, command, watchdog, say, takes_one, takes_two, kill_after:
     first_hosts = hosts
     while True:
         launches += 1
-        flags = ["--with-ft", "ulfm"]
+        flags = ["--with-ft", "ulfm", *fault_flags(o, mpi_opts)]
         if hosts is not None:
             flags += host_flag(hosts, n)
         cmd, env = command([*flags, *mpi_opts, "-np", str(n), *program], dict(os.environ),
@@ -397,8 +472,14 @@ def run(argv: list, *, command, watchdog, say, takes_one, takes_two, kill_after:
         if os.environ.get("KVCOLLRUN_SHOW"):
             say("running " + " ".join(cmd))
         outcome = Outcome()
+        agent = ssh_agent(mpi_opts)
+        if not os.environ.get("KVCOLLRUN_KEEP_LOST"):   # (a test of fencing keeps them)
+            outcome.on_lost = lambda procs, agent=agent: outcome.kills.append(
+                kill_lost(procs, agent, say))
         dog = watchdog(cmd, env, kill_after, on_line=outcome.read, elastic=True)
         code = dog.run()
+        for t in outcome.kills:      # (the lost processes are gone before we go on)
+            t.join(timeout=REACH_TIMEOUT)
         # (Open MPI's runtime ends every rank when it loses a daemon, and mpirun may exit 0
         # then: a kvcoll job finished only if some rank said it ended normally)
         if code == 0 and (outcome.exits or not (outcome.lost or outcome.starts)):

@@ -21,6 +21,7 @@ next save is then full); --save-at S --save-dir D saves a full checkpoint at ste
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import signal
@@ -198,11 +199,24 @@ def main(argv=None) -> int:
     p.add_argument("--save-dir")
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--kill-at", type=int, default=0)
+    p.add_argument("--busy-rank", type=int, default=-1,
+                   help="this rank computes outside kvcoll for --busy-s seconds at --busy-at "
+                        "(holding the GIL: a long step)")
+    p.add_argument("--busy-at", type=int, default=0)
+    p.add_argument("--busy-s", type=float, default=0.0)
+    p.add_argument("--stderr-dir", help="each rank also writes its stderr to DIR/rank-R.txt "
+                                        "(a rank on a host cut off cannot reach the launcher)")
     p.add_argument("--kill-wait", type=int, default=-1,
                    help="with --kill-rank/--kill-at: die in the k-th wait of the next step "
                         "(a collective's wait or the elastic vote), its part posted")
     args, _ = p.parse_known_args(argv)
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # (a test asks where it is)
+    if args.stderr_dir:
+        rank = os.environ.get("OMPI_COMM_WORLD_RANK", "x")
+        log = os.open(os.path.join(args.stderr_dir, f"rank-{rank}.txt"),
+                      os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log, 2)
     cfg = kv.init()
     comm = runtime.comm()
     tables = {n: kv.KvTable(d, name=n, initializer=("normal", 0.0, 0.05), seed=3,
@@ -259,6 +273,10 @@ def main(argv=None) -> int:
             if args.kill_wait < 0:
                 os.kill(os.getpid(), signal.SIGKILL)
             die_in_wait(args.kill_wait)
+        if kv.rank() == args.busy_rank and step == args.busy_at:
+            end = time.monotonic() + args.busy_s
+            while time.monotonic() < end:     # pure Python: holds the GIL
+                sum(range(1000))
         if args.step_ms:
             time.sleep(args.step_ms / 1e3)
     if kv.rank() == 0 and args.losses:

@@ -5,14 +5,19 @@ checkpoints, BSP, without TensorFlow):
 - a lost host (every process on it killed, its runtime daemon too: Open MPI 5.0's
   runtime then ends every rank) is relaunched on the two hosts left, from the latest
   checkpoint, and the job finishes; with --min-np 3 it is not, and kvcollrun says why;
-- a killed rank (SIGKILL; its host stays up): the two survivors continue in memory and
-  finish, exit 0. Every surviving row, with its optimizer slots and header, and the
+- a killed rank (SIGKILL, in a save or in a step) or a stopped one (SIGSTOP: found by
+  the heartbeat; kvcollrun then kills it on its host): the two survivors continue in
+  memory and finish, exit 0. Every surviving row, with its optimizer slots and header, and the
   dense model equal an uninterrupted 3-rank run's after the last step applied, bit for
   bit; the lost rank's buckets equal the checkpoint chain's (the latest save); the
   losses after the recovery equal those of a fresh 2-rank run that restores the
   recovered state (dumped by a test hook) to 1e-5, and the losses before it the
   uninterrupted run's exactly. The event has its timings; the progress line says what
   happened; detection and recovery take well under a second;
+- a host cut off (its link down): the survivors recover in memory within seconds and
+  save; the runtime ends the job (it lost the host's daemon) and kvcollrun relaunches
+  on the two hosts left, training again within 30 s; the cut-off rank fences itself;
+- a rank busy outside kvcoll for 8 s (past the heartbeat timeout) is no false alarm;
 - below --min-np (this host, 2 ranks, --min-np 2, one killed): the survivor saves what
   it holds (a delta on the chain) and exits non-zero with the reason within seconds,
   and kvcollrun does not relaunch; that checkpoint restores to the survivor's rows as
@@ -198,8 +203,8 @@ def same_rows(a: dict, b: dict, what: str, abandoned: int | None = None) -> None
             np.testing.assert_array_equal(v, b[n][k], err_msg=f"{what}: {n}/{k}")
 
 
-@pytest.mark.parametrize("delay", [0.0, 0.13])    # in the save at step 30; in a step
-def test_a_killed_rank_continues_in_memory(hosts, tmp_path, cleanup, delay):
+@pytest.mark.parametrize("fault", ["kill-in-a-save", "kill-in-a-step", "stop"])
+def test_a_lost_rank_continues_in_memory(hosts, tmp_path, cleanup, fault):
     ck, dump = tmp_path / "ck", tmp_path / "dump"
     losses, events = tmp_path / "losses.json", tmp_path / "events.json"
     job = Job(hosts, ["--min-np", 2],
@@ -208,26 +213,33 @@ def test_a_killed_rank_continues_in_memory(hosts, tmp_path, cleanup, delay):
     cleanup.append(job)
     job.wait_for(r"rank 2 step 30$")
     victim = rank_pid(hosts, 2)
-    time.sleep(delay)
+    time.sleep(0.13 if fault == "kill-in-a-step" else 0.0)   # (the save at step 30 first)
     t_kill = time.monotonic()
-    os.kill(victim, signal.SIGKILL)
+    os.kill(victim, signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
     t_line = job.wait_for(r"kvcoll: rank 2 \(host kvhost3\) lost at step [\d,]+: continuing "
                           r"on 2 rank\(s\), [\d,]+ rows reverted to step [\d,]+", 30)
+    if fault == "stop":   # kvcollrun kills the stopped process on its host
+        job.wait_for(rf"kvcollrun: killed the lost process {victim} on kvhost3", 30)
+        deadline = time.monotonic() + 10
+        while victim in hosts.pids(2) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert victim not in hosts.pids(2)
     code = job.end(120)
     out = job.text()
     assert code == 0, out[-6000:]
-    assert t_line - t_kill < 5, t_line - t_kill
+    # a dead process: the runtime tells the survivors; a stopped one: the heartbeat
+    assert t_line - t_kill < (5 if fault != "stop" else 10), t_line - t_kill
     (ev,) = json.loads(events.read_text())
     s = ev["step"]
     assert ev["kind"] == "lost" and ev["ranks"] == [2] and ev["hosts"] == ["kvhost3"], ev
     assert ev["mode"] == "in-memory" and ev["world"] == [3, 2] and 25 <= s < STEPS, ev
     assert 0 <= ev["detect_s"] <= ev["agree_s"] <= ev["shrink_s"] <= ev["refill_s"] <= \
-        ev["first_step_after_s"] < 5, ev
+        ev["first_step_after_s"] < 10, ev
     assert ev["reverted_to_step"] == s - s % 5 or ev["reverted_to_step"] == s - s % 5 - 5, ev
     assert ev["rows_reverted"] > 0 and "world change 3 -> 2" in out
     assert len(job.events("exit")) == 2 and re.search(rf"step {STEPS} loss", out)
-    print(f"\nkilled rank 2 at step {s}: the progress line {t_line - t_kill:.2f}s later; "
-          f"event {ev}")
+    print(f"\n{fault}: rank 2 lost at step {s}: the progress line {t_line - t_kill:.2f}s "
+          f"later; event {ev}")
 
     # the uninterrupted run, to step s (and its losses)
     ref = tmp_path / "ref"
@@ -293,3 +305,61 @@ def test_below_min_np_the_survivors_save_and_stop(tmp_path):
     same_rows(where(saved, ~lost), where(state_of(ref / "32"), ~lost), "the survivor's rows",
               33)
     same_rows(where(saved, lost), where(chain, lost), "the lost rank's rows")
+
+
+def test_a_host_cut_off_is_survived_and_its_rank_fences_itself(hosts, tmp_path, cleanup):
+    """Host 3's link goes down: the survivors detect it by the heartbeat, continue in
+    memory and save what they hold; Open MPI's runtime then ends the job (it lost the
+    host's daemon) and kvcollrun relaunches on the two hosts left from the latest
+    checkpoint; the job finishes. The cut-off rank finds itself alone, not a majority,
+    and exits by itself (KVCOLLRUN_KEEP_LOST: kvcollrun does not kill it, which the test
+    hosts' agent could do, unlike ssh to a host cut off)."""
+    ck, err = tmp_path / "ck", tmp_path / "err"
+    err.mkdir()
+    # (the runtime's daemons wait 6 + 5 s instead of 2 + 5 before they give the host up,
+    # so that its daemon does not end the cut-off rank before it fences itself: about 6 s,
+    # as it must find both others silent, one after the other)
+    job = Job(hosts, ["--min-np", 2, "--cooldown", 600,
+                      "--prtemca", "oob_tcp_keepalive_time", 6],
+              ["--steps", 200, "--ckpt", ck, "--full-every", 20, "--incremental-every", 5,
+               "--restore", "--step-ms", 40, "--stderr-dir", err],
+              env={"KVCOLLRUN_KEEP_LOST": "1"})
+    cleanup.append(job)
+    job.wait_for(r"rank 2 step 30$")
+    victim = rank_pid(hosts, 2)
+    t_cut = time.monotonic()
+    hosts.link_down(2)
+    t_line = job.wait_for(r"kvcoll: rank 2 \(host kvhost3\) lost at step [\d,]+: continuing "
+                          r"on 2 rank\(s\)", 30)
+    deadline = time.monotonic() + 20
+    while victim in hosts.pids(2) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t_gone = time.monotonic()
+    assert victim not in hosts.pids(2), "the cut-off rank is still there"
+    said = (err / "rank-2.txt").read_text()
+    assert re.search(r"kvcoll: rank 2 \(host kvhost3\) is fenced: it is one of 1 rank\(s\) "
+                     r"that still reach each other, not a majority of the 3: exiting", said), said
+    t_relaunch = job.wait_for(r"kvcollrun: lost host\(s\) kvhost3: relaunching on 2 rank\(s\) "
+                              r"\(kvhost1:1, kvhost2:1\) from the latest checkpoint", 60)
+    t_restored = job.wait_for(r"restored ckpt-\d+\S* at step \d+ on 2 rank\(s\)", 60)
+    code = job.end(180)
+    out = job.text()
+    assert code == 0, out[-6000:]
+    assert re.search(r"step 200 loss", out) and "the job recovered and finished" in out
+    assert t_line - t_cut < 10 and t_restored - t_cut < 30, (t_line - t_cut, t_restored - t_cut)
+    print(f"\nlink down: survivors recovered in memory after {t_line - t_cut:.1f}s, the "
+          f"cut-off rank fenced itself after {t_gone - t_cut:.1f}s, relaunched after "
+          f"{t_relaunch - t_cut:.1f}s, training again after {t_restored - t_cut:.1f}s")
+
+
+def test_a_rank_busy_outside_kvcoll_is_no_false_alarm(hosts, tmp_path, cleanup):
+    """Rank 1 computes for 8 s without calling MPI (holding the GIL), far past the
+    heartbeat timeout: ULFM's detector thread beats on its behalf, no rank is lost."""
+    job = Job(hosts, ["--min-np", 2],
+              ["--steps", 40, "--busy-rank", 1, "--busy-at", 20, "--busy-s", 8])
+    cleanup.append(job)
+    code = job.end(120)
+    out = job.text()
+    assert code == 0, out[-5000:]
+    assert re.search(r"step 40 loss", out) and not job.events("lost"), out[-3000:]
+    assert len(job.events("exit")) == 3

@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,9 @@ sys.exit(step.get("code", 0))
 # $HOSTS_UP.
 AGENT = f"""#!{sys.executable}
 import os, sys
+if sys.argv[-3:-1] == ["kill", "-9"]:           # kvcollrun kills a lost rank
+    open(os.environ["LOG"] + ".kill", "a").write(" ".join(sys.argv[1:]) + "\\n")
+    sys.exit(0)
 host = sys.argv[-2]
 if host in os.environ["HOSTS_UP"].split():
     sys.exit(0)
@@ -90,6 +94,7 @@ def value(argv, flag):
     (["-H", "a:x"], "'a:x' is not `host:slots or host`"),
     (["-H", "a:1,b:1", "--min-np", "3"], "fewer than --min-np 3"),
     (["-H", "a:1,zz:1"], "zz: `"),
+    (["--heartbeat-period", "1", "--heartbeat-timeout", "2"], "must be more than 3"),
 ])
 def test_bad_input_gets_an_error_naming_it(tmp_path, args, said):
     code, out, runs = launch(tmp_path, [*args, sys.executable, "train.py"])
@@ -134,6 +139,37 @@ def test_a_launch_runs_mpirun_with_ulfm_the_hosts_and_min_np(tmp_path):
     assert "KVCOLL_ELASTIC_MIN_NP" in argv and run["min_np"] == "2"
     assert argv[-3:] == ["train.py", "--min-np", "9"]       # the program's own flags stay
     assert "--oversubscribe" not in argv and "--elastic" not in argv
+    mca = {tuple(argv[i + 1:i + 3]) for i, a in enumerate(argv) if a in ("--mca", "--prtemca")}
+    assert {("mpi_ft_detector", "true"), ("mpi_ft_detector_thread", "true"),
+            ("mpi_ft_detector_period", "0.5"), ("mpi_ft_detector_timeout", "2.5"),
+            ("oob_tcp_keepalive_time", "2"), ("oob_tcp_keepalive_probes", "5")} <= mca, mca
+
+
+def test_fault_settings_given_on_the_command_line_win(tmp_path):
+    code, out, (run,) = launch(tmp_path, ["--heartbeat-period", "1", "--heartbeat-timeout",
+                                          "5", "--mca", "mpi_ft_detector_thread", "false",
+                                          "-H", "a:1", "true"])
+    argv = run["argv"]
+    pairs = [tuple(argv[i + 1:i + 3]) for i, a in enumerate(argv) if a == "--mca"]
+    assert ("mpi_ft_detector_thread", "false") in pairs and \
+        ("mpi_ft_detector_thread", "true") not in pairs
+    assert ("mpi_ft_detector_timeout", "5") in pairs and ("mpi_ft_detector_period", "1") in pairs
+
+
+def test_the_processes_the_survivors_went_on_without_are_killed(tmp_path):
+    lost = ('[1,0]<stderr>: kvcoll-elastic {"event": "lost", "mode": "in-memory", "ranks": '
+            '[1, 2], "hosts": ["b", "c"], "procs": [["b", 4242], ["c", 77]]}')
+    plan = [{"print": [lost, lost, '[1,0]<stderr>: kvcoll-elastic {"event": "exit"}']}]
+    code, out, _ = launch(tmp_path, ["-H", "a:1,b:1,c:1", "true"], plan)
+    assert code == 0, out
+    for _ in range(100):
+        killed = (tmp_path / "log.kill").read_text().splitlines() \
+            if (tmp_path / "log.kill").exists() else []
+        if len(killed) == 2:
+            break
+        time.sleep(0.05)
+    assert sorted(k.split()[-4:] for k in killed) == [["b", "kill", "-9", "4242"],
+                                                       ["c", "kill", "-9", "77"]], killed
 
 
 LOST_C = ('[1,0]<stderr>: kvcoll-elastic {"event": "lost", "mode": "relaunch", '
