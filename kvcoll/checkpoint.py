@@ -130,7 +130,7 @@ from .errors import CheckpointError, InvalidArgumentError
 from .routing import OwnerMap, bucket_of, owners_for
 from .table import KvTable
 
-__all__ = ["latest", "Checkpointer", "SaveInfo", "RestoreInfo",
+__all__ = ["latest", "check_shared", "Checkpointer", "SaveInfo", "RestoreInfo",
            "read_shard", "FORMAT", "VERSION", "RESTORE_BUFFER", "MIN_RESTORE_BUFFER"]
 
 FORMAT = "kvcoll-checkpoint"
@@ -1231,6 +1231,44 @@ def _read_manifest(directory: str, name: str) -> dict:
                               "are not valid")
     m["_name"] = name
     return m
+
+
+def check_shared(directory, comm) -> None:
+    """Check, at the start of a job, that every rank sees the same checkpoint directory
+    (a collective): rank 0 writes a file with a fresh token there and every rank reads
+    it back. Every rank raises CheckpointError naming the ranks (and their hosts) that
+    cannot, and the fix, before any save could write rows a restore would not find."""
+    directory = os.path.abspath(os.fspath(directory))
+    name = ".kvcoll-shared-check"
+    token = None
+    if comm.rank == 0:
+        token = secrets.token_hex(8)
+        try:
+            os.makedirs(directory, exist_ok=True)
+            _write_bytes(os.path.join(directory, name), token.encode())
+        except OSError as exc:
+            token = f"error: {exc}"
+    token = comm.bcast_bytes(token.encode() if comm.rank == 0 else None,
+                             op="checkpoint:shared").decode()
+    if token.startswith("error: "):
+        raise CheckpointError(f"cannot write to the checkpoint directory {directory} on rank "
+                              f"0: {token[7:]}")
+    try:
+        with open(os.path.join(directory, name)) as f:
+            seen = f.read().strip() == token
+    except OSError:
+        seen = False
+    said = comm.allgather_json(seen, "checkpoint:shared:seen")
+    blind = [r for r, ok in enumerate(said) if not ok]
+    if blind:
+        hosts = getattr(comm, "hosts", None)
+        where = "" if not hosts else " on host(s) " + ", ".join(
+            sorted({hosts[r] for r in blind if r < len(hosts)}))
+        raise CheckpointError(
+            f"rank(s) {blind}{where} do not see the checkpoint directory {directory} that "
+            "rank 0 writes: every rank writes its part there and reads the parts it owns "
+            "on a restore (and the survivors of a lost rank read its buckets); put it on a "
+            "file system every host mounts at the same path (NFS, Lustre, a shared volume)")
 
 
 def latest(directory) -> str | None:

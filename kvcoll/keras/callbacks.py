@@ -56,15 +56,20 @@ class Checkpoint(keras.callbacks.Callback):
         self.restored = None     # RestoreInfo, if training began from a checkpoint
         self._last = None        # the step of the last save
         self._due = None         # SSP/ASP: "full" or "delta" owed at the next sync point
+        self._checked = False    # the directory is seen by every rank
 
     def _engine(self):
         return engine_of(self.model)
 
     def on_train_begin(self, logs=None):
-        self._engine().checkpoint_dir = self.directory   # (elastic: saves below --min-np)
+        from ..checkpoint import check_shared
+        eng = self._engine()
+        eng.checkpoint_dir = self.directory   # (elastic: saves below --min-np)
+        if eng.comm.size > 1 and not self._checked:   # every rank must see the directory
+            check_shared(self.directory, eng.comm)
+            self._checked = True
         if not self.restore:
             return
-        eng = self._engine()
         if eng.tables is None and eng.declared.kind is None:
             eng.after_setup(self._restore)   # a subclassed model: set up by its first step
         else:

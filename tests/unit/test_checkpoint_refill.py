@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvcoll.checkpoint import Checkpointer, read_shard
+from kvcoll.checkpoint import Checkpointer, check_shared, read_shard
 from kvcoll.errors import CheckpointError, InvalidArgumentError
 from kvcoll.routing import OwnerMap, bucket_of
 
@@ -161,3 +161,15 @@ def test_bad_input_and_a_corrupt_chain_change_nothing(survivors):
         call(THREE.array == 1)
     for t, b in zip(tables, before):
         same(dump(t), b)
+
+
+def test_a_directory_not_every_rank_sees_is_refused_at_the_start(tmp_path):
+    """check_shared: rank 0 writes a token, every rank reads it back; ranks that see
+    another directory at that path (here: one of their own, as on a host whose path is a
+    local disk) are named on every rank, with the fix."""
+    shared = tmp_path / "shared"
+    run_ranks(3, lambda comm: check_shared(shared, comm))          # all see it: fine
+    with pytest.raises(CheckpointError, match=r"rank\(s\) \[1, 2\] do not see the "
+                       r"checkpoint directory .* file system every host mounts"):
+        run_ranks(3, lambda comm: check_shared(
+            shared if comm.rank == 0 else tmp_path / f"local-{comm.rank}", comm))
