@@ -249,7 +249,10 @@ def main(argv=None) -> int:
 
     it = batches(loop, args)
     losses = {}
+    t_warm = None
     while loop.step < args.steps:
+        if loop.step == 50:
+            t_warm = time.perf_counter()
         out = run(lambda: loop.train_next(it))
         step = loop.step
         losses[step] = out.loss
@@ -285,6 +288,9 @@ def main(argv=None) -> int:
     if kv.rank() == 0 and args.events:
         with open(args.events, "w") as f:
             json.dump(elastic.events(), f)
+    if t_warm is not None and kv.rank() == 0:
+        print(f"seconds per step {(time.perf_counter() - t_warm) / (loop.step - 50):.6f}",
+              flush=True)
     print(f"rank {kv.rank()} done", flush=True)
     sys.stdout.flush()
     return 0
