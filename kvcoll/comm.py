@@ -909,7 +909,13 @@ class Comm:
         with back-off) and return it as try_recv does. After `timeout` (default: the
         communicator's) raises CommTimeoutError naming this rank, the peer and the
         operation. `poll`, if given, is called while waiting (e.g. to check that a
-        helper thread is alive)."""
+        helper thread is alive). A lost peer (elastic runs) is a PeerLostError."""
+        try:
+            return self._recv(source, tag, op, timeout, poll, spin)
+        except _mpi().Exception as exc:
+            raise self.lost(exc, op) from None
+
+    def _recv(self, source, tag, op, timeout, poll, spin):
         got = self.try_recv(source, tag)
         if got is not None:
             return got
@@ -1104,7 +1110,11 @@ class SendHandle:
     def done(self) -> bool:
         if self._req is None:
             return True
-        if self._req.Test():
+        try:
+            finished = self._req.Test()
+        except _mpi().Exception as exc:
+            raise self._c.lost(exc, self.op) from None
+        if finished:
             self._req, self._buf = None, None
             return True
         return False

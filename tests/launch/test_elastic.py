@@ -329,7 +329,7 @@ def test_a_host_cut_off_is_survived_and_its_rank_fences_itself(hosts, tmp_path, 
     # as it must find both others silent, one after the other)
     job = Job(hosts, ["--min-np", 2, "--cooldown", 600,
                       "--prtemca", "oob_tcp_keepalive_time", 6],
-              ["--steps", 200, "--ckpt", ck, "--full-every", 20, "--incremental-every", 5,
+              ["--steps", 400, "--ckpt", ck, "--full-every", 20, "--incremental-every", 5,
                "--restore", "--step-ms", 40, "--stderr-dir", err],
               env={"KVCOLLRUN_KEEP_LOST": "1"})
     cleanup.append(job)
@@ -353,7 +353,7 @@ def test_a_host_cut_off_is_survived_and_its_rank_fences_itself(hosts, tmp_path, 
     code = job.end(180)
     out = job.text()
     assert code == 0, out[-6000:]
-    assert re.search(r"step 200 loss", out) and "the job recovered and finished" in out
+    assert re.search(r"step 400 loss", out) and "the job recovered and finished" in out
     assert t_line - t_cut < 10 and t_restored - t_cut < 30, (t_line - t_cut, t_restored - t_cut)
     print(f"\nlink down: survivors recovered in memory after {t_line - t_cut:.1f}s, the "
           f"cut-off rank fenced itself after {t_gone - t_cut:.1f}s, relaunched after "
