@@ -44,7 +44,20 @@ def init(argv: list[str] | None = None, **settings) -> Config:
     atexit.register(_at_exit)
     if cfg.elastic_min_np:  # the launcher learns which ranks started and which ended
         announce({"event": "start", "rank": comm.rank})
+        _stop_on_sigusr2()
     return cfg
+
+
+def _stop_on_sigusr2() -> None:
+    """Elastic runs: kvcollrun asks a job to stop after a step and save (to grow it, as a
+    preemption does) with SIGUSR2; outside model.fit (which stops every rank after the
+    same step) it is noted (preempted()), never fatal."""
+    import signal
+
+    try:
+        signal.signal(signal.SIGUSR2, lambda *_: note_preempted())
+    except ValueError:  # not the main thread: the default stays
+        pass
 
 
 def replace_comm(comm: Comm) -> None:
@@ -65,7 +78,7 @@ def _at_exit() -> None:
 
     close_all()
     if _state and _state["config"].elastic_min_np:
-        announce({"event": "exit", "rank": _state["comm"].rank})
+        announce({"event": "exit", "rank": _state["comm"].rank, "preempted": preempted()})
 
 
 def is_initialized() -> bool:

@@ -40,6 +40,14 @@ when fewer than --min-np slots are left for --elastic-timeout seconds (default 6
 when a rank failed with an ordinary error (a bug does not go away by relaunching), or
 when kvcollrun itself was signalled. Losing this host (where mpirun runs) ends the job.
 
+Growing back. While a job runs, kvcollrun runs the discovery script (or reads the
+hostfile) again every --discovery-interval seconds (default 10). When more slots are
+usable than the job has (hosts back from their cooldown, or new ones), up to --max-np,
+it asks the job to stop after its next step and save (SIGUSR2, as for a preemption:
+model.fit stops every rank after the same step and kv.callbacks.Checkpoint saves), then
+relaunches it on the larger world, which restores that checkpoint resharded (each new
+rank reads the buckets the even map gives it).
+
 The ranks tell kvcollrun what happened in lines `kvcoll-elastic {json}` (kvcoll.elastic
 writes them): {"event": "lost", "ranks": [...], "hosts": [...], ...} when the survivors
 went on without some ranks, {"event": "below_min_np", ...} when they saved and stopped.
@@ -91,13 +99,15 @@ class Options:
     elastic_timeout: float = 60.0
     heartbeat_period: float = 0.5
     heartbeat_timeout: float = 2.5
+    discovery_interval: float = 10.0
 
 
 _INT_FLAGS = {"--min-np": "min_np", "--max-np": "max_np", "--max-relaunches": "max_relaunches",
               "-np": "np", "-n": "np", "--np": "np", "-c": "np"}
 _FLOAT_FLAGS = {"--cooldown": "cooldown", "--elastic-timeout": "elastic_timeout",
                 "--heartbeat-period": "heartbeat_period",
-                "--heartbeat-timeout": "heartbeat_timeout"}
+                "--heartbeat-timeout": "heartbeat_timeout",
+                "--discovery-interval": "discovery_interval"}
 _STR_FLAGS = {"--host-discovery-script": "discovery", "--hostfile": "hostfile",
               "-hostfile": "hostfile", "--machinefile": "hostfile",
               "-machinefile": "hostfile", "-H": "host_list", "--host": "host_list",
@@ -169,6 +179,9 @@ def check(o: Options, program: list) -> None:
                           f"{o.max_np if o.max_np is not None else 'unbounded'}]")
     if sum(x is not None for x in (o.discovery, o.hostfile, o.host_list)) > 1:
         raise LaunchError("give the hosts one way: --host-discovery-script, --hostfile or -H")
+    if not o.discovery_interval > 0:
+        raise LaunchError(f"--discovery-interval must be > 0 seconds, got "
+                          f"{o.discovery_interval:g}")
     if o.cooldown < 0 or o.elastic_timeout < 0 or o.max_relaunches < 0:
         raise LaunchError("--cooldown, --elastic-timeout and --max-relaunches must be >= 0")
     if not o.heartbeat_period > 0 or not o.heartbeat_timeout > 3 * o.heartbeat_period:
@@ -318,6 +331,7 @@ class Outcome:
     kills: list = dataclasses.field(default_factory=list)
     exits: int = 0          # ranks that said they ended normally (kvcoll's atexit)
     starts: int = 0         # ranks that said they started (kv.init)
+    stopped: int = 0        # ranks that ended because they were asked to stop (SIGUSR2)
 
     on_lost = None      # called with [(host, pid)] of the ranks survivors went on without
 
@@ -341,6 +355,7 @@ class Outcome:
                 self.below_min = ev.get("reason") or "below --min-np"
             if ev.get("event") == "exit":
                 self.exits += 1
+                self.stopped += bool(ev.get("preempted"))
             if ev.get("event") == "start":
                 self.starts += 1
             return
@@ -378,6 +393,53 @@ def plan(o: Options, hosts: dict | None, cooling: dict, lost_local: int,
         if cap is not None:
             n = min(n, cap)
     return usable, n
+
+
+class Grower:
+    """While a launch runs: the discovery script (or hostfile) again every
+    --discovery-interval seconds; when more slots are usable than the job has (hosts
+    back from their cooldown, or new ones) and it has fewer than --max-np ranks, the job
+    is asked to stop after its next step and save (SIGUSR2 to mpirun, which passes it
+    on: what kvcollrun does for a preemption; model.fit stops every rank after the same
+    step and kv.callbacks.Checkpoint saves), and kvcollrun relaunches it on the larger
+    world, which restores that checkpoint resharded. Once every rank has started."""
+
+    def __init__(self, o: Options, n: int, plan_now, outcome: Outcome, dog, say):
+        import threading
+
+        self.o, self.n, self.plan_now, self.outcome, self.dog = o, n, plan_now, outcome, dog
+        self.say = say
+        self.to = None          # (hosts, ranks) asked for
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="kvcollrun-grow",
+                                        daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        import signal
+
+        while not self._done.wait(self.o.discovery_interval):
+            if self.outcome.starts < self.n or self.dog.proc.poll() is not None:
+                continue
+            try:
+                hosts, m = self.plan_now()
+            except LaunchError:
+                continue
+            if hosts is None or m <= self.n:
+                continue
+            self.to = (hosts, m)
+            self.say(f"{m - self.n} more slot(s) usable ({_describe(hosts)}): asking the job "
+                     f"to stop after its next step and save, to grow from {self.n} to {m} "
+                     "rank(s)")
+            try:
+                os.kill(self.dog.proc.pid, signal.SIGUSR2)
+            except ProcessLookupError:
+                pass
+            return
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=5)
 
 
 def fault_flags(o: Options, mpi_opts: list) -> list:
@@ -457,7 +519,7 @@ def run(argv: list, *, command, watchdog, say, takes_one, takes_two, kill_after:
         return 2
     cooling: dict = {}
     lost_local = 0
-    launches = 0
+    launches = failures = 0
     first_hosts = hosts
     while True:
         launches += 1
@@ -474,12 +536,24 @@ def run(argv: list, *, command, watchdog, say, takes_one, takes_two, kill_after:
         outcome = Outcome()
         agent = ssh_agent(mpi_opts)
         if not os.environ.get("KVCOLLRUN_KEEP_LOST"):   # (a test of fencing keeps them)
-            outcome.on_lost = lambda procs, agent=agent: outcome.kills.append(
-                kill_lost(procs, agent, say))
+            outcome.on_lost = lambda procs, agent=agent, outcome=outcome: \
+                outcome.kills.append(kill_lost(procs, agent, say))
         dog = watchdog(cmd, env, kill_after, on_line=outcome.read, elastic=True)
+        grower = None
+        if first_hosts is not None:
+            grower = Grower(o, n, lambda lost_local=lost_local: plan(
+                o, discover(o), cooling, lost_local, time.monotonic()), outcome, dog, say)
         code = dog.run()
+        if grower is not None:
+            grower.stop()
         for t in outcome.kills:      # (the lost processes are gone before we go on)
             t.join(timeout=REACH_TIMEOUT)
+        if grower is not None and grower.to is not None and code == 0 and outcome.stopped \
+                and not dog.signals:
+            hosts, n = grower.to
+            say(f"the job stopped and saved: relaunching on {n} rank(s) ({_describe(hosts)}) "
+                "from that checkpoint")
+            continue
         # (Open MPI's runtime ends every rank when it loses a daemon, and mpirun may exit 0
         # then: a kvcoll job finished only if some rank said it ended normally)
         if code == 0 and (outcome.exits or not (outcome.lost or outcome.starts)):
@@ -496,7 +570,8 @@ def run(argv: list, *, command, watchdog, say, takes_one, takes_two, kill_after:
                 + (f" (a rank raised {outcome.bug})" if outcome.bug else "")
                 + ": not relaunching (a relaunch would fail the same way)")
             return code
-        if launches > o.max_relaunches:
+        failures += 1
+        if failures > o.max_relaunches:
             say(f"lost {_describe_lost(outcome)} again, after {o.max_relaunches} relaunch(es) "
                 "(--max-relaunches): giving up")
             return code or 1
@@ -522,7 +597,7 @@ def run(argv: list, *, command, watchdog, say, takes_one, takes_two, kill_after:
                 f"{o.elastic_timeout:g}s (--elastic-timeout): giving up")
             return code or 1
         say(f"lost {_describe_lost(outcome)}: relaunching on {n} rank(s) "
-            f"({_describe(hosts)}) from the latest checkpoint (relaunch {launches} of at most "
+            f"({_describe(hosts)}) from the latest checkpoint (relaunch {failures} of at most "
             f"{o.max_relaunches})")
 
 

@@ -249,11 +249,14 @@ def main(argv=None) -> int:
 
     it = batches(loop, args)
     losses = {}
-    t_warm = None
+    t_warm, out = None, True
     while loop.step < args.steps:
         if loop.step == 50:
             t_warm = time.perf_counter()
-        out = run(lambda: loop.train_next(it))
+        loop.stop_asked = runtime.preempted()  # kvcollrun asks (SIGUSR2): every rank stops
+        out = run(lambda: loop.train_next(it))  # after the same step
+        if out is None:
+            break
         step = loop.step
         losses[step] = out.loss
         if kv.rank() == 0:
@@ -282,6 +285,11 @@ def main(argv=None) -> int:
                 sum(range(1000))
         if args.step_ms:
             time.sleep(args.step_ms / 1e3)
+    if out is None and args.ckpt:     # asked to stop: save, exit 0 (kvcollrun relaunches)
+        info = run(lambda: ck.save(args.ckpt, loop.step, incremental=not dumped["full"]))
+        if kv.rank() == 0:
+            print(f"stopped at step {loop.step} and saved {info.name} on {kv.size()} rank(s)",
+                  flush=True)
     if kv.rank() == 0 and args.losses:
         with open(args.losses, "w") as f:
             json.dump(losses, f)

@@ -18,6 +18,10 @@ checkpoints, BSP, without TensorFlow):
   save; the runtime ends the job (it lost the host's daemon) and kvcollrun relaunches
   on the two hosts left, training again within 30 s; the cut-off rank fences itself;
 - a rank busy outside kvcoll for 8 s (past the heartbeat timeout) is no false alarm;
+- a host that comes back grows the job again: its rank is lost with the whole host
+  (a relaunch on two), and once its cooldown is over the discovery script lists it as
+  usable: kvcollrun asks the job to stop after a step and save, and relaunches it on
+  three from that checkpoint; the job finishes;
 - below --min-np (this host, 2 ranks, --min-np 2, one killed): the survivor saves what
   it holds (a delta on the chain) and exits non-zero with the reason within seconds,
   and kvcollrun does not relaunch; that checkpoint restores to the survivor's rows as
@@ -62,11 +66,13 @@ def hosts(tmp_path_factory):
 class Job:
     """kvcollrun --elastic on the hosts, its output lines kept with their arrival time."""
 
-    def __init__(self, hosts, flags: list, job_args: list, env: dict | None = None):
+    def __init__(self, hosts, flags: list, job_args: list, env: dict | None = None,
+                 hostfile: bool = True):
         self.hosts = hosts
-        hostfile = hosts.hostfile_for(range(3), slots=[1, 1, 1])
-        argv = ["--elastic", *map(str, flags), *hosts.mpi_args(hostfile), PYTHON, JOB,
-                *map(str, job_args)]
+        mpi = hosts.mpi_args(hosts.hostfile_for(range(3), slots=[1, 1, 1]))
+        if not hostfile:           # (the hosts come from a discovery script in flags)
+            mpi = mpi[2:]
+        argv = ["--elastic", *map(str, flags), *mpi, PYTHON, JOB, *map(str, job_args)]
         cmd = [str(ROOT / "launch" / "kvcollrun"), *argv]
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
@@ -371,3 +377,36 @@ def test_a_rank_busy_outside_kvcoll_is_no_false_alarm(hosts, tmp_path, cleanup):
     assert code == 0, out[-5000:]
     assert re.search(r"step 40 loss", out) and not job.events("lost"), out[-3000:]
     assert len(job.events("exit")) == 3
+
+
+def test_a_host_that_comes_back_grows_the_job(hosts, tmp_path, cleanup):
+    ck = tmp_path / "ck"
+    listed = tmp_path / "hosts.txt"
+    listed.write_text("kvhost1:1\nkvhost2:1\nkvhost3:1\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {listed}\n")
+    discover.chmod(0o755)
+    job = Job(hosts, ["--min-np", 2, "--cooldown", 5, "--discovery-interval", 1,
+                      "--host-discovery-script", discover],
+              ["--steps", 300, "--ckpt", ck, "--full-every", 20, "--incremental-every", 5,
+               "--restore", "--step-ms", 30], hostfile=False)
+    cleanup.append(job)
+    job.wait_for(r"rank 2 step 30$")
+    hosts.kill_all(2)
+    job.wait_for(r"kvcollrun: lost host\(s\) kvhost3: relaunching on 2 rank\(s\)", 60)
+    t_ask = job.wait_for(r"kvcollrun: 1 more slot\(s\) usable \(kvhost1:1, kvhost2:1, "
+                         r"kvhost3:1\): asking the job to stop after its next step and save, to "
+                         r"grow from 2 to 3 rank\(s\)", 60)
+    code = job.end(180)
+    out = job.text()
+    assert code == 0, out[-6000:]
+    stopped = re.search(r"stopped at step (\d+) and saved (ckpt-\S+) on 2 rank\(s\)", out)
+    assert stopped, out[-4000:]
+    assert re.search(rf"restored {stopped.group(2)} at step {stopped.group(1)} on 3 "
+                     r"rank\(s\)", out), out[-4000:]
+    assert re.search(r"step 300 loss", out) and "the job recovered and finished" in out
+    grown = [t for t, line in job.lines if re.search(r"<stdout>: rank 2 step \d+$", line)
+             and t > t_ask]
+    assert grown, "no rank 2 after growing back"
+    print(f"\ngrew back to 3 ranks {grown[0] - t_ask:.1f}s after kvcollrun asked the job to "
+          f"stop (at step {stopped.group(1)})")

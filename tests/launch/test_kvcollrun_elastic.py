@@ -266,3 +266,51 @@ def test_the_slurm_and_mpijob_examples_run_elastic(tmp_path):
     (run,) = [json.loads(x) for x in log.read_text().splitlines()]
     assert value(run["argv"], "--with-ft") == "ulfm"
     assert value(run["argv"], "--host") == "w-0:4,w-1:4" and run["min_np"] == "4"
+
+
+# A stand-in for mpirun for growing: the first launch says its 2 ranks started, lists a
+# third host (as if it came up), and runs until SIGUSR2 (then exits 0, stopped); the
+# second says its ranks ended.
+GROWS = f"""#!{sys.executable}
+import json, os, signal, sys, time
+log = os.environ["LOG"]
+with open(log, "a") as f:
+    f.write(json.dumps({{"argv": sys.argv[1:]}}) + "\\n")
+if sum(1 for _ in open(log)) > 1:
+    print('[1,0]<stderr>: kvcoll-elastic {{"event": "exit", "rank": 0}}', flush=True)
+    sys.exit(0)
+def stop(*_):
+    for r in range(2):
+        print('[1,%d]<stderr>: kvcoll-elastic {{"event": "exit", "rank": %d, "preempted": true}}'
+              % (r, r), flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGUSR2, stop)
+for r in range(2):
+    print('[1,%d]<stderr>: kvcoll-elastic {{"event": "start", "rank": %d}}' % (r, r), flush=True)
+with open(os.environ["LISTED"], "a") as f:
+    f.write("c:1\\n")
+time.sleep(60)
+sys.exit(5)
+"""
+
+
+def test_more_hosts_grow_the_job_at_a_save(tmp_path):
+    listed = tmp_path / "listed"
+    listed.write_text("a:1\nb:1\n")
+    disc = tool(tmp_path, "d.sh", f"#!/bin/sh\ncat {listed}\n")
+    log = tmp_path / "log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCOLL", "OMPI_", "PRTE_"))}
+    env.update(MPIRUN=str(tool(tmp_path, "mpirun", GROWS)), LOG=str(log), LISTED=str(listed),
+               HOSTS_UP="a b c")
+    agent = tool(tmp_path, "agent", AGENT)
+    out = subprocess.run([str(KVCOLLRUN), "--elastic", "--prtemca", "plm_ssh_agent", str(agent),
+                          "--max-np", "3", "--discovery-interval", "0.2",
+                          "--host-discovery-script", str(disc), "true"],
+                         env=env, capture_output=True, text=True, timeout=60, check=False)
+    said = out.stdout + out.stderr
+    assert out.returncode == 0, said
+    runs = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [value(r["argv"], "--host") for r in runs] == ["a:1,b:1", "a:1,b:1,c:1"], said
+    assert "1 more slot(s) usable (a:1, b:1, c:1): asking the job to stop after its next " \
+           "step and save, to grow from 2 to 3 rank(s)" in said
+    assert "the job stopped and saved: relaunching on 3 rank(s)" in said
