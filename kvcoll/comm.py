@@ -1146,6 +1146,18 @@ def announce(event: dict) -> None:
 _ABORT = {"comm": None}     # the communicator an uncaught exception aborts (the latest)
 
 
+def _peer_lost(exc) -> bool:
+    """Whether `exc` (or what it was raised from) is a lost peer: a PeerLostError, or
+    an MPI error of ULFM's (a service thread's own MPI call may raise it as it is)."""
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, PeerLostError) or any(
+                m in str(exc) for m in ("MPI_ERR_PROC_FAILED", "MPI_ERR_REVOKED")):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
 def install_abort_hook(comm: Comm) -> None:
     """Make an uncaught exception on any rank, in any thread, end the whole job instead
     of leaving the other ranks waiting in a collective. Called again with a new
@@ -1158,11 +1170,11 @@ def install_abort_hook(comm: Comm) -> None:
 
     def abort(kind, where, value=None):
         comm = _ABORT["comm"]
-        if isinstance(value, PeerLostError) and getattr(comm, "elastic", False):
+        if getattr(comm, "elastic", False) and _peer_lost(value):
+            ranks = value.ranks if isinstance(value, PeerLostError) else comm.failed_ranks()
             peers = comm.peers
-            announce({"event": "lost", "mode": "relaunch", "ranks": value.ranks,
-                      "hosts": sorted({peers[r]["host"] for r in value.ranks
-                                       if r < len(peers)})})
+            announce({"event": "lost", "mode": "relaunch", "ranks": ranks,
+                      "hosts": sorted({peers[r]["host"] for r in ranks if r < len(peers)})})
         sys.stderr.write(f"kvcoll: rank {comm.rank} raised {kind.__name__}{where}; "
                          "aborting the job\n")
         sys.stderr.flush()

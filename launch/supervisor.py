@@ -72,9 +72,13 @@ LOST_ON_NODE = re.compile(r"(?:exited on signal|killed|Remote daemon).*?\bon nod
                           r"(\S+?)[\s,.:]|^\s*Remote host:\s+(\S+)", re.IGNORECASE)
 # a rank that raised an ordinary error (not a lost peer): kvcoll's abort line
 RAISED = re.compile(r"kvcoll: rank \d+ raised (\S+?)(?: in thread .*)?; aborting the job")
+# a rank that crashed (Open MPI's signal handler) or called MPI_Abort
+CRASHED = re.compile(r"\*\*\* Process received signal \*\*\*|MPI_ABORT was invoked")
 PEER_ERRORS = ("PeerLostError",)
 
 DISCOVERY_TIMEOUT = 30.0     # seconds a discovery script may run
+RELAUNCH_PAUSE = 1.0         # seconds between a job's end and its relaunch (its runtime's
+                             # files and ports go: a relaunch at once crashed now and then)
 REACH_TIMEOUT = 20.0         # seconds a host's reachability check may take
 HOST_RE = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+$")
 
@@ -332,6 +336,8 @@ class Outcome:
     exits: int = 0          # ranks that said they ended normally (kvcoll's atexit)
     starts: int = 0         # ranks that said they started (kv.init)
     stopped: int = 0        # ranks that ended because they were asked to stop (SIGUSR2)
+    crashed: bool = False   # a rank crashed or called MPI_Abort
+    fenced: int = 0         # ranks that exited outside the survivors' majority
 
     on_lost = None      # called with [(host, pid)] of the ranks survivors went on without
 
@@ -358,11 +364,15 @@ class Outcome:
                 self.stopped += bool(ev.get("preempted"))
             if ev.get("event") == "start":
                 self.starts += 1
+            if ev.get("event") == "fenced":
+                self.fenced += 1
             return
         m = RAISED.search(line)
         if m:
             self.raised.append(m.group(1).rsplit(".", 1)[-1])
             return
+        if CRASHED.search(line):
+            self.crashed = True
         if not re.match(r"^\[\d+,\d+\]<", line):
             m = LOST_ON_NODE.search(line + " ")
             if m:
@@ -555,8 +565,12 @@ def run(argv: list, *, command, watchdog, say, takes_one, takes_two, kill_after:
                 "from that checkpoint")
             continue
         # (Open MPI's runtime ends every rank when it loses a daemon, and mpirun may exit 0
-        # then: a kvcoll job finished only if some rank said it ended normally)
-        if code == 0 and (outcome.exits or not (outcome.lost or outcome.starts)):
+        # then, or after ranks aborted: a kvcoll job finished only if some rank said it
+        # ended normally, and none crashed or aborted)
+        # (a rank fenced off exits non-zero while the others may finish)
+        failed = outcome.crashed or outcome.raised
+        if (code == 0 or (outcome.fenced and outcome.exits)) and not failed and \
+                (outcome.exits or not (outcome.lost or outcome.starts)):
             if launches > 1 or outcome.lost:
                 say(f"the job recovered and finished ({launches} launch(es))")
             return 0
@@ -565,11 +579,12 @@ def run(argv: list, *, command, watchdog, say, takes_one, takes_two, kill_after:
         if outcome.below_min:
             say(f"the job stopped below --min-np {o.min_np}: {outcome.below_min}")
             return code or 1
-        if not outcome.lost:
+        retry = launches > 1 and outcome.starts < n    # a relaunch that did not come up
+        if not outcome.lost and not retry:
             say("the job failed without losing a rank or host"
                 + (f" (a rank raised {outcome.bug})" if outcome.bug else "")
                 + ": not relaunching (a relaunch would fail the same way)")
-            return code
+            return code or 1
         failures += 1
         if failures > o.max_relaunches:
             say(f"lost {_describe_lost(outcome)} again, after {o.max_relaunches} relaunch(es) "
@@ -596,9 +611,11 @@ def run(argv: list, *, command, watchdog, say, takes_one, takes_two, kill_after:
                 f"({_describe(hosts)}), fewer than --min-np {o.min_np}, for "
                 f"{o.elastic_timeout:g}s (--elastic-timeout): giving up")
             return code or 1
-        say(f"lost {_describe_lost(outcome)}: relaunching on {n} rank(s) "
-            f"({_describe(hosts)}) from the latest checkpoint (relaunch {failures} of at most "
-            f"{o.max_relaunches})")
+        why = f"lost {_describe_lost(outcome)}" if outcome.lost else \
+            f"the relaunch did not come up ({outcome.starts} of {n} rank(s) started)"
+        say(f"{why}: relaunching on {n} rank(s) ({_describe(hosts)}) from the latest "
+            f"checkpoint (relaunch {failures} of at most {o.max_relaunches})")
+        time.sleep(RELAUNCH_PAUSE)
 
 
 def _export(cmd: list, names: list) -> list:

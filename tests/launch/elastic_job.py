@@ -222,7 +222,9 @@ def main(argv=None) -> int:
     tables = {n: kv.KvTable(d, name=n, initializer=("normal", 0.0, 0.05), seed=3,
                             optimizer=kv.optimizers.Adagrad(0.1)) for n, d in DIMS.items()}
     compute = Linear()
-    loop = Loop(make_exchange(comm, tables, cfg.mode), compute)
+    # SSP/ASP: the dense vector lives in slices on their owners, updated there with SGD
+    loop = Loop(make_exchange(comm, tables, cfg.mode, compute.n_dense,
+                              kv.optimizers.SGD(LR)), compute)
     ck = Checkpointer(tables, comm, dense=Dense(compute), owners=loop.ex.owners)
     source = args.restore_from or (args.ckpt if args.restore else None)
     if source and latest(source):
@@ -242,7 +244,8 @@ def main(argv=None) -> int:
                 dumped["full"] = True     # the dump cleared the dirty bits
 
     session = elastic.Session(loop, checkpointer=ck, directory=args.ckpt,
-                              callbacks=lambda: [Hooks()]) if elastic.enabled() else None
+                              callbacks=lambda: [Hooks()]) \
+        if elastic.enabled() and loop.synchronous else None    # (SSP/ASP: relaunched)
 
     def run(fn):
         return session.run(fn) if session is not None else fn()

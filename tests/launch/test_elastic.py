@@ -22,6 +22,9 @@ checkpoints, BSP, without TensorFlow):
   (a relaunch on two), and once its cooldown is over the discovery script lists it as
   usable: kvcollrun asks the job to stop after a step and save, and relaunches it on
   three from that checkpoint; the job finishes;
+- SSP and ASP (this host, 3 ranks): a killed rank ends the job (their exchange has no
+  in-memory recovery), kvcollrun relaunches it on the survivors from the latest
+  checkpoint, and it finishes;
 - below --min-np (this host, 2 ranks, --min-np 2, one killed): the survivor saves what
   it holds (a delta on the chain) and exits non-zero with the reason within seconds,
   and kvcollrun does not relaunch; that checkpoint restores to the survivor's rows as
@@ -410,3 +413,18 @@ def test_a_host_that_comes_back_grows_the_job(hosts, tmp_path, cleanup):
     assert grown, "no rank 2 after growing back"
     print(f"\ngrew back to 3 ranks {grown[0] - t_ask:.1f}s after kvcollrun asked the job to "
           f"stop (at step {stopped.group(1)})")
+
+
+@pytest.mark.parametrize("mode", ["ssp", "asp"])
+def test_ssp_and_asp_are_relaunched_on_the_survivors(tmp_path, mode):
+    code, out = mpirun(3, [JOB, "--step-mode", mode, "--staleness", 2, "--steps", 80,
+                           "--ckpt", tmp_path / "ck", "--full-every", 20,
+                           "--incremental-every", 5, "--restore", "--step-ms", 20,
+                           "--kill-rank", 2, "--kill-at", 33], 180, f"{mode} kill",
+                       launcher=[ROOT / "launch" / "kvcollrun", "--elastic", "--min-np", 2])
+    assert code == 0, out[-5000:]
+    assert re.search(r"kvcollrun: lost .*: relaunching on 2 rank\(s\) \(this host\) from the "
+                     r"latest checkpoint", out), out[-4000:]
+    restored = re.search(r"restored ckpt-\d+ at step (\d+) on 2 rank\(s\)", out)
+    assert restored and 20 <= int(restored.group(1)) <= 35, out[-4000:]
+    assert "the job recovered and finished (2 launch(es))" in out

@@ -314,3 +314,16 @@ def test_more_hosts_grow_the_job_at_a_save(tmp_path):
     assert "1 more slot(s) usable (a:1, b:1, c:1): asking the job to stop after its next " \
            "step and save, to grow from 2 to 3 rank(s)" in said
     assert "the job stopped and saved: relaunching on 3 rank(s)" in said
+
+
+def test_a_relaunch_that_does_not_come_up_is_retried_and_never_taken_for_success(tmp_path):
+    start = '[1,0]<stderr>: kvcoll-elastic {"event": "start", "rank": 0}'
+    plan = [{"print": [LOST_C], "code": 1},
+            # a rank crashed while MPI came up, and mpirun exited 0 all the same
+            {"print": ["[1,0]<stderr>: [vm:1] *** Process received signal ***",
+                       "[1,1]<stderr>: kvcoll: rank 1 raised CommError; aborting the job"],
+             "code": 0},
+            {"print": [start, '[1,0]<stderr>: kvcoll-elastic {"event": "exit", "rank": 0}']}]
+    code, out, runs = launch(tmp_path, ["--min-np", "1", "-H", "a:1,b:1,c:1", "true"], plan)
+    assert code == 0 and len(runs) == 3, out
+    assert "the relaunch did not come up (0 of 2 rank(s) started): relaunching" in out, out
