@@ -281,6 +281,8 @@ def report(metrics: dict, args, writer) -> None:
 
     if "planted_auc" in metrics:
         metrics["target_auc"] = 0.5 + 0.8 * (metrics["planted_auc"] - 0.5)
+    from kvcoll import elastic  # kvcoll: lost ranks an elastic run survived, with timings
+    metrics["elastic_events"] = elastic.events()
     if args.metrics_out:
         Path(args.metrics_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.metrics_out).write_text(json.dumps(metrics, indent=1) + "\n")

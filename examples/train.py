@@ -176,8 +176,9 @@ class Synthetic:
 
     def train(self, start=0):
         for step in range(start, self.steps):
-            # kvcoll: this rank's slice of global batch `step`, generated alone
-            yield self.gen.batch(step, self.args.batch_size, self.rank, self.world)
+            # kvcoll: this rank's slice of global batch `step`, generated alone (for the
+            # world it is in now: an elastic run's survivors take larger slices)
+            yield self.gen.batch(step, self.args.batch_size, kv.rank(), kv.size())
 
     def eval_chunks(self, n):
         """This rank's part of the first n eval samples (model.predict batches it)."""

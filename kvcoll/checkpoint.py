@@ -135,7 +135,7 @@ from .errors import CheckpointError, InvalidArgumentError, NonFiniteError
 from .routing import OwnerMap, bucket_of, owners_for
 from .table import KvTable, first_nonfinite_row
 
-__all__ = ["latest", "Checkpointer", "SaveInfo", "RestoreInfo",
+__all__ = ["latest", "check_shared", "Checkpointer", "SaveInfo", "RestoreInfo",
            "read_shard", "FORMAT", "VERSION", "RESTORE_BUFFER", "MIN_RESTORE_BUFFER"]
 
 FORMAT = "kvcoll-checkpoint"
@@ -229,17 +229,22 @@ def _write_admission(tmp: str, shard: str, t: KvTable, name: str, comm) -> dict:
                     "world": comm.size, "rows": 0, "admission": True}}
 
 
-def _read_admission(directory: str, m: dict, tables: dict, comm, owners=None) -> dict:
+def _read_admission(directory: str, m: dict, tables: dict, comm, owners=None,
+                    only=None) -> dict:
     """{table: admission state for this rank} from checkpoint m (verified), under the
     owner map `owners` (default: the even map of comm.size): its own file when m was
     written on the same map; else the pending keys it now owns from every file whose
     writer owned one of its buckets (every file before version 3, routed by world
-    size), and their Bloom filters merged (never admits later than the saved run)."""
+    size), and their Bloom filters merged (never admits later than the saved run).
+    only: a bool mask of buckets (Checkpointer.refill): the keys of those alone."""
     owners = owners_for(comm, owners)
     writers = _manifest_owners(m, owners) if m.get("version", 0) >= 3 else None
-    same = writers is not None and writers == owners
+    mine = owners.array == comm.rank
+    if only is not None:
+        mine = mine & only
+    same = writers is not None and writers == owners and only is None
     meets = None if writers is None else \
-        np.bincount(writers.array[owners.array == comm.rank], minlength=writers.world) > 0
+        np.bincount(writers.array[mine], minlength=writers.world) > 0
     out = {}
     for name, t in tables.items():
         adm = [f for f in m["tables"][name].get("admission", [])]
@@ -256,7 +261,7 @@ def _read_admission(directory: str, m: dict, tables: dict, comm, owners=None) ->
             buf = _shards.read_verified(path, info["sha256"], info["bytes"])
             recs = _check_admission(path, _shards.parse_records_v1(buf, path), t)
             if not same:
-                keep = owners.owner_of(recs["keys"]) == comm.rank
+                keep = mine[bucket_of(recs["keys"], owners.buckets)]
                 recs.update(keys=recs["keys"][keep], counts=recs["counts"][keep],
                             steps=recs["steps"][keep])
             parts.append(recs)
@@ -427,6 +432,8 @@ class Checkpointer:
         self.restore_buffer = _checked_buffer(restore_buffer)
         self.version = version
         self._parent = None  # (abs dir, name, version) the dirty bits are relative to
+        self.chain_dir = None  # the directory of the last save or restore (its chain)
+        self._carried: dict = {}  # per table: removed keys a refill kept for the next save
 
     # -- save ------------------------------------------------------------------------
 
@@ -454,6 +461,9 @@ class Checkpointer:
             for i, (name, t) in enumerate(self.tables.items()):
                 t.track_removed(True)  # from now on removals are logged for the next delta
                 logged = t.take_removed()  # a full save holds every live row: drop it
+                carried = self._carried.pop(name, None)   # (taken out by a refill)
+                if carried is not None:
+                    logged = np.concatenate([carried, logged])
                 removed = np.unique(logged) if delta else np.zeros(0, np.int64)
                 # format 1: as kvcoll wrote it, a baseline for the benchmark
                 rows = t.export(dirty_only=delta, clear_dirty=True) if self.version == 1 \
@@ -492,6 +502,9 @@ class Checkpointer:
             errors.append(f"the ranks route by different owner maps "
                           f"({[g['map'] for g in gathered]}, by rank): every rank must "
                           "pass the same owners= (nothing was saved)")
+        gate = getattr(comm, "gate", None)
+        if gate is not None and not errors:  # elastic: commit only if every rank got here
+            gate()
         result = None
         if comm.rank == 0:
             if errors:
@@ -505,6 +518,7 @@ class Checkpointer:
         if "error" in result:
             raise CheckpointError(result["error"])
         self._parent = (directory, plan["name"], self.version)
+        self.chain_dir = directory
         return SaveInfo(os.path.join(directory, plan["name"]), plan["name"], plan["kind"],
                         int(step), result["rows"], result["bytes"], time.perf_counter() - t0)
 
@@ -588,7 +602,91 @@ class Checkpointer:
         return {"rows": sum(t["rows"] for t in tables.values()),
                 "bytes": sum(v["bytes"] for v in files.values())}
 
+    @property
+    def parent(self) -> str | None:
+        """The checkpoint the next incremental save would be a delta of (None: the next
+        save is full), in `chain_dir`."""
+        return self._parent[1] if self._parent is not None else None
+
+    def replan(self, comm, owners: OwnerMap | None = None) -> None:
+        """Save and restore on communicator `comm` and owner map `owners` from now on (a
+        world that changed: kvcoll.elastic). The incremental chain goes on: the next
+        delta holds the rows changed since the last save, under the new map."""
+        self.comm = comm
+        self.owners = owners_for(comm, owners)
+
     # -- restore ---------------------------------------------------------------------
+
+    def refill(self, directory, buckets, *, checkpoint: str | None = None,
+               buffer_bytes: int | None = None) -> RestoreInfo:
+        """Restore only the rows of `buckets` (a bool mask over the owner map's buckets,
+        or an array of bucket numbers) that this rank owns, from `directory`'s latest
+        checkpoint chain (or `checkpoint`): what a survivor does with the buckets of a
+        lost rank (kvcoll.elastic). Every other row, the dense part, the removed-keys log
+        and the incremental chain stay as they are; the refilled rows are clean (the
+        chain holds them) and their admission state comes back too. Only the pages that
+        hold such buckets are read. A collective; on any problem every rank raises
+        CheckpointError before anything changed. RestoreInfo.rows: the rows this rank
+        refilled."""
+        t0 = time.perf_counter()
+        comm = self.comm
+        only = np.zeros(self.owners.buckets, bool)
+        b = np.asarray(buckets)
+        if b.dtype == bool:
+            if b.shape != only.shape:
+                raise InvalidArgumentError(f"refill: a bucket mask must have the map's "
+                                           f"{only.size} entries, got shape {b.shape}")
+            only[:] = b
+        else:
+            b = b.astype(np.int64).reshape(-1)
+            if b.size and (b.min() < 0 or b.max() >= only.size):
+                raise InvalidArgumentError(f"refill: buckets must be in [0, {only.size}), got "
+                                           f"{int(b.min())}..{int(b.max())}")
+            only[b] = True
+        buffer_bytes = self.restore_buffer if buffer_bytes is None \
+            else _checked_buffer(buffer_bytes)
+        directory = os.path.abspath(os.fspath(directory))
+        err, loaded = None, None
+        try:
+            loaded = self._load(directory, checkpoint, buffer_bytes, only=only)
+        except CheckpointError as exc:
+            err = f"rank {comm.rank}: {exc}"
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            err = f"rank {comm.rank}: {directory}: unreadable checkpoint " \
+                  f"({type(exc).__name__}: {exc})"
+        errors = [e for e in comm.allgather_json(err, "checkpoint:refill:verify") if e]
+        if errors:
+            if loaded is not None:
+                loaded.close()
+            raise CheckpointError(errors[0] + "; nothing was refilled")
+        before = sum(len(t) for t in self.tables.values())
+        err = None
+        try:
+            # the replay's deletions are no news for the next delta, this rank's own
+            # removals since the last save are: they wait outside the log meanwhile
+            for name, t in self.tables.items():
+                mine = t.take_removed()
+                if mine.size or name in self._carried:
+                    self._carried[name] = np.concatenate(
+                        [self._carried.get(name, np.zeros(0, np.int64)), mine])
+            loaded.apply()
+            for t in self.tables.values():
+                t.take_removed()
+            for name, state in loaded.admission.items():
+                self.tables[name].import_admission(state, merge=True)
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+            err = f"rank {comm.rank}: {type(exc).__name__}: {exc}"
+        finally:
+            loaded.close()
+        errors = [e for e in comm.allgather_json(err, "checkpoint:refill:replayed") if e]
+        if errors:
+            raise CheckpointError(errors[0] + " (while refilling buckets from the checkpoint "
+                                  "chain, after every rank had verified it)")
+        chain = loaded.chain
+        return RestoreInfo(os.path.join(directory, chain[-1]["_name"]), chain[-1]["_name"],
+                           chain[-1]["step"], tuple(m["_name"] for m in chain),
+                           sum(len(t) for t in self.tables.values()) - before, loaded.nbytes,
+                           time.perf_counter() - t0)
 
     def restore(self, directory, checkpoint: str | None = None, *,
                 buffer_bytes: int | None = None) -> RestoreInfo:
@@ -650,6 +748,7 @@ class Checkpointer:
                 "rank had verified it: every table was cleared (the dense model was rolled "
                 "back)")
         ids.adopt_id_hash(loaded.id_hash, os.path.join(directory, loaded.chain[-1]["_name"]))
+        self._carried = {}
         for t in self.tables.values():
             t.track_removed(True)  # the next delta's removals are relative to this one
             t.take_removed()
@@ -659,13 +758,15 @@ class Checkpointer:
         last = chain[-1]
         comm.barrier("checkpoint:restored")
         self._parent = (directory, last["_name"], last["version"])
+        self.chain_dir = directory
         return RestoreInfo(os.path.join(directory, last["_name"]), last["_name"], last["step"],
                            tuple(m["_name"] for m in chain),
                            sum(len(t) for t in self.tables.values()), loaded.nbytes,
                            time.perf_counter() - t0, tuple(last.get("progress") or ()))
 
-    def _load(self, directory: str, checkpoint: str | None, buffer_bytes: int):
-        """Read and verify everything this rank needs (pass 1); change nothing."""
+    def _load(self, directory: str, checkpoint: str | None, buffer_bytes: int, only=None):
+        """Read and verify everything this rank needs (pass 1); change nothing. only: a
+        bool mask of buckets (refill): their rows alone, no dense part."""
         if checkpoint is None:
             try:
                 with open(os.path.join(directory, LATEST)) as f:
@@ -699,7 +800,7 @@ class Checkpointer:
         id_hash = _id_hash(directory, chain)
         last = chain[-1]
         nbytes = 0
-        if self.dense is not None:
+        if self.dense is not None and only is None:
             if not last.get("dense"):
                 raise CheckpointError(f"{os.path.join(directory, last['_name'])} holds no "
                                       "dense model; it was saved without one")
@@ -710,12 +811,13 @@ class Checkpointer:
                 nbytes += info["bytes"]
             self.dense.check(os.path.join(directory, last["_name"]))
         if versions[0] == 1:
-            loaded = _V1Load(directory, chain, self.tables, self.comm, nbytes, self.owners)
+            loaded = _V1Load(directory, chain, self.tables, self.comm, nbytes, self.owners,
+                             only)
         else:
             loaded = _Replay(directory, chain, self.tables, self.comm, buffer_bytes, nbytes,
-                             self.owners)
+                             self.owners, only)
         loaded.admission = _read_admission(directory, last, self.tables, self.comm,
-                                           self.owners)
+                                           self.owners, only)
         loaded.id_hash = id_hash
         return loaded
 
@@ -835,11 +937,14 @@ class _Replay:
     the tables)."""
 
     def __init__(self, directory: str, chain: list, tables: dict, comm, buffer_bytes: int,
-                 nbytes: int, owners: OwnerMap | None = None):
+                 nbytes: int, owners: OwnerMap | None = None, only=None):
         self.chain, self.comm = chain, comm
         self.rank, self.world = comm.rank, comm.size
         self.owners = owners_for(comm, owners)
         self.mine = self.owners.array == self.rank        # the buckets this rank reads
+        self.only = only      # refill: a bucket mask; the tables are not cleared
+        if only is not None:
+            self.mine = self.mine & only
         self._mine_at = np.concatenate([[0], np.cumsum(self.mine)])
         self._residues: dict = {}
         self.version = chain[0].get("version", VERSION)
@@ -985,8 +1090,9 @@ class _Replay:
         docstring), in chain order inside a group: removals, then rows."""
         for plan in self.plans:
             t = plan.table
-            t.clear()
-            t.track_removed(False)  # replay's deletions are not news for the next delta
+            if self.only is None:   # (a refill adds to the rows there are)
+                t.clear()
+                t.track_removed(False)  # replay's deletions are not news for the next delta
             pages, spans = plan.pages, self._spans(plan)
             if not pages.size:
                 continue
@@ -1027,7 +1133,9 @@ class _Replay:
         cols = _shards.split_page(view, kind, int(page["count"]), t.dim, t.slot_floats)
         ids = cols["removed" if kind == _shards.REMOVED else "keys"]
         keep = None
-        if page["filter"]:
+        if page["filter"] and self.only is not None:
+            keep = self.mine[bucket_of(ids, self.owners.buckets)]
+        elif page["filter"]:
             keep = self.owners.owner_of(ids) == self.rank
         if keys is not None:
             k = bucket_of(ids, plan.nk)
@@ -1055,9 +1163,17 @@ class _V1Load:
     memory until apply()."""
 
     def __init__(self, directory: str, chain: list, tables: dict, comm, nbytes: int,
-                 owners: OwnerMap | None = None):
+                 owners: OwnerMap | None = None, only=None):
         rank, owners = comm.rank, owners_for(comm, owners)
         self.chain, self.tables, self.per_ckpt = chain, tables, []
+        self.only = only
+        mine = owners.array == rank
+        if only is not None:
+            mine = mine & only
+
+        def ours(keys):
+            return mine[bucket_of(keys, owners.buckets)]
+
         for m in chain:
             rows = {}
             for name, t in tables.items():
@@ -1071,9 +1187,8 @@ class _V1Load:
                     nbytes += buf.size
                     a = _shards.check_records_v1(_shards.parse_records_v1(buf, path), path,
                                                  t.dim, t.slot_floats)
-                    keep = owners.owner_of(a["keys"]) == rank
-                    a = {k: v[owners.owner_of(v) == rank] if k == "removed" else v[keep]
-                         for k, v in a.items()}
+                    keep = ours(a["keys"])
+                    a = {k: v[ours(v)] if k == "removed" else v[keep] for k, v in a.items()}
                     parts.append(a)
                 if len(parts) == 1:
                     rows[name] = parts[0]
@@ -1085,8 +1200,9 @@ class _V1Load:
 
     def apply(self) -> None:
         for name, t in self.tables.items():
-            t.clear()
-            t.track_removed(False)  # replay's deletions are not news for the next delta
+            if self.only is None:   # (a refill adds to the rows there are)
+                t.clear()
+                t.track_removed(False)  # replay's deletions are not news for the next delta
             for rows in self.per_ckpt:
                 r = rows[name]
                 if r["removed"].size:  # removals first: a re-created key stays
@@ -1128,6 +1244,44 @@ def _read_manifest(directory: str, name: str) -> dict:
                               "are not valid")
     m["_name"] = name
     return m
+
+
+def check_shared(directory, comm) -> None:
+    """Check, at the start of a job, that every rank sees the same checkpoint directory
+    (a collective): rank 0 writes a file with a fresh token there and every rank reads
+    it back. Every rank raises CheckpointError naming the ranks (and their hosts) that
+    cannot, and the fix, before any save could write rows a restore would not find."""
+    directory = os.path.abspath(os.fspath(directory))
+    name = ".kvcoll-shared-check"
+    token = None
+    if comm.rank == 0:
+        token = secrets.token_hex(8)
+        try:
+            os.makedirs(directory, exist_ok=True)
+            _shards.write_durably(os.path.join(directory, name), token.encode())
+        except OSError as exc:
+            token = f"error: {exc}"
+    token = comm.bcast_bytes(token.encode() if comm.rank == 0 else None,
+                             op="checkpoint:shared").decode()
+    if token.startswith("error: "):
+        raise CheckpointError(f"cannot write to the checkpoint directory {directory} on rank "
+                              f"0: {token[7:]}")
+    try:
+        with open(os.path.join(directory, name)) as f:
+            seen = f.read().strip() == token
+    except OSError:
+        seen = False
+    said = comm.allgather_json(seen, "checkpoint:shared:seen")
+    blind = [r for r, ok in enumerate(said) if not ok]
+    if blind:
+        hosts = getattr(comm, "hosts", None)
+        where = "" if not hosts else " on host(s) " + ", ".join(
+            sorted({hosts[r] for r in blind if r < len(hosts)}))
+        raise CheckpointError(
+            f"rank(s) {blind}{where} do not see the checkpoint directory {directory} that "
+            "rank 0 writes: every rank writes its part there and reads the parts it owns "
+            "on a restore (and the survivors of a lost rank read its buckets); put it on a "
+            "file system every host mounts at the same path (NFS, Lustre, a shared volume)")
 
 
 def latest(directory) -> str | None:

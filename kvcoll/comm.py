@@ -49,11 +49,22 @@ import time
 import numpy as np
 
 from ._buffers import aligned_empty
-from .errors import CommError, CommTimeoutError
+from .errors import CommError, CommTimeoutError, PeerLostError
 
-__all__ = ["AllToAllHandle", "Comm", "SendHandle", "paused", "run_time"]
+__all__ = ["AllToAllHandle", "Comm", "SendHandle", "announce", "paused", "run_time"]
 
 _MPI = None
+
+
+def skip_finalize() -> None:
+    """Do not run MPI_Finalize at exit (mpi4py.rc.finalize = False; before MPI is up):
+    an elastic run's (kvcoll.elastic), where it may hang after a peer was lost (Open MPI
+    issue 11404) or with ULFM's detector thread. Exit codes are kept. (If something
+    imported mpi4py.MPI before kv.init(), its MPI_Finalize stays.)"""
+    if _MPI is None and "mpi4py.MPI" not in sys.modules:
+        import mpi4py
+
+        mpi4py.rc.finalize = False
 
 
 def _mpi(limit: float | None = None):
@@ -271,7 +282,7 @@ def _identity() -> dict:
         ns = ""
     return {"host": socket.gethostname(), "pid": os.getpid(),
             "boot": _read("/proc/sys/kernel/random/boot_id"), "pidns": ns,
-            "start": _start_time(os.getpid())}
+            "start": _start_time(os.getpid()), "launch_rank": _launch_rank()[0]}
 
 
 def _proc_state(ident: dict, me: dict | None = None) -> str | None:
@@ -453,10 +464,15 @@ class Comm:
     channel, shared with the dups) waits at most the "startup" deadline.
 
     step: the training step the caller is in (None: not training yet), named in
-    timeout errors; the exchanges set it."""
+    timeout errors; the exchanges set it.
+
+    elastic: the run survives a lost peer (Open MPI's ULFM, `mpirun --with-ft ulfm`): an
+    error of a lost peer in any wait revokes the communicator (so that every rank's
+    waits on it end at once) and raises PeerLostError; `consensus`, `revoke` and
+    `shrink` are what the survivors recover with (kvcoll.elastic)."""
 
     def __init__(self, parent=None, timeout: float = 300.0, timeouts: dict | None = None,
-                 _live: _Liveness | None = None):
+                 _live: _Liveness | None = None, elastic: bool = False):
         self.timeouts = {"step": float(timeout), "io": float(timeout),
                          "startup": float(timeout), **(timeouts or {})}
         MPI = _mpi(self.timeouts["startup"])
@@ -465,7 +481,10 @@ class Comm:
         self.size = 0
         self.step: int | None = None
         self.calls: dict[str, int] = {}  # per operation name: how many times issued
+        self.elastic = bool(elastic)
+        self.gate = None    # elastic: the step's commit vote (kvcoll.elastic), or None
         self._live, self._owns_live = _live, False
+        self._comm = None
         parent = parent if parent is not None else MPI.COMM_WORLD
         self.rank, self.size = parent.Get_rank(), parent.Get_size()
         first = self._live is None and self.size > 1
@@ -481,8 +500,8 @@ class Comm:
                 self._live, self._owns_live = _Liveness(live), True
                 self._live.peers = self.allgather_json(_identity(), op="dup:identities")
         except (CommError, CommTimeoutError):
-            if first:  # uncaught, end the job (else MPI_Finalize at exit waits for the lost
-                install_abort_hook(_ParentAbort(parent))  # rank forever)
+            if first and _ABORT["comm"] is None:  # uncaught, end the job (else MPI_Finalize
+                install_abort_hook(_ParentAbort(parent))  # at exit waits for the lost rank)
             raise
         self.timeout, self.kind = self.timeouts["step"], "step"
         self.thread_level = MPI.Query_thread()
@@ -541,13 +560,17 @@ class Comm:
         """Wait for a request (polling, see _poll_until); raise CommTimeoutError after
         `timeout` s, naming the ranks that gave no sign of life (see `liveness`); `peer`:
         the rank a point-to-point request goes to."""
-        if req.Test():
-            return
-        with self.waiting(op):
-            before = _run_paused  # read by waiting() just now
-            _poll_until(req.Test, self.timeout,
-                        lambda: self._timed_out(op, peer, paused() - before), spin=SPIN,
-                        idle=self.answer_liveness)
+        since = time.monotonic()
+        try:
+            if req.Test():
+                return
+            with self.waiting(op):
+                before = _run_paused  # read by waiting() just now
+                _poll_until(req.Test, self.timeout,
+                            lambda: self._timed_out(op, peer, paused() - before), spin=SPIN,
+                            idle=self.answer_liveness)
+        except _mpi().Exception as exc:
+            raise self.lost(exc, op, since) from None
 
     def _timed_out(self, op: str, peer: int | None, own_pause: float = 0.0) -> str:
         head = (f"rank {self.rank}/{self.size}: {op}{_at(self.step)} did not complete within "
@@ -623,7 +646,122 @@ class Comm:
     def dup(self) -> "Comm":
         """Another private communicator over the same ranks (e.g. for a service thread):
         a collective, with the startup deadline. It shares this one's liveness channel."""
-        return Comm(self._comm, self.timeouts["step"], self.timeouts, _live=self._live)
+        c = Comm(self._comm, self.timeouts["step"], self.timeouts, _live=self._live,
+                 elastic=self.elastic)
+        c.gate = self.gate
+        return c
+
+    # -- a lost peer (elastic runs) -----------------------------------------------------
+
+    def lost(self, exc, op: str, since: float | None = None) -> BaseException:
+        """The error to raise for an MPI error `exc` in `op`: PeerLostError for a lost
+        peer (MPI_ERR_PROC_FAILED, its _PENDING form, MPI_ERR_REVOKED), after revoking
+        this communicator so that every rank learns of it; CommError otherwise."""
+        MPI = _mpi()
+        try:
+            code = exc.Get_error_class()
+        except Exception:  # noqa: BLE001 - not an MPI error object
+            code = None
+        lost_codes = {getattr(MPI, n, -1) for n in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING",
+                                                    "ERR_REVOKED")}
+        if code not in lost_codes:
+            return CommError(f"rank {self.rank}/{self.size}: {op}{_at(self.step)} failed: "
+                             f"{exc}")
+        self.revoke()
+        ranks = self.failed_ranks()
+        who = (f"lost {self.describe(ranks)}" if ranks else
+               "another rank lost a peer and revoked the communicator")
+        return PeerLostError(f"rank {self.rank}/{self.size}: {op}{_at(self.step)}: {who}",
+                             ranks, op, since)
+
+    def revoke(self) -> None:
+        """Revoke the communicator (ULFM): every rank's pending and later operations on it
+        end with MPI_ERR_REVOKED, wherever they wait. Once is enough; safe to repeat."""
+        if self._comm is None:
+            return
+        try:
+            if not self._comm.Is_revoked():
+                self._comm.Revoke()
+        except _mpi().Exception:  # pragma: no cover - a runtime without ULFM
+            pass
+
+    def failed_ranks(self) -> list[int]:
+        """The ranks of this communicator this process knows have failed (ULFM)."""
+        MPI = _mpi()
+        if self._comm is None:
+            return []
+        try:
+            group = self._comm.Get_failed()
+        except (MPI.Exception, AttributeError, NotImplementedError):
+            return []
+        try:
+            n = group.Get_size()
+            if not n:
+                return []
+            mine = self._comm.Get_group()
+            out = MPI.Group.Translate_ranks(group, list(range(n)), mine)
+            mine.Free()
+            return sorted(int(r) for r in out if r != MPI.UNDEFINED)
+        finally:
+            group.Free()
+
+    def consensus(self, flag: bool, op: str = "consensus") -> tuple[bool, bool]:
+        """ULFM's agreement (MPI_Comm_iagree): the AND of every live rank's `flag`, the same
+        on every rank that returns, even when a peer failed or the communicator was
+        revoked (that is what it is for). Returns (the agreed flag, whether a failure was
+        reported); waits up to the current deadline. Elastic runs only."""
+        MPI = _mpi()
+        self._count(op)
+        buf = np.array([1 if flag else 0], np.int32)
+        failed = False
+        try:
+            req = self._comm.Iagree(buf)
+            _poll_until(req.Test, self.timeout,
+                        lambda: f"rank {self.rank}/{self.size}: {op}{_at(self.step)}: the "
+                                f"survivors' agreement did not complete within "
+                                f"{self.timeout:g}s ({self.hint})", spin=SPIN)
+        except MPI.Exception:
+            failed = True
+        return bool(buf[0]), failed
+
+    def shrink(self, op: str = "shrink") -> tuple["Comm", list[int]]:
+        """The survivors' communicator (ULFM's MPI_Comm_shrink, after `revoke`): a new
+        elastic Comm over the ranks that have not failed, in the same order, with a
+        liveness channel of its own; and the ranks of this one that are not in it. A
+        collective of the survivors, waited up to the current deadline (a thread waits in
+        the blocking call; past the deadline CommTimeoutError)."""
+        MPI = _mpi()
+        self._count(op)
+        box: list = []
+
+        def run():
+            try:
+                box.append(self._comm.Shrink())
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                box.append(exc)
+
+        worker = threading.Thread(target=run, name="kvcoll-shrink", daemon=True)
+        worker.start()
+        _poll_until(lambda: bool(box), self.timeout,
+                    lambda: f"rank {self.rank}/{self.size}: {op}{_at(self.step)}: shrinking to "
+                            f"the survivors did not complete within {self.timeout:g}s "
+                            f"({self.hint})")
+        if isinstance(box[0], BaseException):
+            raise CommError(f"rank {self.rank}/{self.size}: {op}: {box[0]}")
+        shrunk = box[0]
+        old = self._comm.Get_group()
+        new = shrunk.Get_group()
+        kept = MPI.Group.Translate_ranks(new, list(range(new.Get_size())), old)
+        old.Free()
+        new.Free()
+        lost = sorted(set(range(self.size)) - {int(r) for r in kept})
+        try:
+            comm = Comm(shrunk, self.timeouts["step"], self.timeouts, elastic=True)
+        finally:
+            shrunk.Free()
+        comm.gate = self.gate
+        comm.step = self.step
+        return comm, lost
 
     def free(self) -> None:
         if self._comm is not None:
@@ -771,7 +909,13 @@ class Comm:
         with back-off) and return it as try_recv does. After `timeout` (default: the
         communicator's) raises CommTimeoutError naming this rank, the peer and the
         operation. `poll`, if given, is called while waiting (e.g. to check that a
-        helper thread is alive)."""
+        helper thread is alive). A lost peer (elastic runs) is a PeerLostError."""
+        try:
+            return self._recv(source, tag, op, timeout, poll, spin)
+        except _mpi().Exception as exc:
+            raise self.lost(exc, op) from None
+
+    def _recv(self, source, tag, op, timeout, poll, spin):
         got = self.try_recv(source, tag)
         if got is not None:
             return got
@@ -966,7 +1110,11 @@ class SendHandle:
     def done(self) -> bool:
         if self._req is None:
             return True
-        if self._req.Test():
+        try:
+            finished = self._req.Test()
+        except _mpi().Exception as exc:
+            raise self._c.lost(exc, self.op) from None
+        if finished:
             self._req, self._buf = None, None
             return True
         return False
@@ -988,14 +1136,45 @@ class _ParentAbort:
         self._parent.Abort(code)
 
 
+def announce(event: dict) -> None:
+    """Tell the elastic launcher (launch/kvcollrun --elastic) what happened: one line
+    `kvcoll-elastic {json}` on stderr (mpirun tags it with the rank)."""
+    sys.stderr.write("kvcoll-elastic " + json.dumps(event, sort_keys=True) + "\n")
+    sys.stderr.flush()
+
+
+_ABORT = {"comm": None}     # the communicator an uncaught exception aborts (the latest)
+
+
+def _peer_lost(exc) -> bool:
+    """Whether `exc` (or what it was raised from) is a lost peer: a PeerLostError, or
+    an MPI error of ULFM's (a service thread's own MPI call may raise it as it is)."""
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, PeerLostError) or any(
+                m in str(exc) for m in ("MPI_ERR_PROC_FAILED", "MPI_ERR_REVOKED")):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
 def install_abort_hook(comm: Comm) -> None:
     """Make an uncaught exception on any rank, in any thread, end the whole job instead
-    of leaving the other ranks waiting in a collective."""
-    if comm.size <= 1:
+    of leaving the other ranks waiting in a collective. Called again with a new
+    communicator (an elastic run's survivors), it aborts that one instead."""
+    installed = _ABORT["comm"] is not None
+    _ABORT["comm"] = comm
+    if comm.size <= 1 or installed:
         return
     previous, previous_thread = sys.excepthook, threading.excepthook
 
-    def abort(kind, where):
+    def abort(kind, where, value=None):
+        comm = _ABORT["comm"]
+        if getattr(comm, "elastic", False) and _peer_lost(value):
+            ranks = value.ranks if isinstance(value, PeerLostError) else comm.failed_ranks()
+            peers = comm.peers
+            announce({"event": "lost", "mode": "relaunch", "ranks": ranks,
+                      "hosts": sorted({peers[r]["host"] for r in ranks if r < len(peers)})})
         sys.stderr.write(f"kvcoll: rank {comm.rank} raised {kind.__name__}{where}; "
                          "aborting the job\n")
         sys.stderr.flush()
@@ -1007,13 +1186,13 @@ def install_abort_hook(comm: Comm) -> None:
 
     def hook(kind, value, tb):
         previous(kind, value, tb)
-        abort(kind, "")
+        abort(kind, "", value)
 
     def thread_hook(args):
         previous_thread(args)
         if args.exc_type is not SystemExit:
             name = args.thread.name if args.thread is not None else "?"
-            abort(args.exc_type, f" in thread {name!r}")
+            abort(args.exc_type, f" in thread {name!r}", args.exc_value)
 
     sys.excepthook = hook
     threading.excepthook = thread_hook

@@ -110,6 +110,9 @@ class Config:
         the unpipelined loop's). See docs/performance.md.
     xla: "on" or "off": compile the dense step with XLA (jit_compile), the rows padded
         to a few bucket sizes so it does not recompile. See docs/performance.md.
+    elastic_min_np: 0 (default): a lost rank ends the job. N >= 1: the run is elastic
+        (kvcoll.elastic; the elastic launcher, `kvcollrun --elastic --min-np N`, sets it):
+        the survivors of a lost rank continue in memory while at least N ranks are left.
     """
 
     step_mode: str = "bsp"
@@ -121,6 +124,7 @@ class Config:
     threads: int = 0
     pipeline: str = "on"
     xla: str = "off"
+    elastic_min_np: int = 0
 
     def __post_init__(self):
         if self.step_mode not in STEP_MODES:
@@ -140,6 +144,10 @@ class Config:
             if getattr(self, name) not in ("on", "off"):
                 raise InvalidArgumentError(
                     f"{name} must be 'on' or 'off', got {getattr(self, name)!r}")
+        if isinstance(self.elastic_min_np, bool) or not isinstance(self.elastic_min_np, int) \
+                or self.elastic_min_np < 0:
+            raise InvalidArgumentError(
+                f"elastic_min_np must be an integer >= 0, got {self.elastic_min_np!r}")
         for name in ("comm_timeout", "io_timeout", "startup_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:

@@ -14,6 +14,7 @@ __all__ = [
     "ClosedError",
     "CommTimeoutError",
     "CommError",
+    "PeerLostError",
     "CheckpointError",
 ]
 
@@ -63,6 +64,17 @@ class CommError(RuntimeError, KvcollError):
     """A collective failed or the ranks disagreed."""
 
     __init__ = Exception.__init__
+
+
+class PeerLostError(CommError):
+    """An elastic run lost a peer (dead, stopped or cut off) during a collective; the
+    survivors recover from it (kvcoll.elastic). `ranks`: the lost ranks this rank knows
+    of (of the communicator it waited on; may be empty when another rank saw the loss
+    first and revoked the communicator)."""
+
+    def __init__(self, message: str, ranks=(), op: str = "", since: float | None = None):
+        super().__init__(message)
+        self.ranks, self.op, self.since = list(ranks), op, since
 
 
 class CommTimeoutError(TimeoutError, KvcollError):

@@ -28,7 +28,7 @@ import threading
 import numpy as np
 
 from . import ids
-from .comm import Comm, install_abort_hook
+from .comm import Comm, announce, install_abort_hook, skip_finalize
 from .config import Config
 from .errors import CommError, CommTimeoutError, InvalidArgumentError, KvcollError
 
@@ -57,24 +57,53 @@ def init(argv: list[str] | None = None, **settings) -> Config:
         return _state["config"]
     cfg = Config.resolve(sys.argv[1:] if argv is None else argv, **settings)
     ids.configure(cfg.id_hash)
-    comm = Comm(timeout=cfg.comm_timeout, timeouts=cfg.timeouts)
+    if cfg.elastic_min_np:  # (kvcoll.elastic) MPI_Finalize may hang after a lost peer
+        skip_finalize()
+    comm = Comm(timeout=cfg.comm_timeout, timeouts=cfg.timeouts,
+                elastic=cfg.elastic_min_np > 0)
+    _state.update(config=cfg)
+    replace_comm(comm)
+    atexit.register(_at_exit)
+    if cfg.elastic_min_np:  # the launcher learns which ranks started and which ended
+        announce({"event": "start", "rank": comm.rank})
+        _stop_on_sigusr2()
+    return cfg
+
+
+def _stop_on_sigusr2() -> None:
+    """Elastic runs: kvcollrun asks a job to stop after a step and save (to grow it, as a
+    preemption does) with SIGUSR2; outside model.fit (which stops every rank after the
+    same step) it is noted (preempted()), never fatal."""
+    import signal
+
+    try:
+        signal.signal(signal.SIGUSR2, lambda *_: note_preempted())
+    except ValueError:  # not the main thread: the default stays
+        pass
+
+
+def replace_comm(comm: Comm) -> None:
+    """Make `comm` kvcoll's communicator (kv.init; kvcoll.elastic after a lost rank):
+    kv.rank(), kv.size() and local_rank() answer for it, and an uncaught exception
+    aborts it."""
     install_abort_hook(comm)
     hosts = comm.hosts  # learnt with the communicator (every rank's pid and host)
     mine = [r for r, h in enumerate(hosts) if h == hosts[comm.rank]]
-    _state.update(config=cfg, comm=comm, local=(mine.index(comm.rank), len(mine)))
-    atexit.register(_at_exit)
-    return cfg
+    _state.update(comm=comm, local=(mine.index(comm.rank), len(mine)))
 
 
 def _at_exit() -> None:
     """Stop SSP/ASP service threads before MPI_Finalize (which mpi4py runs at exit,
-    after this: atexit runs in reverse order of registration). Inside a Horovod job whose
-    Horovod still runs (hvd.init() came first, so Horovod's own atexit shutdown comes
-    after this), shut kvcoll down as well, ending with Horovod's barrier: see the
-    module's docstring."""
+    after this: atexit runs in reverse order of registration). An elastic run tells its
+    launcher that this rank ended normally. Inside a Horovod job whose Horovod still
+    runs (hvd.init() came first, so Horovod's own atexit shutdown comes after this),
+    shut kvcoll down as well, ending with Horovod's barrier: see the module's
+    docstring."""
     from .exchange.ssp import close_all
 
     close_all()
+    if _state and _state["config"].elastic_min_np:
+        announce({"event": "exit", "rank": _state["comm"].rank, "preempted": preempted()})
     if _state and _horovod_world(_state["comm"]):
         shutdown()
 

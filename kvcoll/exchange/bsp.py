@@ -289,8 +289,13 @@ class BspExchange:
         self.table_seconds += time.perf_counter() - t0
         counts = pending.plan[1]
         self.comm.step = pending.step
-        got, _ = self.comm.alltoallv(reply, (recv_counts * dims).sum(axis=1), op="pull:rows",
-                                     recv_counts=(counts * dims).sum(axis=1)).wait()
+        try:
+            got, _ = self.comm.alltoallv(reply, (recv_counts * dims).sum(axis=1),
+                                         op="pull:rows",
+                                         recv_counts=(counts * dims).sum(axis=1)).wait()
+        except BaseException:       # (a lost peer) the rows this step created go again
+            self._set.forget_new(served, pending.step)
+            raise
         out = Pull(self._set, self._names, [a.size for a in pending.given], got, pending.plan)
         out.step, out.served = pending.step, served
         if pending.create:
@@ -449,6 +454,9 @@ class Pushed:
             raise AssertionError(f"commit() of a step that failed on ranks {failed}: "
                                  "abandon it")
         self._rows.wait()
+        gate = getattr(self._ex.comm, "gate", None)
+        if gate is not None:        # elastic: every survivor commits this step, or none
+            gate()
         prepared, self._prepared = self._prepared, None
         if isinstance(prepared, NonFiniteError):  # a NaN no rank voted for (no agreement)
             self._abandon()
@@ -461,11 +469,14 @@ class Pushed:
 
     def _abandon(self) -> None:
         """Complete the exchanges, apply nothing (BspExchange.abandon): the prepared rows
-        are dropped and the tables' learning rates are put back."""
-        self._wait_reduce()
-        self._rows.wait()
-        self._prepared = None
-        if self._rates_before:
-            self._ex._set_rates(self._rates_before)
-            self._rates_before = None
-        self._ex.abandon(self._pull)
+        are dropped and the tables' learning rates are put back, and the rows the pull
+        created go, even when a wait fails (a lost peer)."""
+        try:
+            self._wait_reduce()
+            self._rows.wait()
+        finally:
+            self._prepared = None
+            if self._rates_before:
+                self._ex._set_rates(self._rates_before)
+                self._rates_before = None
+            self._ex.abandon(self._pull)

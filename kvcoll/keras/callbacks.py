@@ -28,7 +28,8 @@ from ..errors import InvalidArgumentError
 from ._compat import keras
 from .engine import engine_of
 
-__all__ = ["Checkpoint", "Export", "Evict", "Publish", "TableStats", "Throughput"]
+__all__ = ["Checkpoint", "Export", "Evict", "Publish", "TableStats", "Throughput",
+           "WorldChange"]
 
 
 def _say(comm, text: str) -> None:
@@ -89,14 +90,20 @@ class Checkpoint(keras.callbacks.Callback):
         self.pruned = []         # names of the checkpoints retention deleted (rank 0)
         self._last = None        # the step of the last save
         self._due = None         # SSP/ASP: "full" or "delta" owed at the next sync point
+        self._checked = False    # the directory is seen by every rank
 
     def _engine(self):
         return engine_of(self.model)
 
     def on_train_begin(self, logs=None):
+        from ..checkpoint import check_shared
+        eng = self._engine()
+        eng.checkpoint_dir = self.directory   # (elastic: saves below --min-np)
+        if eng.comm.size > 1 and not self._checked:   # every rank must see the directory
+            check_shared(self.directory, eng.comm)
+            self._checked = True
         if not self.restore:
             return
-        eng = self._engine()
         if eng.tables is None and eng.declared.kind is None:
             eng.after_setup(self._restore)   # a subclassed model: set up by its first step
         else:
@@ -171,6 +178,26 @@ class Checkpoint(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         if self.save_at_end:  # a delta when saving incrementally (it names its parent)
             self._save("delta" if self.incremental_every else "full")
+
+
+class WorldChange(keras.callbacks.Callback):
+    """Calls on_change(old_size, new_size) when an elastic run's world changes (ranks
+    lost: kvcoll.elastic), after the survivors recovered and before the step that was
+    interrupted runs again, on every survivor: e.g. to rescale a learning rate to the
+    new number of ranks (Horovod elastic's reset callbacks).
+
+        kv.callbacks.WorldChange(lambda old, new: print(f"{old} -> {new} ranks"))
+
+    Any callback of fit with a method on_world_change(old_size, new_size) is called the
+    same way; subclass this one to write one."""
+
+    def __init__(self, on_change=None):
+        super().__init__()
+        self._on_change = on_change
+
+    def on_world_change(self, old_size, new_size):
+        if self._on_change is not None:
+            self._on_change(old_size, new_size)
 
 
 class Export(keras.callbacks.Callback):

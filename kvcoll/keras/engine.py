@@ -118,6 +118,9 @@ class Engine:
         self.input_dtypes: dict = {}
         self._restored_step = 0
         self._after_setup: list = []
+        self.elastic = None         # kvcoll.elastic.Session of an elastic BSP run
+        self.fit_callbacks: list = []   # fit's callbacks (their on_world_change)
+        self.checkpoint_dir = None  # kv.callbacks.Checkpoint's: saves below --min-np
 
     # -- what it knows ----------------------------------------------------------------------
 
@@ -203,6 +206,12 @@ class Engine:
         ex = make_exchange(self.comm, self.tables, self.mode, self.compute.n_dense, kernel)
         reduce = _horovod.allreduce_sum if self.dense_backend() == "horovod" else None
         self.loop = Loop(ex, self.compute, prefetch=self.prefetch, dense_allreduce=reduce)
+        if getattr(self.comm, "elastic", False) and self.synchronous and reduce is None:
+            # a lost rank: the survivors continue in memory
+            from ..elastic import Session
+            self.elastic = Session(self.loop, on_comm=self._comm_changed,
+                                   callbacks=lambda: self.fit_callbacks,
+                                   directory=lambda: self.checkpoint_dir)
         if self._restored_step:
             self.loop.set_step(self._restored_step)
         # every rank starts from rank 0's dense weights (Horovod's broadcast at start)
@@ -210,6 +219,10 @@ class Engine:
         todo, self._after_setup = self._after_setup, []
         for fn in todo:
             fn()
+
+    def _comm_changed(self, comm, owners) -> None:
+        """kvcoll.elastic: the survivors of a lost rank go on on `comm`."""
+        self.comm = comm
 
     def _say_default_rows(self, layers) -> None:
         """One rule for a plain Keras optimizer (fit and kv.Trainer alike): the rows of

@@ -223,6 +223,7 @@ class _Kvcoll:
                                          _resumed_step(run.resume))
         callbacks = _rank_callbacks(eng, callbacks)
         callbacks.append(_EpochHooks())
+        eng.fit_callbacks = callbacks   # (kvcoll.elastic calls their on_world_change)
         verbose = _verbose(eng, verbose)
         preempt = _Preemption(self)
         with _joined_on_failure(eng, run, "train"), preempt, warnings.catch_warnings():
@@ -454,14 +455,20 @@ def _train_step(model, iterator):
     eng = engine_of(model)
     loop, compute = eng.loop, eng.compute
     compute.targets = run.targets["train"]
-    loop.stop_asked = bool(model.__dict__.get("_kv_stop_asked", False))
+    first = [element] if element is not None else []
     # prefetch: never stage past the last step Keras calls in an epoch of known length
     calls = None if run.epoch_steps is None else run.epoch_steps - run.keras_skipped
     stage = calls is None or run.steps + 1 < calls
-    out = loop.train_next(iterator, stage, element)
-    while out is IDLE:             # every rank waits for data: keep the ranks in step
+
+    def attempt():                 # (an elastic run repeats it on the survivors)
         loop.stop_asked = bool(model.__dict__.get("_kv_stop_asked", False))
-        out = loop.train_next(iterator, stage)
+        source = run.source["train"]   # (a world change may have begun a new pass)
+        it = source.iterator() if source is not None else iterator
+        return loop.train_next(it, stage, first.pop() if first else None)
+    step = attempt if eng.elastic is None else lambda: eng.elastic.run(attempt)
+    out = step()
+    while out is IDLE:             # every rank waits for data: keep the ranks in step
+        out = step()
     if out is None:                # every rank is out of data, or a stop was agreed
         run.ended["train"] = True
         if loop.stop_asked:
@@ -832,6 +839,17 @@ class _EpochHooks(keras.callbacks.Callback):
         eng = engine_of(self.model)
         if eng.loop is not None:
             eng.loop.new_pass()
+
+    def on_world_change(self, old_size, new_size):
+        """An elastic run lost ranks: a kvcoll data source of global batches continues on
+        this rank's new part, from the first batch not yet trained on."""
+        from ..elastic import replan_source
+        source = _run(self.model).source["train"]
+        eng = engine_of(self.model)
+        if source is not None and replan_source(source.data, eng.comm.rank, eng.comm.size,
+                                                eng.loop.consumed):
+            source.new_pass()
+            eng.loop.new_pass()   # positions count from the replanned source's resume
 
     def on_epoch_end(self, epoch, logs=None):
         model = self.model

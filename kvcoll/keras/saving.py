@@ -50,6 +50,8 @@ def _checkpointer(eng: Engine) -> Checkpointer:
         ck = Checkpointer(eng.tables, eng.comm, dense=DenseState(eng.model, eng.optimizer),
                           owners=eng.loop.ex.owners)   # the exchange's owner map
         _checkpointers[eng] = ck
+        if eng.elastic is not None:   # its chain refills a lost rank's buckets
+            eng.elastic.checkpointer = ck
     return ck
 
 
@@ -96,9 +98,12 @@ def save(directory, model, *, incremental: bool = False,
         retention.plan([], max_to_keep)   # checks it, on every rank, before the save
     eng = engine_for(model)
     eng.sync()
-    with eng.comm.deadline("io"):
-        info = _checkpointer(eng).save(directory, eng.step, incremental=incremental,
-                                       progress=progress_of(eng.model))
+
+    def attempt():      # (an elastic run saves again on the survivors after a loss)
+        with eng.comm.deadline("io"):
+            return _checkpointer(eng).save(directory, eng.step, incremental=incremental,
+                                           progress=progress_of(eng.model))
+    info = attempt() if eng.elastic is None else eng.elastic.run(attempt)
     directory = os.path.abspath(os.fspath(directory))
     _hold_parent(eng, directory, info.name)
     if max_to_keep is not None and eng.comm.rank == 0:

@@ -160,6 +160,13 @@ class Hosts:
         return None
 
     def _make(self) -> None:
+        # what an earlier Hosts of this process left (a namespace is destroyed by the
+        # kernel some time after its deletion, and its veth with it): names are per pid
+        for name in (self.bridge, *self.links):
+            _ip("link", "del", name, check=False)
+        for ns in self.namespaces:
+            _kill_in(ns)
+            _ip("netns", "del", ns, check=False)
         self.net = _free_subnet()
         hosts = list(self.net.hosts())
         gateway = hosts[0]
@@ -172,6 +179,7 @@ class Hosts:
             _ip("netns", "add", ns)
             self.created.append(("netns", ns))
             _ip("link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            self.created.append(("link", link))    # deleted before its namespace, at once
             _ip("link", "set", link, "master", self.bridge, "up")
             _ip("-n", ns, "addr", "add", f"{addr}/{self.net.prefixlen}", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")

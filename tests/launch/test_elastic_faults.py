@@ -1,0 +1,56 @@
+"""The elastic fault trials at full strength (`./dev faults`; skipped otherwise, unless
+KVCOLL_TEST_ELASTIC_FAULTS=1):
+
+- no false alarm: multi-rank test modules of tests/mpi/ (Keras BSP training, fit,
+  checkpoints: tracing, computing, writing and reading files) pass on 3 ranks under
+  `kvcollrun --elastic` with ULFM's heartbeat detector on, and no rank is declared lost;
+- KVCOLL_TEST_ELASTIC_TRIALS (default 6) trials on three network-namespace hosts: rank 2
+  killed or stopped at a random moment of a random step (seeded by
+  KVCOLL_TEST_ELASTIC_SEED), each checked as tests/launch/test_elastic.py's
+  test_a_lost_rank_continues_in_memory checks one: the survivors finish, their rows
+  equal an uninterrupted run's bit for bit, the lost buckets the chain's, the losses
+  after it a fresh 2-rank run's.
+"""
+
+import os
+import random
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mpirun import run as mpirun  # noqa: E402
+from test_elastic import cleanup, hosts, lose_a_rank  # noqa: E402,F401 - fixtures
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+TRIALS = int(os.environ.get("KVCOLL_TEST_ELASTIC_TRIALS", "6"))
+SEED = int(os.environ.get("KVCOLL_TEST_ELASTIC_SEED", "30"))
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    not os.environ.get("KVCOLL_TEST_ELASTIC_FAULTS"),
+    reason="the elastic fault trials run in ./dev faults (KVCOLL_TEST_ELASTIC_FAULTS=1)")]
+
+
+# (test_keras_bsp's step-by-step test counts a step's collectives: an elastic step has
+# one more, its agreement)
+@pytest.mark.parametrize("module,only", [("test_keras_bsp.py", "not step_by_step"),
+                                         ("test_fit.py", ""), ("test_checkpoint.py", ""),
+                                         ("test_ssp.py", "")])
+def test_no_false_alarm_in_the_multi_rank_tests(module, only):
+    code, out = mpirun(3, ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                           *(["-k", only] if only else []), ROOT / "tests" / "mpi" / module],
+                       600, f"{module} (elastic)",
+                       launcher=[ROOT / "launch" / "kvcollrun", "--elastic", "--min-np", 3])
+    assert code == 0 and " passed" in out, out[-6000:]
+    assert not re.search(r'kvcoll-elastic \{"event": "(lost|fenced)', out), out[-6000:]
+
+
+@pytest.mark.parametrize("trial", range(TRIALS))
+def test_a_rank_lost_at_a_random_moment(hosts, tmp_path, cleanup, trial):  # noqa: F811
+    rng = random.Random(SEED * 1000 + trial)
+    fault = rng.choice(["kill", "kill", "stop"])
+    at, delay = rng.randrange(12, 45), rng.uniform(0.0, 0.06)
+    print(f"\ntrial {trial}: {fault} rank 2 {delay:.3f}s after step {at}")
+    lose_a_rank(hosts, tmp_path, cleanup, fault, delay, at=at)
