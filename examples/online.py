@@ -114,7 +114,7 @@ class DriftingClicks:
     training, stream 1 the held-out samples the client scores, never trained on.
     """
 
-    def __init__(self, seed: int = 0, users: int = 20_000, live_items: int = 3_000,
+    def __init__(self, seed: int = 0, users: int = 2_000, live_items: int = 3_000,
                  new_items_per_hour: int = 600, categories: int = 24, zipf_a: float = 1.1,
                  period_hours: float = 6.0, user_scale: float = 0.6, item_scale: float = 1.2,
                  category_scale: float = 1.0):
@@ -222,7 +222,7 @@ def train(args) -> int:
         # kvcoll: a version for kvcoll serve every few seconds (rows changed since the last)
         kv.callbacks.Publish(os.path.join(work, "publish"), every_seconds=args.publish_every,
                              base_every=args.base_every),
-        _Progress(os.path.join(work, "progress.json"), args.batch_size),
+        _Progress(work),
     ]
     # An "epoch" of an unbounded stream is steps_per_epoch steps; the job runs until it
     # is told to stop (SIGTERM, or SIGUSR2 as mpirun relays it): every rank then stops
@@ -237,32 +237,83 @@ def train(args) -> int:
 
 
 class _Progress:
-    """Rank 0 writes {"step", "samples", "time"} to a file about twice a second, for the
-    driver (throughput, backlog); a Keras callback, made lazily so that importing this
-    module needs no Keras."""
+    """Each rank appends "step samples time" (its samples so far) after every step to
+    workdir/progress.r<rank>.log (flushed at once): the driver reads the
+    throughput, the backlog and how many samples a served step holds. A Keras callback,
+    made lazily so that importing this module needs no Keras."""
 
-    def __new__(cls, path: str, batch: int):
+    def __new__(cls, workdir: str):
         import keras
 
         from kvcoll.keras import engine_of
 
         class Progress(keras.callbacks.Callback):
-            def __init__(self):
-                super().__init__()
-                self.last = 0.0
+            def on_train_begin(self, logs=None):
+                eng = engine_of(self.model)
+                self.eng, self.samples = eng, 0
+                self.file = open(os.path.join(workdir, f"progress.r{eng.comm.rank}.log"), "a")
 
             def on_train_batch_end(self, b, logs=None):
                 now = time.time()
-                eng = engine_of(self.model)
-                if eng.comm.rank != 0 or now - self.last < 0.5:
-                    return
-                self.last = now
-                tmp = f"{path}.tmp"
-                with open(tmp, "w") as f:
-                    json.dump({"step": eng.step, "samples": eng.step * batch, "time": now}, f)
-                os.replace(tmp, path)
+                self.samples += self.eng.last_samples
+                self.file.write(f"{self.eng.step} {self.samples} {now:.3f}\n")
+                self.file.flush()
+
+            def on_train_end(self, logs=None):
+                self.file.close()
 
         return Progress()
+
+
+def read_progress(workdir: str, ranks: int) -> "Progress":
+    """What the ranks' progress logs say now (see _Progress)."""
+    logs = []
+    for r in range(ranks):
+        try:
+            with open(os.path.join(workdir, f"progress.r{r}.log")) as f:
+                text = f.read()
+        except OSError:
+            text = ""
+        lines = text.splitlines()
+        if lines and not text.endswith("\n"):
+            lines = lines[:-1]                    # a line being written
+        a = np.array([[float(x) for x in ln.split()] for ln in lines if ln.strip()],
+                     np.float64).reshape(-1, 3)
+        logs.append(a)
+    return Progress(logs)
+
+
+class Progress:
+    """The training job's progress from its ranks' logs: samples trained by step S
+    (every rank's own, summed), the newest step, the samples so far."""
+
+    def __init__(self, logs: list):
+        self.logs = logs
+
+    @property
+    def step(self) -> int:
+        return int(min((a[-1, 0] for a in self.logs if a.size), default=0))
+
+    @property
+    def samples(self) -> int:
+        return int(sum(a[-1, 1] for a in self.logs if a.size))
+
+    def samples_at(self, step: int) -> int:
+        """Samples of every rank trained in steps 1..step (those the rank has logged)."""
+        out = 0
+        for a in self.logs:
+            if a.size:
+                i = np.searchsorted(a[:, 0], step, side="right")
+                out += int(a[i - 1, 1]) if i else 0
+        return out
+
+    def rate(self, t0: float, t1: float) -> float:
+        """Samples per second trained between wall times t0 and t1 (every rank)."""
+        total = 0.0
+        for a in self.logs:
+            if a.size:
+                total += np.interp(t1, a[:, 2], a[:, 1]) - np.interp(t0, a[:, 2], a[:, 1])
+        return total / max(1e-9, t1 - t0)
 
 
 # ---- the processes: training job and server ------------------------------------------------
@@ -348,12 +399,8 @@ class Cluster:
                 raise RuntimeError(f"{name[:-4]} ended (exit {proc.returncode}) while "
                                    f"{doing}{self.tail(name)}")
 
-    def progress(self) -> dict | None:
-        try:
-            with open(os.path.join(self.workdir, "progress.json")) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return None
+    def progress(self) -> Progress:
+        return read_progress(self.workdir, self.ranks)
 
     def stop_training(self, timeout: float = 120.0) -> int | None:
         """Ask the job to stop (SIGUSR2 through mpirun) and wait; kill it if it does not
@@ -506,7 +553,7 @@ def parse_args(argv=None):
     p.add_argument("--hour-seconds", type=float, default=15.0,
                    help="wall seconds per synthetic hour")
     p.add_argument("--files-per-hour", type=int, default=5)
-    p.add_argument("--batches-per-file", type=int, default=8,
+    p.add_argument("--batches-per-file", type=int, default=16,
                    help="a file holds this many global batches")
     p.add_argument("--batch-size", type=int, default=1024, help="global batch")
     p.add_argument("--eval-rows", type=int, default=4096,
@@ -521,7 +568,7 @@ def parse_args(argv=None):
     p.add_argument("--dim", type=int, default=8)
     p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--sparse-lr", type=float, default=0.1)
+    p.add_argument("--sparse-lr", type=float, default=0.3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", help="where the landing, publish and checkpoint directories go "
                    "(default: a temporary directory, removed at the end unless --keep)")
@@ -570,8 +617,7 @@ def drive(args) -> dict:
     gen = DriftingClicks(seed=args.seed)
     sched = Schedule(args.hours, args.hour_seconds, args.files_per_hour,
                      args.batches_per_file * args.batch_size)
-    landing = os.path.join(work, "landing")
-    pub = os.path.join(work, "publish")
+    landing, pub = os.path.join(work, "landing"), os.path.join(work, "publish")
     print(f"online demo in {work}: {args.hours} hours of {args.hour_seconds:g} s, "
           f"{sched.fph} files an hour of {sched.rows:,} samples, {args.ranks} training "
           f"ranks publishing every {args.publish_every:g} s, one kvcoll serve", flush=True)
@@ -579,13 +625,13 @@ def drive(args) -> dict:
     stop = threading.Event()
     errors = []
     t_begin = time.monotonic()
-    results = {"hours": [], "freshness": [], "files": [], "workdir": work}
+    results = {"hours": [], "freshness": [], "files": [], "workdir": work,
+               "settings": {k: v for k, v in vars(args).items() if k != "role"}}
 
     def write_file(k):
-        h, name = sched.name(k)
-        t0, t1 = sched.span(k)
-        cols = gen.samples(t0, t1, sched.rows, stream=0)
-        land(os.path.join(landing, h), name, cols)
+        part, name = sched.name(k)
+        cols = gen.samples(*sched.span(k), sched.rows, stream=0)
+        land(os.path.join(landing, part), name, cols)
         return time.time()
 
     def feeder(start_at):
@@ -597,15 +643,14 @@ def drive(args) -> dict:
                 if stop.is_set():
                     return
                 landed.put((k, write_file(k)))
-        except Exception as exc:  # noqa: BLE001 - reported by the driver
+        except Exception as exc:  # noqa: BLE001 - the driver raises it
             errors.append(exc)
         finally:
             landed.put(None)
 
-    prev = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    prev = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     cluster = Cluster(work, train_flags(args), ranks=args.ranks)
-    client = frozen = None
-    feed = None
+    client = frozen = feed = None
     try:
         with cluster:
             landed_at = {0: write_file(0)}
@@ -613,80 +658,78 @@ def drive(args) -> dict:
             cluster.start_server()
             client = Client(cluster.grpc, cluster.rest)
             t0 = time.monotonic()
-            print(f"kvcoll serve ready ({time.monotonic() - t_begin:.0f} s after the start): "
-                  f"gRPC {cluster.grpc}, REST {cluster.rest}", flush=True)
+            print(f"kvcoll serve is ready, {t0 - t_begin:.0f} s after the start (gRPC "
+                  f"{cluster.grpc}, REST {cluster.rest}); landing a file every "
+                  f"{sched.hour_seconds / sched.fph:.1f} s", flush=True)
             feed = threading.Thread(target=feeder, args=(t0,), daemon=True)
             feed.start()
-            hour0_samples = sched.fph * sched.rows
-            scores = {}      # hour -> lists of labels, served, frozen, planted
-            last_status = 0.0
-            done = False
-            pending = [0]
+            hours = {}          # hour -> {"eval": [...], "served": [...]}
+            reported = set()
+            todo = [0]          # landed files not scored yet
+            done, last_status = False, 0.0
             while not done:
                 if time.monotonic() - t_begin > args.timeout:
                     raise TimeoutError(f"the demo did not finish within --timeout "
                                        f"{args.timeout:.0f} s")
                 cluster.check("streaming")
                 try:
-                    item = landed.get(timeout=0.5)
+                    item = landed.get(timeout=0.25)
                     if item is None:
                         done = True
                     else:
                         landed_at[item[0]] = item[1]
-                        pending.append(item[0])
+                        todo.append(item[0])
                 except queue.Empty:
                     pass
                 now = time.monotonic()
                 if now - last_status >= 1.0:
-                    st = client.status()
-                    prog = cluster.progress() or {}
-                    landed_samples = len(landed_at) * sched.rows
+                    last_status = now
+                    st, prog = client.status(), cluster.progress()
+                    served = prog.samples_at(st["step"])
                     results["freshness"].append({
                         "t": now - t0, "freshness_s": st["freshness_s"],
                         "version": st["version"], "step": st["step"],
-                        "backlog_samples": landed_samples - prog.get("samples", 0)})
-                    last_status = now
-                if frozen is None and any(k >= sched.fph for k in pending):
-                    # the first hour is over: freeze the model once it has it all
-                    st = client.status()
-                    if st["step"] * args.batch_size >= hour0_samples:
+                        "landed_samples": len(landed_at) * sched.rows,
+                        "trained_samples": prog.samples, "served_samples": served})
+                    if frozen is None and served >= sched.fph * sched.rows:
+                        # the whole first hour is in the served version: freeze it
                         frozen = Frozen(pub)
-                        print(f"froze the model at version {frozen.version} (step "
-                              f"{frozen.step}: the whole first hour)", flush=True)
-                    else:
+                        print(f"froze the model of the first hour: version "
+                              f"{frozen.version} (step {frozen.step})", flush=True)
+                for k in todo:   # the newest data, as it lands: its held-out samples
+                    ev = gen.samples(*sched.span(k), args.eval_rows, stream=1)
+                    scores, version = client.predict(ev)
+                    h = hours.setdefault(k // sched.fph, {"eval": [], "served": []})
+                    h["eval"].append(ev)
+                    h["served"].append(scores)
+                    results["files"].append({"file": k, "hour": k // sched.fph,
+                                             "version": version, "t": time.monotonic() - t0,
+                                             "landed": landed_at[k]})
+                todo = []
+                newest = max(hours)
+                for hour in sorted(hours):   # finished hours (the frozen model may lag)
+                    if hour in reported or (hour == newest and not done) or \
+                            (hour >= 1 and frozen is None):
                         continue
-                if not pending:
-                    continue
-                k = max(pending)          # the newest file: score its held-out samples
-                pending.clear()
-                hour = k // sched.fph
-                ev = gen.samples(*sched.span(k), args.eval_rows, stream=1)
-                served, version = client.predict(ev)
-                fz = frozen.predict(ev) if frozen is not None and hour >= 1 else None
-                s = scores.setdefault(hour, {"label": [], "served": [], "frozen": [],
-                                             "planted": []})
-                s["label"].append(ev["click"])
-                s["served"].append(served)
-                s["planted"].append(ev["logit"])
-                if fz is not None:
-                    s["frozen"].append(fz)
-                results["files"].append({"file": k, "hour": hour, "version": version,
-                                         "t": time.monotonic() - t0})
-                if k % sched.fph == sched.fph - 1 or done:
-                    _report_hour(hour, s, results, client)
+                    _report_hour(hour, hours[hour], frozen, results)
+                    reported.add(hour)
             if errors:
                 raise errors[0]
-            # let the last files train and be served, then stop
-            total = sched.files * sched.rows
-            deadline = time.monotonic() + 120
+            # let the last files be trained and served, then stop
+            total, deadline = sched.files * sched.rows, time.monotonic() + 120
             while time.monotonic() < deadline:
                 cluster.check("finishing")
-                if client.status()["step"] * args.batch_size >= total:
+                if cluster.progress().samples_at(client.status()["step"]) >= total:
                     break
                 time.sleep(0.5)
+            for hour in sorted(set(hours) - reported):
+                if hour == 0 or frozen is not None:
+                    _report_hour(hour, hours[hour], frozen, results)
             code = cluster.stop_training()
             results["train_exit"] = code
             results["final_status"] = client.status()
+            results["trained_samples"] = cluster.progress().samples
+            results["landed_samples"] = total
             if code != 0:
                 raise RuntimeError(f"the training job ended with exit code {code}"
                                    f"{cluster.tail('train.log')}")
@@ -695,8 +738,8 @@ def drive(args) -> dict:
         stop.set()
         if feed is not None:
             feed.join(30)
-        for s, h in prev.items():
-            signal.signal(s, h)
+        for sig, handler in prev.items():
+            signal.signal(sig, handler)
         if client is not None:
             client.close()
         if frozen is not None:
@@ -706,28 +749,29 @@ def drive(args) -> dict:
     return results
 
 
-def _report_hour(hour: int, s: dict, results: dict, client) -> None:
-    labels = np.concatenate(s["label"])
+def _report_hour(hour: int, h: dict, frozen, results: dict) -> None:
+    """One hour's line: the served and frozen models' AUC on its held-out samples."""
+    ev = {k: np.concatenate([e[k] for e in h["eval"]]) for k in h["eval"][0]}
+    labels = ev["click"]
     row = {"hour": hour, "samples": int(labels.size),
-           "served_auc": _auc(labels, np.concatenate(s["served"])),
-           "planted_auc": _auc(labels, np.concatenate(s["planted"]))}
-    if s["frozen"]:
-        n = sum(len(x) for x in s["frozen"])
-        row["frozen_auc"] = _auc(labels[-n:], np.concatenate(s["frozen"]))
-    fresh = [f["freshness_s"] for f in results["freshness"]
-             if results["files"] and f["t"] >= (results["hours"][-1]["t_end"]
-                                                 if results["hours"] else 0.0)]
-    row["freshness_mean_s"] = float(np.mean(fresh)) if fresh else None
-    row["freshness_max_s"] = float(np.max(fresh)) if fresh else None
-    row["t_end"] = results["files"][-1]["t"]
-    row["version"] = results["files"][-1]["version"]
+           "served_auc": _auc(labels, np.concatenate(h["served"])),
+           "planted_auc": _auc(labels, ev["logit"])}
+    if frozen is not None and hour >= 1:
+        row["frozen_auc"] = _auc(labels, frozen.predict(ev))
+    files = [f for f in results["files"] if f["hour"] == hour]
+    t0, t1 = files[0]["t"], files[-1]["t"]
+    fresh = [f["freshness_s"] for f in results["freshness"] if t0 <= f["t"] <= t1 + 1.0]
+    row.update(t_begin=t0, t_end=t1, versions=[files[0]["version"], files[-1]["version"]],
+               freshness_mean_s=float(np.mean(fresh)) if fresh else None,
+               freshness_max_s=float(np.max(fresh)) if fresh else None)
     results["hours"].append(row)
-    frozen = f"frozen {row['frozen_auc']:.4f}" if "frozen_auc" in row else \
-        "frozen  (n/a: the first hour trains it)"
-    lag = "" if row["freshness_mean_s"] is None else \
+    frozen_s = f"frozen {row['frozen_auc']:.4f}" if "frozen_auc" in row else \
+        "frozen    -   "
+    lag = "" if not fresh else \
         f"   freshness lag mean {row['freshness_mean_s']:4.1f} s, max {row['freshness_max_s']:4.1f} s"
-    print(f"hour {hour}: AUC served {row['served_auc']:.4f}   {frozen}   best possible "
-          f"{row['planted_auc']:.4f}   (version {row['version']}){lag}", flush=True)
+    print(f"hour {hour}: AUC served {row['served_auc']:.4f}   {frozen_s}   best possible "
+          f"{row['planted_auc']:.4f}   (versions {row['versions'][0]}-{row['versions'][1]})"
+          f"{lag}", flush=True)
 
 
 def plot(results: dict, path: str) -> None:
@@ -751,7 +795,7 @@ def plot(results: dict, path: str) -> None:
     f = results["freshness"]
     b.plot([x["t"] for x in f], [x["freshness_s"] for x in f], "-", lw=1.2)
     for h in hours:
-        b.axvline(h["t_end"], color="grey", lw=0.5, ls=":")
+        b.axvline(h["t_begin"], color="grey", lw=0.5, ls=":")
     b.set_xlabel("seconds since serving began")
     b.set_ylabel("freshness lag (s)")
     b.set_title("Served version's age (now - its training step's time)")

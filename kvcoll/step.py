@@ -25,7 +25,8 @@ Three seams for what changes the loop:
 - prefetch (`prefetch=True`, BSP): the next element is read, prepared, planned and its
   ids sent while this step computes; its rows are looked up only after this step's
   update, so results are those of the unpipelined loop. The data position a checkpoint
-  records is `consumed`: elements whose step committed, never the prefetched one.
+  records is `consumed`: elements whose step committed (and the empty ones read while
+  every rank waited for data, which move no position), never the prefetched one.
 
 `END` marks a rank whose data ran out: in BSP it keeps joining the others' steps with no
 samples until every rank is out (then the step returns None on every rank at the same
@@ -266,6 +267,8 @@ class Loop:
                 self._raise_batch_error(agreement, err, self.step + 1)
             if agreement.stopped:
                 self.stop_asked = True
+            if agreement.idle and element is not END:
+                self.consumed += 1   # an empty batch read while waiting: done with, like a step's
             return IDLE if agreement.idle else None
         self._inflight = pull
         if "wait" in self.timings:
