@@ -177,14 +177,17 @@ def land(directory: str, name: str, columns: dict, row_groups: int = 2) -> str:
 
 # ---- the training job (--role train, one process per rank under mpirun) -------------------
 
-def build_model(dim: int, hidden: int):
-    """user, item and cat ids -> the click logit: three kvcoll tables and a small MLP."""
+def build_model(dim: int, hidden: int, evict_after_steps: int | None = None):
+    """user, item and cat ids -> the click logit: three kvcoll tables and a small MLP.
+    evict_after_steps: item rows not trained for that many steps are evicted (faded
+    items leave the table, and the next published version removes them)."""
     import keras
 
     import kvcoll as kv
 
     inputs = {c: keras.Input(shape=(), dtype="int64", name=c) for c in ("user", "item", "cat")}
-    vecs = [kv.Embedding(c, dim, initializer=("normal", 0.0, 0.01))(x)  # kvcoll: tables
+    vecs = [kv.Embedding(c, dim, initializer=("normal", 0.0, 0.01),  # kvcoll: tables
+                         evict_after_steps=evict_after_steps if c == "item" else None)(x)
             for c, x in inputs.items()]
     h = keras.layers.Concatenate()(vecs)
     h = keras.layers.Dense(hidden, activation="relu")(h)
@@ -204,7 +207,7 @@ def train(args) -> int:
     import keras
 
     keras.utils.set_random_seed(args.seed)
-    model = build_model(args.dim, args.hidden)
+    model = build_model(args.dim, args.hidden, args.evict_after_steps or None)
     model.compile(optimizer=kv.DistributedOptimizer(  # kvcoll: rows: Adagrad in C
         keras.optimizers.Adam(args.lr), sparse=kv.optimizers.Adagrad(args.sparse_lr)),
         loss=keras.losses.BinaryCrossentropy(from_logits=True))
@@ -220,10 +223,12 @@ def train(args) -> int:
                                 every_n_steps=args.checkpoint_every, max_to_keep=2,
                                 restore=True),
         # kvcoll: a version for kvcoll serve every few seconds (rows changed since the last)
-        kv.callbacks.Publish(os.path.join(work, "publish"), every_seconds=args.publish_every,
-                             base_every=args.base_every),
+        _LoggedPublish(os.path.join(work, "publish"), every_seconds=args.publish_every,
+                       base_every=args.base_every),
         _Progress(work),
     ]
+    if args.evict_after_steps:
+        callbacks.append(kv.callbacks.Evict(every_n_steps=50))  # kvcoll: faded items go
     # An "epoch" of an unbounded stream is steps_per_epoch steps; the job runs until it
     # is told to stop (SIGTERM, or SIGUSR2 as mpirun relays it): every rank then stops
     # after the same step, and the callbacks publish and checkpoint once more.
@@ -234,6 +239,22 @@ def train(args) -> int:
         print(f"training stopped at step {eng.step}", flush=True)
     kv.shutdown()
     return 0
+
+
+def _LoggedPublish(*args, **kwargs):
+    """kv.callbacks.Publish that logs each version on rank 0 (made lazily: no Keras at
+    import)."""
+    import kvcoll as kv
+
+    class LoggedPublish(kv.callbacks.Publish):
+        def on_publish(self, info):
+            if kv.rank() == 0:
+                print(f"published version {info.version} ({'+'.join(info.kinds)}) at step "
+                      f"{info.step}: {info.rows:,} rows, {info.removed:,} removed, "
+                      f"{info.bytes / 2**20:.2f} MiB, dense {'yes' if info.dense else 'no'}, "
+                      f"{1000 * info.seconds:.0f} ms", flush=True)
+
+    return LoggedPublish(*args, **kwargs)
 
 
 class _Progress:
@@ -563,6 +584,8 @@ def parse_args(argv=None):
     p.add_argument("--base-every", type=int, default=20, help="a full base every N versions")
     p.add_argument("--checkpoint-every", type=int, default=200, help="steps between checkpoints")
     p.add_argument("--steps-per-epoch", type=int, default=50)
+    p.add_argument("--evict-after-steps", type=int, default=160,
+                   help="evict item rows not trained for this many steps (0: never)")
     p.add_argument("--settle", type=float, default=1.0, help="kv.data.stream(settle=...)")
     p.add_argument("--ranks", type=int, default=2, help="training ranks")
     p.add_argument("--dim", type=int, default=8)
@@ -593,17 +616,35 @@ def train_flags(args) -> list:
     """The driver's flags the training job needs."""
     out = []
     for name in ("batch_size", "publish_every", "base_every", "checkpoint_every",
-                 "steps_per_epoch", "settle", "dim", "hidden", "lr", "sparse_lr", "seed"):
+                 "steps_per_epoch", "settle", "dim", "hidden", "lr", "sparse_lr", "seed",
+                 "evict_after_steps"):
         out += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     return out
 
 
 class _Stop(Exception):
-    pass
+    """SIGINT or SIGTERM reached the driver: it stops everything it started."""
 
 
-def _on_signal(signum, frame):
-    raise _Stop(f"stopped by signal {signum}")
+class _Signals:
+    """SIGINT and SIGTERM raise _Stop in the main thread, once: a second one during the
+    clean-up is ignored so that the clean-up finishes."""
+
+    def __enter__(self):
+        self.seen = False
+        self.prev = {sig: signal.signal(sig, self._on) for sig in (signal.SIGTERM,
+                                                                    signal.SIGINT)}
+        return self
+
+    def _on(self, signum, frame):
+        if not self.seen:
+            self.seen = True
+            raise _Stop(f"stopped by signal {signum}")
+
+    def __exit__(self, *exc):
+        for sig, handler in self.prev.items():
+            signal.signal(sig, handler)
+        return False
 
 
 def drive(args) -> dict:
@@ -648,11 +689,10 @@ def drive(args) -> dict:
         finally:
             landed.put(None)
 
-    prev = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     cluster = Cluster(work, train_flags(args), ranks=args.ranks)
     client = frozen = feed = None
     try:
-        with cluster:
+        with _Signals(), cluster:
             landed_at = {0: write_file(0)}
             cluster.start_training()
             cluster.start_server()
@@ -661,6 +701,8 @@ def drive(args) -> dict:
             print(f"kvcoll serve is ready, {t0 - t_begin:.0f} s after the start (gRPC "
                   f"{cluster.grpc}, REST {cluster.rest}); landing a file every "
                   f"{sched.hour_seconds / sched.fph:.1f} s", flush=True)
+            print(f"processes: training job (mpirun) group {cluster.trainer.pid}, kvcoll "
+                  f"serve group {cluster.server.pid}; logs in {work}", flush=True)
             feed = threading.Thread(target=feeder, args=(t0,), daemon=True)
             feed.start()
             hours = {}          # hour -> {"eval": [...], "served": [...]}
@@ -686,8 +728,11 @@ def drive(args) -> dict:
                     last_status = now
                     st, prog = client.status(), cluster.progress()
                     served = prog.samples_at(st["step"])
+                    waiting = served // sched.rows      # the oldest file not all served
                     results["freshness"].append({
                         "t": now - t0, "freshness_s": st["freshness_s"],
+                        "unserved_age_s": time.time() - landed_at[waiting]
+                        if waiting in landed_at else 0.0,
                         "version": st["version"], "step": st["step"],
                         "landed_samples": len(landed_at) * sched.rows,
                         "trained_samples": prog.samples, "served_samples": served})
@@ -738,8 +783,6 @@ def drive(args) -> dict:
         stop.set()
         if feed is not None:
             feed.join(30)
-        for sig, handler in prev.items():
-            signal.signal(sig, handler)
         if client is not None:
             client.close()
         if frozen is not None:
@@ -767,8 +810,8 @@ def _report_hour(hour: int, h: dict, frozen, results: dict) -> None:
     results["hours"].append(row)
     frozen_s = f"frozen {row['frozen_auc']:.4f}" if "frozen_auc" in row else \
         "frozen    -   "
-    lag = "" if not fresh else \
-        f"   freshness lag mean {row['freshness_mean_s']:4.1f} s, max {row['freshness_max_s']:4.1f} s"
+    lag = "" if not fresh else (f"   freshness lag mean {row['freshness_mean_s']:4.1f} s, "
+                                f"max {row['freshness_max_s']:4.1f} s")
     print(f"hour {hour}: AUC served {row['served_auc']:.4f}   {frozen_s}   best possible "
           f"{row['planted_auc']:.4f}   (versions {row['versions'][0]}-{row['versions'][1]})"
           f"{lag}", flush=True)
@@ -788,17 +831,22 @@ def plot(results: dict, path: str) -> None:
     if fz:
         a.plot(*zip(*fz), "s-", label="frozen at the end of hour 0")
     a.plot(xs, [h["planted_auc"] for h in hours], "k--", lw=1, label="best possible (planted)")
+    a.set_xticks(xs)
     a.set_xlabel("hour of the stream")
     a.set_ylabel("AUC on the newest data")
     a.set_title("Scoring each new hour's data")
     a.legend(fontsize=8)
     f = results["freshness"]
-    b.plot([x["t"] for x in f], [x["freshness_s"] for x in f], "-", lw=1.2)
+    b.plot([x["t"] for x in f], [x["freshness_s"] for x in f], "-", lw=1.2,
+           label="served version's age (its training step's time)")
+    b.plot([x["t"] for x in f], [x["unserved_age_s"] for x in f], "--", lw=1,
+           label="oldest landed sample not served yet")
+    b.legend(fontsize=8)
     for h in hours:
         b.axvline(h["t_begin"], color="grey", lw=0.5, ls=":")
     b.set_xlabel("seconds since serving began")
     b.set_ylabel("freshness lag (s)")
-    b.set_title("Served version's age (now - its training step's time)")
+    b.set_title("Freshness lag")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -809,7 +857,11 @@ def main(argv=None) -> int:
     if args.role == "train":
         return train(args)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    results = drive(args)
+    try:
+        results = drive(args)
+    except _Stop as exc:
+        print(f"online demo: {exc}; every process it started is stopped", flush=True)
+        return 130
     late = [h for h in results["hours"] if "frozen_auc" in h]
     if late:
         gain = np.mean([h["served_auc"] - h["frozen_auc"] for h in late])
