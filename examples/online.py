@@ -126,7 +126,7 @@ class DriftingClicks:
 
     def newest(self, t: float) -> int:
         """The item ids born by hour t are [0, newest(t))."""
-        return self.live + int(math.floor(t * self.new_per_hour))
+        return self.live + math.floor(t * self.new_per_hour)
 
     def item_category(self, items: np.ndarray) -> np.ndarray:
         return (_hash(self.seed * 31 + 3, items) % np.uint64(self.categories)).astype(np.int64)
@@ -144,7 +144,7 @@ class DriftingClicks:
     def samples(self, t0: float, t1: float, n: int, stream: int = 0) -> dict:
         """n samples at hours uniform in [t0, t1): {"user", "item", "cat" (int64),
         "click" (int8), "logit" (float64), "t" (float64)}."""
-        rng = np.random.default_rng([self.seed, stream, int(round(t0 * 1e6))])
+        rng = np.random.default_rng([self.seed, stream, round(t0 * 1e6)])
         t = np.sort(t0 + (t1 - t0) * rng.random(n))
         user = self._perm[_zipf(rng.random(n), self.users, 1.05)].astype(np.int64)
         rank = _zipf(rng.random(n), self.live, self.zipf_a)
@@ -286,7 +286,7 @@ class _Progress:
         return Progress()
 
 
-def read_progress(workdir: str, ranks: int) -> "Progress":
+def read_progress(workdir: str, ranks: int) -> Progress:
     """What the ranks' progress logs say now (see _Progress)."""
     logs = []
     for r in range(ranks):
