@@ -252,7 +252,7 @@ def _LoggedPublish(*args, **kwargs):
                 print(f"published version {info.version} ({'+'.join(info.kinds)}) at step "
                       f"{info.step}: {info.rows:,} rows, {info.removed:,} removed, "
                       f"{info.bytes / 2**20:.2f} MiB, dense {'yes' if info.dense else 'no'}, "
-                      f"{1000 * info.seconds:.0f} ms", flush=True)
+                      f"{1000 * info.seconds:.0f} ms [wall {time.time():.3f}]", flush=True)
 
     return LoggedPublish(*args, **kwargs)
 
@@ -378,10 +378,11 @@ class Cluster:
                "--workdir", self.workdir, *self.train_args]
         self.trainer = self._popen(cmd, "train.log")
 
-    def start_server(self, timeout: float = 300.0, poll_ms: int = 200) -> None:
-        """kvcoll serve on the publish directory (once a version is there), on ports it
-        picks; returns when it says it is ready."""
-        pub = os.path.join(self.workdir, "publish")
+    def start_server(self, timeout: float = 300.0, poll_ms: int = 200,
+                     publish_dir: str | None = None) -> None:
+        """kvcoll serve on the publish directory (workdir/publish unless given; once a
+        version is there), on ports it picks; returns when it says it is ready."""
+        pub = publish_dir or os.path.join(self.workdir, "publish")
         deadline = time.monotonic() + timeout
         while not os.path.exists(os.path.join(pub, "latest")):
             self.check("waiting for the first published version")
