@@ -44,6 +44,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -79,11 +80,9 @@ def add_arguments(p) -> None:
 # -- the machine's other load ------------------------------------------------------------------
 
 class Load:
-    """CPU cores' worth used by processes that are not ours (this process group and the
-    groups given), averaged over the time between start() and stop()."""
-
-    def __init__(self, groups=()):
-        self.groups = {os.getpgrp(), *groups}
+    """CPU cores' worth used by processes that are not ours (this process and every
+    process it started, their children included: mpirun's ranks have process groups of
+    their own), averaged over the time between start() and stop()."""
 
     @staticmethod
     def _total():
@@ -91,8 +90,9 @@ class Load:
             v = [int(x) for x in f.readline().split()[1:]]
         return sum(v[:8]) - v[3] - v[4]
 
-    def _ours(self):
-        ticks = 0
+    @staticmethod
+    def _ours():
+        procs = {}
         for d in os.listdir("/proc"):
             if not d.isdigit():
                 continue
@@ -102,8 +102,16 @@ class Load:
             except OSError:
                 continue
             fields = stat[stat.rindex(")") + 2:].split()
-            if int(fields[2]) in self.groups:
-                ticks += int(fields[11]) + int(fields[12])
+            # utime, stime and those of its children it has reaped (a process that
+            # ended during the window is counted in its parent's)
+            procs[int(d)] = (int(fields[1]), sum(int(x) for x in fields[11:15]))
+        me, ticks = os.getpid(), 0
+        for pid, (ppid, t) in procs.items():
+            p, seen = pid, 0
+            while p and p != me and seen < 64:      # an ancestor of it is this process
+                p, seen = procs.get(p, (0, 0))[0], seen + 1
+            if p == me:
+                ticks += t
         return ticks
 
     def start(self):
@@ -489,28 +497,27 @@ def _freshness_run(root: str, interval: float | None, probes: int, quick: bool,
         land()
         cluster.start_training()
         cluster.start_server()
-        load.groups |= {cluster.trainer.pid, cluster.server.pid}
         load.start()
         client = online.Client(cluster.grpc, cluster.rest)
-        # 1. throughput with a backlog
-        burst = 8 if quick else 24
-        time.sleep(2.0)
-        t_burst = time.time()
-        for _ in range(burst):
-            land()
-        total = sum(r for _, r in landed.values())
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
+        # 1. throughput with a backlog: files landed whenever fewer than `ahead` files
+        # wait, the rate measured over `window` seconds after a warm-up
+        ahead, window, warm = 8, (8.0 if quick else 20.0), 3.0
+        t_begin = time.time()
+        while time.time() < t_begin + warm + window:
             cluster.check("measuring the throughput")
-            if cluster.progress().samples >= 0.9 * total:
-                break
-            time.sleep(0.25)
+            waiting = sum(r for _, r in landed.values()) - cluster.progress().samples
+            if waiting < ahead * rows:
+                land()
+            else:
+                time.sleep(0.05)
         t_end = time.time()
         prog = cluster.progress()
-        thr = prog.rate(t_burst + 3.0, t_end)
-        out.update(throughput=thr, burst_samples=burst * rows,
-                   publish_ms=_publish_ms(work, t_burst + 3.0, t_end),
-                   measure_s=t_end - t_burst - 3.0)
+        thr = prog.rate(t_begin + warm, t_end)
+        out.update(throughput=thr, measure_s=t_end - t_begin - warm,
+                   publish_ms=_publish_ms(work, t_begin + warm, t_end))
+        while sum(r for _, r in landed.values()) > cluster.progress().samples:
+            cluster.check("draining the backlog")          # (before the probes)
+            time.sleep(0.1)
         log(f"[online] publish {interval or 'never'}: {thr:,.0f} samples/s with a backlog")
         if interval is not None:
             out.update(_probe_phase(cluster, client, land, landed, thr, rows, interval,
@@ -545,6 +552,8 @@ def _probe_phase(cluster, client, land, landed, thr, rows, interval, probes, qui
     every 0.1 s."""
     import online
 
+    if not thr > 0:
+        raise RuntimeError(f"no training throughput was measured ({thr}): see train.log")
     rate = 0.5 * thr
     gap = rows / rate                                # seconds between files
     spacing = max(3.0, interval / 5)
@@ -665,6 +674,10 @@ def run(args) -> None:
     def log(msg):
         print(msg, flush=True)
 
+    def on_term(signum, frame):   # the clean-up below (and every Cluster's) runs
+        raise SystemExit(f"[online] stopped by signal {signum}")
+
+    prev = signal.signal(signal.SIGTERM, on_term)
     try:
         res["idle_others_cores"] = common.busy_cores(2.0)
         if "publish" in parts:
@@ -677,6 +690,7 @@ def run(args) -> None:
             if head and head.get("p50") is not None:
                 res["freshness_s"] = {"p50": head["p50"], "p95": head["p95"]}
     finally:
+        signal.signal(signal.SIGTERM, prev)
         shutil.rmtree(root, ignore_errors=True)
     res["machine"] = common.machine_info()
     md = markdown(res)
@@ -742,7 +756,7 @@ def _serving_part(root, quick, args, parts, log) -> dict:
         cluster = online.Cluster(work, [])
         with cluster:
             cluster.start_server(publish_dir=os.path.join(d, "publish"), poll_ms=100)
-            load = Load([cluster.server.pid]).start()
+            load = Load().start()
             secs = 3.0 if quick else 6.0
             rounds = 1 if quick else 3
             windows = [{"api": api, "batch": b, "seconds": secs, "deltas": False}
@@ -966,10 +980,11 @@ def markdown(res: dict) -> str:
                 ok = ("met" if ratio >= TARGET_INPROC else "NOT met") if r["batch"] == 256 \
                     else ""
                 q = r["turn_ratio_quartiles"]
+                cpu = r["server_cpu_samples_per_s"] / r["savedmodel_cpu_samples_per_s"]
                 lines.append(f"| {r['batch']} | {r['server_samples_per_s']:,.0f} | "
                              f"{r['savedmodel_samples_per_s']:,.0f} | {ratio:.2f}x | "
                              f"{r['turn_ratio_median']:.2f}x ({q[0]:.2f}-{q[1]:.2f}) | "
-                             f"{r['server_cpu_samples_per_s'] / r['savedmodel_cpu_samples_per_s']:.2f}x | "
+                             f"{cpu:.2f}x | "
                              f"{r['max_abs_diff']:.1e} | {ok} |")
         dl = [(k, v) for k, v in s.items() if k.startswith("deltas-")]
         if dl:

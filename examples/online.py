@@ -452,6 +452,8 @@ class Cluster:
         return self
 
     def __exit__(self, *exc):
+        below = [c for p in (self.trainer, self.server) if p is not None
+                 for c in descendants(p.pid)]
         try:
             self.stop_training(timeout=60.0)
         finally:
@@ -460,9 +462,45 @@ class Cluster:
                 if p is not None:
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(p.pid, signal.SIGKILL)
+            for pid, start in below:                 # the ranks, in groups of their own
+                _kill_if_same(pid, start)
             for f in self._logs:
                 f.close()
         return False
+
+
+def _stat(pid) -> list | None:
+    """The fields of /proc/<pid>/stat after the command name (None: no such process)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()
+
+
+def descendants(pid: int) -> list:
+    """(pid, start time) of every process below `pid` (mpirun's ranks have process
+    groups of their own, so a signal to mpirun's group does not reach them)."""
+    children = {}
+    for d in os.listdir("/proc"):
+        st = _stat(d) if d.isdigit() else None
+        if st is not None:
+            children.setdefault(int(st[1]), []).append((int(d), st[19]))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), ()):
+            out.append(c)
+            todo.append(c[0])
+    return out
+
+
+def _kill_if_same(pid: int, start: str) -> None:
+    """SIGKILL a process we started, if it is still that one (not a reused pid)."""
+    st = _stat(pid)
+    if st is not None and st[19] == start and st[0] != "Z":
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _kill_group(p: subprocess.Popen) -> None:
