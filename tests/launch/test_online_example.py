@@ -9,7 +9,7 @@
 - the driver stopped by SIGTERM in the middle of the stream stops every process it
   started (the training job's and the server's process groups are empty after it).
 Neither leaves a process behind: the test looks for the process groups the driver
-names.
+names and for any process naming the run's work directory (mpirun's ranks).
 """
 
 import json
@@ -64,14 +64,34 @@ def finish(proc, timeout):
     return proc.returncode, out
 
 
-def groups_gone(out):
+def naming(text: str) -> list:
+    """Live processes whose command line holds `text` (the ranks, in process groups of
+    their own, name the work directory)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit() and int(d) != os.getpid():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    cmd = f.read().decode(errors="replace")
+                with open(f"/proc/{d}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if text in cmd and stat[stat.rindex(")") + 2] != "Z":
+                out.append(int(d))
+    return out
+
+
+def everything_gone(out, work):
     m = GROUPS.search(out)
     assert m, f"the driver did not name its processes:\n{out[-3000:]}"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (naming(str(work)) or
+                                           any(alive(int(g)) for g in m.groups())):
+        time.sleep(0.2)
     for pgid in map(int, m.groups()):
-        deadline = time.monotonic() + 10
-        while alive(pgid) and time.monotonic() < deadline:
-            time.sleep(0.2)
         assert not alive(pgid), f"process group {pgid} outlived the driver: {alive(pgid)}"
+    assert not naming(str(work)), f"processes of the run outlived it: {naming(str(work))}"
 
 
 def test_online_demo_small(tmp_path):
@@ -79,7 +99,7 @@ def test_online_demo_small(tmp_path):
     code, out = finish(start([*SMALL, "--workdir", work, "--plot", png,
                               "--metrics-out", metrics]), TIMEOUT)
     assert code == 0, f"exit {code}\n{out[-6000:]}"
-    groups_gone(out)
+    everything_gone(out, work)
     m = json.loads(metrics.read_text())
     assert m["train_exit"] == 0
     assert m["trained_samples"] == m["landed_samples"] == 3 * 4 * 12 * 1024, m
@@ -102,7 +122,8 @@ def test_online_demo_small(tmp_path):
 
 
 def test_a_stopped_driver_stops_everything(tmp_path):
-    proc = start([*SMALL, "--hours", "20", "--workdir", tmp_path / "work", "--plot", ""])
+    work = tmp_path / "work"
+    proc = start([*SMALL, "--hours", "20", "--workdir", work, "--plot", ""])
     seen, deadline = "", time.monotonic() + TIMEOUT
     try:
         while time.monotonic() < deadline:   # until it serves and has landed a few files
@@ -122,4 +143,4 @@ def test_a_stopped_driver_stops_everything(tmp_path):
     out = seen + out
     assert code == 130, f"exit {code}\n{out[-3000:]}"
     assert "every process it started is stopped" in out
-    groups_gone(out)
+    everything_gone(out, work)
