@@ -14,17 +14,18 @@ What runs (every process is started here and stopped here, pass or fail):
 - 2 training ranks (mpirun) read the directory with `kv.data.stream(...)` and train
   with `model.fit(stream.dataset(), steps_per_epoch=...)`, publishing a version every
   5 s with `kv.callbacks.Publish` and checkpointing with `kv.callbacks.Checkpoint`
-  (run it again with --workdir on the same directory and it resumes: see below);
+  (a training job started again resumes from its checkpoint, at the stream position
+  it recorded);
 - one `kvcoll serve` follows the publish directory and applies each version live;
 - a client (this process) scores the newest data as it lands: the held-out samples of
   each new file, through the server's gRPC API (TensorFlow Serving's
   PredictionService), and through a model frozen at the end of the first hour (the
   same serving code, in this process, never updated).
 
-It prints, for every hour after the first, the served model's AUC next to the frozen
-model's (and the best any model can reach, from the planted model), and the server's
-freshness lag (now minus the wall time of the training step it serves); it plots both
-into a PNG. Lines tagged `# kvcoll:` are what a training script adds to run on kvcoll.
+It prints, for every hour, the served model's AUC next to the frozen model's (from the
+second hour on) and the best any model can reach (the planted model's), and the
+server's freshness lag (now minus the wall time of the training step it serves); it
+plots both into a PNG. Lines tagged `# kvcoll:` are what a training script adds to run on kvcoll.
 
 Roles: the same file is the training job (`--role train`, started by the driver under
 mpirun). `DriftingClicks`, `land`, `Cluster` and `Client` are reused by
