@@ -701,6 +701,10 @@ def run(args) -> None:
     quick = args.quick
     out_dir = args.out or (tempfile.mkdtemp() if quick else common.RESULTS)
     parts = set(args.online_parts.split(","))
+    known = {"publish", "inproc", "load", "memory", "freshness"}
+    if parts - known:
+        raise SystemExit(f"--online-parts: unknown part(s) {sorted(parts - known)}; "
+                         f"choose from {sorted(known)} (comma-separated)")
     intervals = [float(x) for x in args.online_intervals.split(",")]
     if quick:
         intervals = intervals[:1]
