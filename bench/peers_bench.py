@@ -15,13 +15,17 @@ a held-out set (`write_data`), read by every framework in the same way
 (bench/peers/common.py). The model is DeepFM with rows of 16 floats (a first-order
 weight and a 15-wide FM vector), MLP 256-128; rows train with Adagrad (0.2, accumulators
 from 0.01), dense weights with Adam (0.002). The adapters (bench/peers/*_worker.py) say
-how each framework is set up and write that next to their numbers.
+how each framework is set up and write that next to their numbers. TorchRec's rows
+train with row-wise Adagrad (one accumulator per row, FBGEMM's fused kernel); kvcoll
+runs twice, with per-element Adagrad (as TFRA) and with kv.optimizers.RowWiseAdagrad
+(as TorchRec: "kvcoll-rowwise"), so each comparison can be made like for like.
 
 Runs, each a fresh launch: every framework on 1 process x 2 threads and on 2 ranks x 1
 thread (kvcoll under mpirun; TFRA alone, and on 2 ranks through Horovod under mpirun;
 TorchRec under torchrun, DistributedModelParallel over gloo), and TorchRec once more
 without collisions (--table-rows 0), --peers-reps rounds interleaved (A B C ... A B C
-...). Before each run the bench waits (up to --peers-wait seconds) until other processes
+...). `--peers-only kvcoll,kvcoll-rowwise` runs kvcoll both ways alone (no peer venvs).
+Before each run the bench waits (up to --peers-wait seconds) until other processes
 use less than 0.3 CPUs and records what they used and /proc/loadavg.
 
 Writes bench/results/peers.json, peers.md and peers.png.
@@ -58,8 +62,9 @@ BUILD_ENV = {"HOROVOD_WITH_TENSORFLOW": "1", "HOROVOD_WITH_MPI": "1",
              "HOROVOD_WITHOUT_PYTORCH": "1", "HOROVOD_WITHOUT_MXNET": "1",
              "HOROVOD_WITHOUT_GLOO": "1", "TF_USE_LEGACY_KERAS": "1"}
 DISTURBED = 0.5      # CPUs used by other processes during a run that make it run again
-LABELS = {"kvcoll": "kvcoll", "tfra": "TFRA", "torchrec": "TorchRec",
-          "torchrec-exact": "TorchRec, no collisions"}
+LABELS = {"kvcoll": "kvcoll", "kvcoll-rowwise": "kvcoll, row-wise Adagrad", "tfra": "TFRA",
+          "torchrec": "TorchRec", "torchrec-exact": "TorchRec, no collisions",
+          "kvcoll-nopipe": "kvcoll, pipeline off"}
 
 
 def add_arguments(p) -> None:
@@ -72,7 +77,9 @@ def add_arguments(p) -> None:
     g.add_argument("--peers-table-rows", type=int, default=1_000_000,
                    help="TorchRec's rows per table (ids modulo this)")
     g.add_argument("--peers-only", default="",
-                   help="comma-separated subset of kvcoll,tfra,torchrec,torchrec-exact")
+                   help="comma-separated subset of kvcoll,kvcoll-rowwise,tfra,torchrec,"
+                        "torchrec-exact; kvcoll-nopipe (kvcoll with --pipeline off) runs "
+                        "only when named")
     g.add_argument("--peers-wait", type=float, default=90,
                    help="seconds to wait at most for a quiet machine before each run")
     g.add_argument("--peers-retries", type=int, default=1,
@@ -192,9 +199,9 @@ def _free_port() -> int:
 
 
 def command(impl: str, world: int, threads: int, flags: list[str]) -> tuple[list[str], dict]:
-    """The command line and environment of one run of `impl` (kvcoll, tfra, torchrec,
-    torchrec-exact) on `world` ranks with `threads` compute threads each; `flags` are
-    the adapter's (bench/peers/common.py parse)."""
+    """The command line and environment of one run of `impl` (kvcoll, kvcoll-rowwise,
+    tfra, torchrec, torchrec-exact) on `world` ranks with `threads` compute threads each;
+    `flags` are the adapter's (bench/peers/common.py parse)."""
     env = dict(os.environ, PYTHONPATH=common.ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                TF_CPP_MIN_LOG_LEVEL="2", OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
@@ -203,7 +210,12 @@ def command(impl: str, world: int, threads: int, flags: list[str]) -> tuple[list
     flags = [*flags, "--threads", str(threads)]
     mpirun = [os.path.join(os.path.dirname(sys.executable), "mpirun"), "--oversubscribe",
               "--bind-to", "none", "-np", str(world)]
-    if impl == "kvcoll":
+    if impl == "kvcoll-nopipe":
+        env["KVCOLL_PIPELINE"] = "off"
+        impl = "kvcoll"
+    if impl in ("kvcoll", "kvcoll-rowwise"):
+        if impl == "kvcoll-rowwise":
+            flags = [*flags, "--row-optimizer", "rowwise"]
         return [*mpirun, sys.executable, "-m", "bench.peers.kvcoll_worker", *flags], env
     if impl == "tfra":
         env["TF_USE_LEGACY_KERAS"] = "1"
@@ -293,9 +305,12 @@ def _loadavg() -> str:
 def plan(only: list[str]) -> list[tuple[str, int, int]]:
     """(framework, ranks, threads per rank) of one round, in the order they run."""
     runs = [(impl, world, 2 // world) for world in (1, 2)
-            for impl in ("kvcoll", "tfra", "torchrec")]
+            for impl in ("kvcoll", "kvcoll-rowwise", "tfra", "torchrec")]
     runs.append(("torchrec-exact", 1, 2))
-    return [r for r in runs if not only or r[0] in only]
+    # opt-in (--peers-only ...,kvcoll-nopipe): kvcoll's unpipelined steps, the pipeline's
+    # baseline in the same rounds
+    runs += [("kvcoll-nopipe", world, 2 // world) for world in (1, 2)]
+    return [r for r in runs if (not only and r[0] != "kvcoll-nopipe") or r[0] in only]
 
 
 def run(args) -> None:
@@ -399,7 +414,7 @@ def _summarise(ranks: list[dict], labels: np.ndarray, steps: int, batch: int) ->
            "peak_rss_mb": [round(r["peak_rss_bytes"] / 2**20) for r in ranks],
            "peak_rss_mb_max": max(r["peak_rss_bytes"] for r in ranks) / 2**20,
            "rows": sum(r["rows"] for r in ranks), "config": ranks[0]["config"]}
-    for key in ("rows_touched", "distinct_ids", "table_rows"):
+    for key in ("rows_touched", "distinct_ids", "table_rows", "row_bytes", "floor"):
         if key in ranks[0]:
             out[key] = ranks[0][key]
     return out
@@ -430,13 +445,17 @@ def summarise(records: list[dict]) -> list[dict]:
                      others_busy_cores_max=max(r["others_busy_cores"] for r in ok),
                      others_busy_cores_during=[r["others_busy_cores_during"] for r in ok],
                      config=ok[0]["config"])
-            for key in ("rows_touched", "distinct_ids", "table_rows"):
+            for key in ("rows_touched", "distinct_ids", "table_rows", "row_bytes"):
                 if key in ok[0]:
                     s[key] = ok[0][key]
             quiet = [r["samples_per_sec"] for r in ok
                      if r["others_busy_cores_during"] <= DISTURBED]
             s.update(quiet_runs=len(quiet),
                      quiet_samples_per_sec=statistics.median(quiet) if quiet else None)
+            floors = [r["floor"] for r in ok if "floor" in r]
+            if floors:   # kvcoll's: the step's floor, each run's own (issue #32)
+                s["floor"] = {k: statistics.median(f[k] for f in floors)
+                              for k in floors[0] if isinstance(floors[0][k], (int, float))}
         out.append(s)
     return out
 
@@ -514,6 +533,7 @@ def markdown(summary, manifest, records, machine) -> str:
     if kv1 and kv1.get("runs"):
         lines.append(f"- kvcoll and TFRA grow a row per distinct id: {kv1['rows']:,} rows "
                      "after these steps.")
+    lines += _rowwise_lines(summary)
     if busy:
         lines.append(
             f"- The machine is shared: before each run the bench waited (up to "
@@ -525,6 +545,7 @@ def markdown(summary, manifest, records, machine) -> str:
             f"--peers-retries times; the last attempt counts): {again} were. Per run: "
             f"`others_busy_cores`, `others_busy_cores_during` and `loadavg_before` in "
             f"peers.json.")
+    lines += floor_lines(summary)
     lines += ["", "## How each framework is set up", ""]
     for s in summary:
         if not s.get("runs"):
@@ -539,10 +560,11 @@ def markdown(summary, manifest, records, machine) -> str:
     lines += [
         "## Differences that remain",
         "",
-        "- Row optimizer: kvcoll and TFRA keep one Adagrad accumulator per float; TorchRec's "
-        "fused kernel one per row (row-wise Adagrad, the one TorchRec recommends and FBGEMM's "
-        "CPU kernel offers fused). Learning rates, initial accumulators and Adam's settings "
-        "are the same.",
+        "- Row optimizer: kvcoll (first rows) and TFRA keep one Adagrad accumulator per float; "
+        "TorchRec's fused kernel one per row (row-wise Adagrad, the one TorchRec recommends "
+        "and FBGEMM's CPU kernel offers fused), and so does \"kvcoll, row-wise Adagrad\" "
+        "(kv.optimizers.RowWiseAdagrad: FBGEMM's rule and arithmetic, bit for bit). Learning "
+        "rates, initial accumulators and Adam's settings are the same.",
         "- Initial rows: N(0, 0.01^2) in kvcoll and TFRA; TorchRec's sharded tables "
         "initialise uniformly, U(-0.0173, 0.0173) (the same standard deviation).",
         "- TFRA looks all fields up in one table (ids are disjoint across fields), kvcoll and "
@@ -557,13 +579,65 @@ def markdown(summary, manifest, records, machine) -> str:
     return "\n".join(lines)
 
 
+def _rowwise_lines(summary: list[dict]) -> list[str]:
+    """kvcoll with row-wise Adagrad against per-element Adagrad, per shape: the ratio of
+    their throughputs (same run, interleaved), their AUCs and the bytes a row takes."""
+    lines = []
+    for world in (1, 2):
+        a, r = _get(summary, "kvcoll", world), _get(summary, "kvcoll-rowwise", world)
+        if not (a and r and a.get("runs") and r.get("runs")):
+            continue
+        auc = ""
+        if a["eval_auc"] is not None and r["eval_auc"] is not None:
+            auc = f", AUC {r['eval_auc']:.4f} against {a['eval_auc']:.4f}"
+        size = ""
+        if "row_bytes" in a and "row_bytes" in r:
+            size = (f"; a row takes {r['row_bytes']} bytes against {a['row_bytes']} "
+                    f"({a['row_bytes'] - r['row_bytes']} fewer: one accumulator instead of "
+                    "one per float)")
+        lines.append(
+            f"- kvcoll with row-wise Adagrad on {world} x {a['threads_per_rank']}: "
+            f"{r['samples_per_sec']:,.0f} samples/s against {a['samples_per_sec']:,.0f} with "
+            f"per-element Adagrad ({r['samples_per_sec'] / a['samples_per_sec']:.2f}x, medians "
+            f"of the same interleaved rounds){auc}{size}.")
+    return lines
+
+
+def floor_lines(summary: list[dict]) -> list[str]:
+    """kvcoll's step beside its floor, measured in the same runs (medians over runs)."""
+    rows = [s for s in summary if s.get("floor")]
+    if not rows:
+        return []
+    lines = ["", "## kvcoll's step and its floor", "",
+             "Each kvcoll run, after its timed fit and its evaluation, measures on 30 batches "
+             "of the timed range: the dense step alone (forward, backward, the rows' "
+             "gradient, the dense optimizer, on ready-made rows; every rank at once, no "
+             "communication while timed) and the sparse side alone (the batch read and "
+             "prepared, the pull and the push of its rows with a zero gradient; no "
+             "TensorFlow step), wall and CPU time. The floor is the larger of the dense "
+             "step alone and (dense + sparse CPU) / cores: a pipeline hides waiting, not "
+             "CPU work. (CPU includes MPI's polling while a rank waits for its peers.)", "",
+             "| framework | ranks x threads | step (fit) ms | dense alone ms (CPU ms) | "
+             "sparse alone ms (CPU ms) | floor ms | step / floor |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for s in rows:
+        f = s["floor"]
+        lines.append(f"| {LABELS[s['framework']]} | {s['ranks']} x {s['threads_per_rank']} | "
+                     f"{f['step_ms']:.1f} | "
+                     f"{f['dense_ms']:.1f} ({f['dense_cpu_ms']:.1f}) | {f['sparse_ms']:.1f} "
+                     f"({f['sparse_cpu_ms']:.1f}) | {f['floor_ms']:.1f} | "
+                     f"{f['step_over_floor']:.2f} |")
+    return lines
+
+
 def chart(summary: list[dict], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    impls = [i for i in ("kvcoll", "tfra", "torchrec", "torchrec-exact")
+    impls = [i for i in ("kvcoll", "kvcoll-rowwise", "kvcoll-nopipe", "tfra", "torchrec",
+                         "torchrec-exact")
              if any(s["framework"] == i for s in summary)]
     fig, ax = plt.subplots(figsize=(7.5, 4), dpi=110)
     width = 0.38

@@ -24,6 +24,24 @@
                  communication while timed): the per-process limit when N ranks share
                  the machine
 
+--impl horovod-blocks   inside one Horovod job (hvd.init() first), blocks of --block
+                 steps alternating four settings, in a rotating order, --rounds times:
+                 the dense gradients through kvcoll's allreduce or Horovod's, with Open
+                 MPI spinning in its waits or yielding when idle (switched between
+                 blocks, on every rank alike): each comparison made under the same
+                 conditions (python -m bench train --horovod)
+--impl dense     the compiled dense step taken apart (bench/results/dense.md), one
+                 process: the model's forward and backward alone; plus kvcoll's
+                 gradient outputs (the flat dense gradient, each rows matrix's gradient
+                 as gathered rows); plus the metrics (kvcoll's train function); then
+                 what surrounds it (inputs in, gradients out, gather_grad in C, finite
+                 checks) and the dense optimizer's apply. --xla: all of it under XLA
+
+--xla on|off     compile the dense step with XLA (kv.Trainer(xla=...))
+--prefetch on|off   pipelined steps: --impl kvcoll steps with kv.Trainer.train_next
+                 over an iterator of the batches (read and prepared in the helper
+                 thread), --impl fit through model.fit; off: the unpipelined loop
+
 --dense-backend horovod   (with --impl kvcoll or fit) the dense gradients ride Horovod's
                  allreduce (hvd.init() first; kv.DistributedOptimizer(dense_backend=
                  "horovod")) instead of kvcoll's own fused MPI allreduce: the Horovod
@@ -57,7 +75,7 @@ NUM_FIELDS, NUM_NUMERIC = 26, 13
 def parse(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--impl", choices=("kvcoll", "fit", "baseline", "baseline-gather", "limit",
-                                      "exchange"),
+                                      "exchange", "horovod-blocks", "dense", "ab"),
                    required=True)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=10)
@@ -77,8 +95,21 @@ def parse(argv=None):
                    help="kvcoll: train on this Criteo TSV file (kvcoll.data.read_criteo, "
                         "split='global', read ahead in a thread) instead of generating batches")
     p.add_argument("--eval-data", metavar="PATH", help="with --data: the Criteo TSV to evaluate on")
+    p.add_argument("--block", type=int, default=25, help="horovod-blocks: steps per block")
+    p.add_argument("--rounds", type=int, default=6, help="horovod-blocks: rounds of 4 blocks")
+    p.add_argument("--xla", choices=("on", "off"), default="off")
+    p.add_argument("--prefetch", choices=("on", "off"), default="off")
+    p.add_argument("--ab", choices=("pipeline", "xla", "pipeline-fit"), default=None,
+                   help="--impl ab: two trainers in this process, A (pipeline / XLA off) "
+                        "and B (on), stepping the same batches in alternating blocks")
+    p.add_argument("--ab-block", type=int, default=10, help="--impl ab: steps a block")
+    p.add_argument("--dense-variants", default="plain,xla",
+                   help="--impl dense: which variants to time (plain, xla)")
     p.add_argument("--out", required=True)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.impl == "horovod-blocks":
+        args.dense_backend = "horovod"
+    return args
 
 
 def keras2_ops():
@@ -116,7 +147,7 @@ def main(argv=None):
 
         hvd.init()
     kv.init(argv=[])
-    comm = Comm.local() if args.impl == "limit" else runtime.comm()
+    comm = Comm.local() if args.impl in ("limit", "dense") else runtime.comm()
     world_comm = runtime.comm()
     rank, world = comm.rank, comm.size
 
@@ -147,14 +178,47 @@ def main(argv=None):
         opt = kv.DistributedOptimizer(adam, sparse=kv.optimizers.Adagrad(
             DEFAULTS["sparse_lr"], initial_accumulator_value=DEFAULTS["sparse_init_accum"]),
             dense_backend=args.dense_backend)
-        trainer = kv.Trainer(model, loss, opt, comm=comm)
+        trainer = kv.Trainer(model, loss, opt, comm=comm, xla=args.xla == "on",
+                             prefetch=args.prefetch == "on")
         kv.broadcast_variables(model.variables, root_rank=0, comm=comm)
         if args.impl == "limit":
             return limit(args, trainer, data, tf, world_comm)
+        if args.impl == "ab":
+            def make_ab(on):
+                keras.utils.set_random_seed(args.seed)      # A and B start alike
+                m = kv.distribute(build_deepfm(
+                    NUM_FIELDS, NUM_NUMERIC, args.dim, lambda f, w: kv.Embedding(
+                        f, w, initializer=("normal", 0.0, DEFAULTS["init_std"]),
+                        seed=args.seed), hidden=args.hidden))
+                o = kv.DistributedOptimizer(
+                    keras.optimizers.Adam(DEFAULTS["lr"]),
+                    sparse=kv.optimizers.Adagrad(
+                        DEFAULTS["sparse_lr"],
+                        initial_accumulator_value=DEFAULTS["sparse_init_accum"]))
+                xla = on if args.ab == "xla" else False
+                prefetch = on if args.ab != "xla" else False
+                t = kv.Trainer(m, loss, o, comm=comm, xla=xla, prefetch=prefetch)
+                kv.broadcast_variables(m.variables, root_rank=0, comm=comm)
+                return t
+
+            return ab(args, data, comm, make_ab)
+        if args.impl == "dense":
+            def make(xla):
+                m = kv.distribute(build_deepfm(
+                    NUM_FIELDS, NUM_NUMERIC, args.dim, lambda f, w: kv.Embedding(
+                        f, w, initializer=("normal", 0.0, DEFAULTS["init_std"]),
+                        seed=args.seed), hidden=args.hidden))
+                o = kv.DistributedOptimizer(keras.optimizers.Adam(DEFAULTS["lr"]),
+                                            sparse=kv.optimizers.Adagrad(DEFAULTS["sparse_lr"]))
+                return kv.Trainer(m, loss, o, comm=comm, xla=xla, prefetch=False)
+
+            return dense_probe(args, data, tf, loss, make)
         if args.impl == "exchange":
             return exchange_only(args, trainer, data, comm)
         if args.impl == "fit":
             return fit(args, trainer, data, comm)
+        if args.impl == "horovod-blocks":
+            return horovod_blocks(args, trainer, data, comm, opt)
         step_fn = trainer.train_step
         predict = trainer.predict
         timings = trainer.timings
@@ -170,20 +234,35 @@ def main(argv=None):
         def get(step):
             return data.batch(step, args.batch_size, rank, world)
 
-    for step in range(args.warmup):
+    pipelined = args.prefetch == "on" and timings is not None
+    if pipelined:      # the pipelined loop: the helper thread reads the batches
+        def stream():
+            for step in range(args.warmup + args.steps):
+                b = get(step)
+                yield features(b), b["label"]
+
+        batches = stream()
+
+    def one(step):
+        """One step: (seconds spent making the batch here, the loss)."""
+        if pipelined:
+            return 0.0, trainer.train_next(batches)
+        td = time.perf_counter()
         b = get(step)
-        step_fn(features(b), b["label"])
+        f = features(b)
+        made = time.perf_counter() - td
+        return made, step_fn(f, b["label"])
+
+    for step in range(args.warmup):
+        one(step)
     comm.barrier()
     t0_timings = dict(timings) if timings is not None else None
     row_bytes0 = table_row_bytes(trainer) if timings is not None else 0
     t0 = time.perf_counter()
     last, data_s = 0.0, 0.0
     for step in range(args.warmup, args.warmup + args.steps):
-        td = time.perf_counter()
-        b = get(step)
-        f = features(b)
-        data_s += time.perf_counter() - td
-        last = step_fn(f, b["label"])
+        made, last = one(step)
+        data_s += made
     comm.barrier()
     elapsed = time.perf_counter() - t0
     if timings is not None:
@@ -207,9 +286,11 @@ def main(argv=None):
         "eval_auc": auc(all_labels, all_preds),
         "planted_auc": data.planted_auc(args.eval_samples),
         "final_loss": float(last), "threads_per_rank": args.threads,
+        "c_threads": c_threads(),
         "samples_trained": (args.warmup + args.steps) * args.batch_size,
         "dense_backend": args.dense_backend,
         "data": "criteo-tsv" if args.data else "synthetic",
+        "xla": args.xla, "prefetch": args.prefetch, "dim": args.dim,
     }
     if timings is not None:
         per_step = {k: (timings[k] - t0_timings[k]) / args.steps * 1e3 for k in timings}
@@ -221,6 +302,14 @@ def main(argv=None):
     if rank == 0:
         Path(args.out).write_text(json.dumps(record))
     kv.shutdown()
+
+
+def c_threads() -> int:
+    """The C threads of the exchange kernels (KVCOLL_THREADS; 0 = the cores TensorFlow
+    leaves free)."""
+    from kvcoll.exchange import kernels
+
+    return kernels.threads()
 
 
 def table_row_bytes(trainer) -> int:
@@ -245,6 +334,54 @@ def first_touch_gbps(size: int = 256 << 20) -> float:
     del pages
     m.close()
     return size / seconds / 1e9
+
+
+BLOCK_SETTINGS = (("kvcoll", "spin"), ("horovod", "spin"), ("kvcoll", "yield"),
+                  ("horovod", "yield"))
+
+
+def horovod_blocks(args, trainer, data, comm, opt):
+    """See --impl horovod-blocks: samples/s of every block, by (dense backend, Open MPI's
+    waits). The backend is the optimizer's setting, read by the engine every step; the
+    waits are Open MPI's yield-when-idle flag (kvcoll.keras._horovod)."""
+    import kvcoll as kv
+    from kvcoll.keras import _horovod
+
+    switch = _horovod._opal_function("opal_progress_set_yield_when_idle")
+    if switch is None:
+        raise SystemExit("horovod-blocks needs Open MPI (its yield-when-idle switch)")
+    import ctypes
+
+    switch.argtypes, switch.restype = [ctypes.c_bool], None
+    step = 0
+
+    def run(n, backend, waits):
+        nonlocal step
+        opt._kvcoll_dense_backend = backend
+        switch(waits == "yield")
+        comm.barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            b = data.batch(step, args.batch_size, comm.rank, comm.size)
+            trainer.train_step(features(b), b["label"])
+            step += 1
+        comm.barrier()
+        return n * args.batch_size / (time.perf_counter() - t0)
+
+    for backend, waits in BLOCK_SETTINGS:
+        run(max(1, args.warmup // len(BLOCK_SETTINGS)), backend, waits)   # compiled, warm
+    blocks = {f"{b}/{w}": [] for b, w in BLOCK_SETTINGS}
+    for r in range(args.rounds):
+        order = BLOCK_SETTINGS[r % 4:] + BLOCK_SETTINGS[:r % 4]
+        for backend, waits in order:
+            blocks[f"{backend}/{waits}"].append(run(args.block, backend, waits))
+    record = {"impl": args.impl, "world_size": comm.size, "global_batch_size": args.batch_size,
+              "block_steps": args.block, "rounds": args.rounds, "blocks": blocks,
+              "median_samples_per_sec": {k: float(np.median(v)) for k, v in blocks.items()},
+              "threads_per_rank": args.threads}
+    if comm.rank == 0:
+        Path(args.out).write_text(json.dumps(record))
+    kv.shutdown()
 
 
 def fit(args, trainer, data, comm):
@@ -285,7 +422,7 @@ def fit(args, trainer, data, comm):
         "planted_auc": data.planted_auc(args.eval_samples),
         "final_loss": float(hist.history["loss"][-1]), "threads_per_rank": args.threads,
         "samples_trained": (args.warmup + args.steps) * args.batch_size,
-        "ms_per_step": per_step,
+        "ms_per_step": per_step, "xla": args.xla, "prefetch": args.prefetch, "dim": args.dim,
     }
     if rank == 0:
         Path(args.out).write_text(json.dumps(record))
@@ -333,6 +470,198 @@ def limit(args, trainer, data, tf, world_comm):
     kv.shutdown()
 
 
+def ab(args, data, comm, make):
+    """A (off) and B (on) in one process: two trainers of the same model, each over its
+    own iterator of the same batches, stepping alternating blocks of --ab-block steps
+    (A B A B ...), so both see the machine's load alike; B / A per pair of blocks."""
+    import statistics
+
+    import kvcoll as kv
+    from kvcoll.data import auc
+
+    rank, world = comm.rank, comm.size
+    sides = {"A": make(False), "B": make(True)}
+
+    def stream():
+        for step in range(args.warmup + args.steps):
+            b = data.batch(step, args.batch_size, rank, world)
+            yield features(b), b["label"]
+
+    its = {k: stream() for k in sides}
+    fit = args.ab == "pipeline-fit"
+
+    def block(k, n):
+        t = sides[k]
+        if fit:
+            hist = t.model.fit(its[k], steps_per_epoch=n, epochs=1, verbose=0)
+            return hist.history["loss"][-1]
+        for _ in range(n):
+            last = t.train_next(its[k])
+        return last
+
+    for k in sides:
+        block(k, args.warmup)
+    seconds = {k: [] for k in sides}
+    last = {}
+    for _ in range(args.steps // args.ab_block):
+        for k in sides:
+            comm.barrier()
+            t0 = time.perf_counter()
+            last[k] = block(k, args.ab_block)
+            comm.barrier()
+            seconds[k].append(time.perf_counter() - t0)
+    ratios = [a / b for a, b in zip(seconds["A"], seconds["B"])]   # B's speed over A's
+    ev = data.eval_set(args.eval_samples, rank, world)
+    aucs = {}
+    for k, t in sides.items():
+        preds = np.asarray(t.predict(features(ev)), np.float32).reshape(-1)
+        all_preds, _ = comm.allgatherv(preds)
+        all_labels, _ = comm.allgatherv(ev["label"].astype(np.float32))
+        aucs[k] = auc(all_labels, all_preds)
+    record = {"impl": "ab", "ab": args.ab, "world_size": world, "threads_per_rank": args.threads,
+              "global_batch_size": args.batch_size, "dim": args.dim, "block": args.ab_block,
+              "steps": args.steps, "ratio": statistics.median(ratios), "ratios": ratios,
+              "samples_per_sec": {k: args.ab_block * args.batch_size / statistics.median(v)
+                                  for k, v in seconds.items()},
+              "final_loss": {k: float(v) for k, v in last.items()}, "eval_auc": aucs}
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(record))
+    kv.shutdown()
+
+
+def dense_probe(args, data, tf, loss_obj, make_trainer):
+    """The compiled dense step taken apart, one process, on ready-made rows of real
+    batches, plain and under XLA in the same process (two trainers of the same model,
+    timed in interleaved rounds; ms a step, medians over the rounds):
+
+    model      forward and backward of the model alone (a tf.function of the loss and
+               the gradients of the dense weights and the rows matrices)
+    grads      + kvcoll's gradient outputs: the flat dense gradient, each rows matrix's
+               gradient as (gathered rows, positions)
+    train_fn   kvcoll's own compiled train function: + the metrics (the loss tracker and
+               the compiled metrics, their state in and out)
+    train      compute.train(): + the inputs made tensors, the outputs made numpy, the
+               rows' gradient summed in C (gather_grad), the finite checks
+    apply      compute.apply(): the dense optimizer on the summed gradient, the logs
+    gather     gather_grad alone (inside train)
+    """
+    import statistics
+
+    import kvcoll as kv
+    from kvcoll.exchange.bsp import group_key
+    from kvcoll.exchange.kernels import gather_grad
+    from kvcoll.keras.compute import _gathered_grad, as_input
+    from kvcoll.keras.embedding import rows_scope
+
+    n = args.limit_batch or args.batch_size
+    runs = {}
+    for variant in args.dense_variants.split(","):
+        runs[variant] = _dense_variant(args, data, tf, loss_obj, make_trainer(variant == "xla"),
+                                       n, group_key, gather_grad, _gathered_grad, as_input,
+                                       rows_scope)
+    names = ["model", "grads", "train_fn", "gather", "train", "apply"]
+    for i in range(8):                       # compile every shape first
+        for variant, run in runs.items():
+            for name in names:
+                run(name, i)
+    reps = max(10, args.steps // 10)
+    times = {v: {name: [] for name in names} for v in runs}
+    for r in range(7):                       # interleaved rounds
+        for variant, run in runs.items():
+            for name in names:
+                t0 = time.perf_counter()
+                for i in range(reps):
+                    run(name, i)
+                times[variant][name].append((time.perf_counter() - t0) / reps * 1e3)
+    ms = {v: {name: statistics.median(t) for name, t in d.items()} for v, d in times.items()}
+    ratio = {name: statistics.median(x / p for x, p in zip(times["xla"][name],
+                                                             times["plain"][name]))
+             for name in names} if len(runs) == 2 else None
+    record = {"impl": "dense", "batch": n, "dim": args.dim, "threads": args.threads,
+              "hidden": list(args.hidden), "ms": ms, "xla_over_plain": ratio,
+              "rounds": times, "reps": reps,
+              "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "default")}
+    Path(args.out).write_text(json.dumps(record))
+    kv.shutdown()
+
+
+def _dense_variant(args, data, tf, loss_obj, trainer, n, group_key, gather_grad,
+                   _gathered_grad, as_input, rows_scope):
+    """The timed pieces of one trainer's dense step: run(name, i) runs piece `name` on
+    ready-made batch i."""
+    eng = trainer.engine
+    batches = []
+    for step in range(8):
+        b = data.batch(step, n)
+        trainer.train_step(features(b), b["label"])    # compiles, grows the tables
+        compute = eng.compute
+        batch = compute.prepare((features(b), b["label"]))
+        batches.append((batch, eng.loop.ex.lookup(compute.ids(batch))))
+    model, lay = compute.model, compute.layout
+    dense_vars = compute.dense_vars
+
+    def model_call(ids, dense, rows):
+        leaves = dict(dense)
+        for f, t in zip(lay.single, tf.unstack(tf.reshape(ids, [len(lay.single), -1]))):
+            leaves[f] = as_input(t, compute.input_dtypes[f])
+        x = lay.rebuild(leaves)
+        with rows_scope({t: rows[group_key(tab.dim)] for t, tab in compute.tables.items()}):
+            return model(x, training=True)
+
+    def grads_of(ids, dense, rows, y):
+        with tf.GradientTape() as tape:
+            tape.watch(list(rows.values()))
+            out = model_call(ids, dense, rows)
+            loss = tf.reduce_mean(loss_obj(y[:, None], out))
+        return loss, tape.gradient(loss, [*dense_vars, *rows.values()])
+
+    def model_only(ids, dense, rows, y):
+        loss, grads = grads_of(ids, dense, rows, y)
+        return loss, [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
+
+    def with_grads(ids, dense, rows, y):
+        loss, grads = grads_of(ids, dense, rows, y)
+        flat = tf.concat([tf.reshape(tf.convert_to_tensor(g), [-1])
+                          for g in grads[:len(dense_vars)]], 0)
+        return loss, flat, {k: _gathered_grad(g, rows[k])
+                            for k, g in zip(rows, grads[len(dense_vars):])}
+
+    xla = compute.xla
+    fns = {name: tf.function(fn, jit_compile=xla or None, autograph=False,
+                             reduce_retracing=True)
+           for name, fn in (("model", model_only), ("grads", with_grads))}
+    prepared = []
+    for batch, pulled in batches:
+        (ids, _, dense), rows = compute._inputs(batch, pulled)
+        prepared.append((ids, dense, rows, tf.constant(batch.y[0]), batch, pulled))
+    train_fn = compute._fn("train")
+    weight, state0 = tf.constant(1.0), tf.constant(compute.state())
+    flat = np.zeros(compute.n_dense, np.float32)
+    row_np = {}
+
+    def run(name, i):
+        ids, dense, rows, y, batch, pulled = prepared[i % len(prepared)]
+        if name in fns:
+            out = fns[name](ids, dense, rows, y)
+            out[0].numpy()
+        elif name == "train_fn":
+            inputs, rows2 = compute._inputs(batch, pulled)
+            out = train_fn(inputs, rows2, *compute._targets(batch), weight, state0)
+            out[0].numpy()
+            row_np.clear()
+            row_np.update({g: (v.numpy(), j.numpy(), pulled.rows[g].shape[0])
+                           for g, (v, j) in out[2].items()})
+        elif name == "train":
+            compute.train(batch, pulled, 1.0)
+        elif name == "apply":
+            compute.apply(flat, compute.state(), 1)
+        elif name == "gather":
+            for v, j, k in row_np.values():
+                gather_grad(v, j, k)
+
+    return run
+
+
 def exchange_only(args, trainer, data, comm):
     """Time the pulls and pushes of the same batches as --impl kvcoll (the trainer's
     exchange and tables, a fixed gradient, no TensorFlow step): the sparse side's cost
@@ -364,7 +693,7 @@ def exchange_only(args, trainer, data, comm):
     record = {"impl": "exchange", "world_size": world, "global_batch_size": args.batch_size,
               "hidden": list(args.hidden),
               "samples_per_sec": args.batch_size / (ms[:, 0].max() / 1e3), "eval_auc": None,
-              "threads_per_rank": args.threads,
+              "threads_per_rank": args.threads, "c_threads": c_threads(),
               "ms_per_step": {"total": float(ms[:, 0].mean()), "tables": float(ms[:, 1].mean())}}
     if rank == 0:
         Path(args.out).write_text(json.dumps(record))

@@ -9,6 +9,7 @@
  * Adagrad, Adam and FTRL; TFPlus's kv_variable/kernels/training_ops.cc for Group Adam
  * and Group Adagrad), so results agree with them to a few ulps. Only scalars computed
  * once per call (beta powers) and the group norm's sum of squares use double.
+ * Row-wise Adagrad follows FBGEMM's CPU kernel bit for bit (see its comment).
  *
  * Slot layout per kind (floats per row, right after the embedding):
  *
@@ -18,6 +19,7 @@
  *   FTRL           accum[dim] linear[dim]                   2 dim
  *   Group Adam     m[dim] v[dim] linear[dim] step           3 dim + 1
  *   Group Adagrad  accum[dim] linear[dim]                   2 dim
+ *   Row-wise Adagrad  accum (one per row)                   1
  *
  * `step` is the row's own update count stored as the bits of a uint32 (memcpy, not a
  * float conversion, so it is exact), incremented before use on every update and
@@ -43,7 +45,7 @@ int kv_optim_check(const kv_optim_t *o)
 {
     if (o == NULL)
         return KV_EINVAL;
-    if (o->kind < KV_OPT_SGD || o->kind > KV_OPT_GROUP_ADAGRAD)
+    if (o->kind < KV_OPT_SGD || o->kind > KV_OPT_ROWWISE_ADAGRAD)
         return KV_EOPTIM;
     if (o->per_row_step != 0 && o->per_row_step != 1)
         return KV_EOPTIM;
@@ -59,12 +61,21 @@ int kv_optim_check(const kv_optim_t *o)
         return KV_EOPTIM;
     if (!(isfinite(o->lr_power) && o->lr_power <= 0.0f))
         return KV_EOPTIM;
-    if (!finite_nonneg(o->beta))
+    if (!finite_nonneg(o->beta) || !finite_nonneg(o->weight_decay))
         return KV_EOPTIM;
-    if (o->flags & ~KV_OPTF_EPS_INSIDE_SQRT)
+    if (o->flags & ~(KV_OPTF_EPS_INSIDE_SQRT | KV_OPTF_WD_L2 | KV_OPTF_WD_DECOUPLED))
         return KV_EOPTIM; /* unknown bits */
+    /* A flag or a weight decay the kind would ignore: refuse rather than look as if it
+     * worked. */
     if ((o->flags & KV_OPTF_EPS_INSIDE_SQRT) && o->kind != KV_OPT_ADAGRAD)
-        return KV_EOPTIM; /* would be ignored: refuse rather than look as if it worked */
+        return KV_EOPTIM;
+    const int32_t wd_mode = o->flags & (KV_OPTF_WD_L2 | KV_OPTF_WD_DECOUPLED);
+    if (o->kind != KV_OPT_ROWWISE_ADAGRAD && (wd_mode || o->weight_decay != 0.0f))
+        return KV_EOPTIM;
+    if (wd_mode == (KV_OPTF_WD_L2 | KV_OPTF_WD_DECOUPLED))
+        return KV_EOPTIM; /* one mode at a time */
+    if (o->weight_decay != 0.0f && !wd_mode)
+        return KV_EOPTIM; /* FBGEMM's mode NONE ignores weight_decay */
     return KV_OK;
 }
 
@@ -80,6 +91,7 @@ int32_t kv_optim_slot_floats(const kv_optim_t *o, int32_t dim)
     case KV_OPT_FTRL: return 2 * dim;
     case KV_OPT_GROUP_ADAM: return 3 * dim + 1;
     case KV_OPT_GROUP_ADAGRAD: return 2 * dim;
+    case KV_OPT_ROWWISE_ADAGRAD: return 1;
     default: return KV_EOPTIM;
     }
 }
@@ -96,6 +108,9 @@ void kv_optim_init_slots(const kv_optim_t *o, int32_t dim, float *slots)
     switch (o->kind) {
     case KV_OPT_ADAGRAD: /* accum */
         fill(slots, dim, a0);
+        break;
+    case KV_OPT_ROWWISE_ADAGRAD: /* the row's one accum */
+        slots[0] = a0;
         break;
     case KV_OPT_ADAM: /* m, v, step: all zero bits */
         memset(slots, 0, sizeof(float) * (2 * (size_t)dim + 1));
@@ -361,6 +376,60 @@ static void group_adagrad_row(const kv_optim_t *o, int32_t dim, float *w, float 
     }
 }
 
+/* ---- Row-wise Adagrad (FBGEMM's EXACT_ROWWISE_ADAGRAD, which TorchRec's
+ *      RowWiseAdagrad selects for its fused tables) -------------------------------- */
+
+/*
+ * wd = weight_decay; the mode is fbgemm_gpu's weight_decay_mode (flags):
+ *   g'_i   = g_i + wd * w_i                  (L2)        g'_i = g_i  (none, decoupled)
+ *   accum += (sum_i g'_i^2) / dim            the MEAN of the squares over the row
+ *   m      = lr / (sqrt(accum) + epsilon)    (epsilon outside the sqrt)
+ *   c      = 1 - m * wd  (L2),  1 - lr * wd  (decoupled),  1  (none)
+ *   w_i    = c * w_i - g_i * m               (the plain gradient: L2's term is in c, so
+ *                                            this is w_i - m * g'_i)
+ * The rule and the modes are fbgemm_gpu's (codegen/genscript/optimizers.py,
+ * rowwise_adagrad). The arithmetic is that of the kernel TorchRec runs on CPU for float
+ * tables (fbgemm's JIT GenerateSparseAdaGrad(rowwise), stated by
+ * rowwise_sparse_adagrad_ref in src/RefImplementations.cc): float32, the squares summed
+ * into 8 partial sums (element i into sum i mod 8, the lanes of an AVX2 register) and
+ * those reduced pairwise, ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)); w += g * (-m), which is
+ * w - g * m bit for bit. So with no weight decay (TorchRec's default) a row gets
+ * FBGEMM's bits (tested against fbgemm_gpu 1.8.0). fbgemm_gpu's CPU path passes weight
+ * decay 0 to that kernel, so there the modes only exist on its GPU and shared-table
+ * paths, whose formula this is.
+ * Every component of the row moves with one step size m: the accumulator is one float
+ * per row, not dim (a row's optimizer state is 4 bytes). With dim = 1 it is Adagrad.
+ *                                                                 slots: accum (1)
+ */
+static void rowwise_adagrad_row(const kv_optim_t *o, int32_t dim, float *w, float *s,
+                                const float *g)
+{
+    const float lr = o->lr, eps = o->epsilon, wd = o->weight_decay;
+    const int l2 = (o->flags & KV_OPTF_WD_L2) != 0;
+    float part[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    if (l2) {
+        for (int32_t i = 0; i < dim; i++) {
+            const float gi = g[i] + wd * w[i];
+            part[i & 7] += gi * gi;
+        }
+    } else {
+        for (int32_t i = 0; i < dim; i++)
+            part[i & 7] += g[i] * g[i];
+    }
+    const float sumsq = ((part[0] + part[1]) + (part[2] + part[3])) +
+                        ((part[4] + part[5]) + (part[6] + part[7]));
+    const float accum = s[0] + sumsq / (float)dim;
+    s[0] = accum;
+    const float m = lr / (sqrtf(accum) + eps);
+    float c = 1.0f;
+    if (l2)
+        c = 1.0f - m * wd;
+    else if (o->flags & KV_OPTF_WD_DECOUPLED)
+        c = 1.0f - lr * wd;
+    for (int32_t i = 0; i < dim; i++)
+        w[i] = c * w[i] - g[i] * m;
+}
+
 /* ---- dispatch ------------------------------------------------------------------- */
 
 void kv_optim_apply_rows(const kv_optim_t *o, int32_t dim, int64_t nrows, float *w,
@@ -382,6 +451,7 @@ void kv_optim_apply_rows(const kv_optim_t *o, int32_t dim, int64_t nrows, float 
         case KV_OPT_FTRL: ftrl_row(o, dim, wr, sr, gr); break;
         case KV_OPT_GROUP_ADAM: group_adam_row(o, dim, wr, sr, gr, step); break;
         case KV_OPT_GROUP_ADAGRAD: group_adagrad_row(o, dim, wr, sr, gr); break;
+        case KV_OPT_ROWWISE_ADAGRAD: rowwise_adagrad_row(o, dim, wr, sr, gr); break;
         default: return;
         }
     }

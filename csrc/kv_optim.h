@@ -15,6 +15,10 @@
  *                         l2_shrinkage, lr_power), plus Keras' beta      slots: accum[dim] linear[dim]
  *   KV_OPT_GROUP_ADAM     TFPlus Group Adam (l1, l2, l21)                see kv_optim.c
  *   KV_OPT_GROUP_ADAGRAD  TFPlus Group Adagrad / sparse group FTRL       see kv_optim.c
+ *   KV_OPT_ROWWISE_ADAGRAD  FBGEMM's EXACT_ROWWISE_ADAGRAD (TorchRec's
+ *                         RowWiseAdagrad): one accumulator per row, fed
+ *                         the mean of g^2 over the row; weight decay
+ *                         none, L2 or decoupled (flags KV_OPTF_WD_*)     slots: accum (1)
  *
  * The hyperparameters may change between calls (a learning-rate schedule): nothing
  * derived from them is cached in the slots, so every call uses the values in `o` as
@@ -35,10 +39,15 @@
 #define KV_OPT_FTRL 3
 #define KV_OPT_GROUP_ADAM 4
 #define KV_OPT_GROUP_ADAGRAD 5
+#define KV_OPT_ROWWISE_ADAGRAD 6
 
 /* kv_optim_t.flags (bits) */
 #define KV_OPTF_EPS_INSIDE_SQRT 1 /* Adagrad only: w -= lr g / sqrt(accum + epsilon)
                                      (Keras 3) instead of / (sqrt(accum) + epsilon) (TF) */
+#define KV_OPTF_WD_L2 2           /* Row-wise Adagrad only: FBGEMM's weight_decay_mode L2
+                                     (weight_decay * w joins the gradient) */
+#define KV_OPTF_WD_DECOUPLED 4    /* Row-wise Adagrad only: FBGEMM's DECOUPLE mode
+                                     (w shrinks by lr * weight_decay); not with WD_L2 */
 
 typedef struct kv_optim {
     int32_t kind;          /* KV_OPT_* */
@@ -58,6 +67,9 @@ typedef struct kv_optim {
     float l2_shrinkage;    /* FTRL, Group Adagrad: >= 0 */
     float beta;            /* FTRL: Keras' beta, adds beta / (2 lr) to l2 (with the lr of
                               each call), >= 0 */
+    float weight_decay;    /* Row-wise Adagrad: FBGEMM's weight_decay, >= 0; > 0 needs one
+                              of the KV_OPTF_WD_* modes (it would be ignored without),
+                              and every other kind needs 0 */
 } kv_optim_t;
 
 /* KV_OK if kind and hyperparameters are valid, else KV_EOPTIM. Thread-safe. */

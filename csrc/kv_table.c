@@ -1096,26 +1096,97 @@ int kv_table_clear(kv_table_t *t) {
     return KV_OK;
 }
 
-/* The optimizer step on rows ids[u] - 1 (0: skipped) with gradient g[u]: last_step,
- * count and dirty bit too. Write lock held. */
-static void update_rows(kv_table_t *t, const uint32_t *ids, int64_t nu, const float *g,
-                        int64_t step) {
-    size_t d = (size_t)t->dim;
-    for (int64_t u = 0; u < nu; u++) {
-        if (u + PF_ROWS < nu && ids[u + PF_ROWS])
-            prefetch_bytes(row_at(t, ids[u + PF_ROWS] - 1), t->row_bytes > 512 ? 512 : t->row_bytes);
+/* ---- updates: computed apart from the rows, then written (all or nothing) ----------- */
+
+/* Floats of one prepared row: its embedding, then its optimizer slots. */
+static inline size_t row_floats(const kv_table_t *t) {
+    return (size_t)t->dim + (size_t)t->nslot;
+}
+
+/*
+ * The optimizer step on the rows of u in [u0, u1) with gradient g[u], computed into
+ * out[u] (row_floats: the embedding and slots after the update) without changing the
+ * table: ids[u] names the row (id + 1); ids[u] == 0 means keys[u] has no row: with
+ * `create` it starts from keys[u]'s initial value and slots (what create_absent gives
+ * a new row), else it is skipped (out[u] left alone). Returns the first u whose result
+ * is not finite, or -1. The caller holds the lock (read or write) and has checked g.
+ */
+static int64_t prep_rows(const kv_table_t *t, const int64_t *keys, const uint32_t *ids,
+                         int64_t u0, int64_t u1, const float *g, int64_t step, int create,
+                         float *out) {
+    const size_t d = (size_t)t->dim, f = row_floats(t);
+    const size_t pf = t->row_bytes > 512 ? 512 : t->row_bytes;
+    if (create) { /* new rows' initial embeddings, in batches */
+        enum { INIT_ROWS = 64 };
+        int64_t init_keys[INIT_ROWS];
+        float *init_out[INIT_ROWS];
+        int n_init = 0;
+        for (int64_t u = u0; u < u1; u++) {
+            if (ids[u]) continue;
+            init_keys[n_init] = keys[u];
+            init_out[n_init] = out + (size_t)u * f;
+            if (t->nslot) kv_optim_init_slots(&t->cfg.optim, t->dim, out + (size_t)u * f + d);
+            if (++n_init == INIT_ROWS) {
+                kv_init_rows(&t->cfg, init_keys, n_init, init_out);
+                n_init = 0;
+            }
+        }
+        if (n_init) kv_init_rows(&t->cfg, init_keys, n_init, init_out);
+    }
+    int64_t bad = -1;
+    for (int64_t u = u0; u < u1; u++) {
+        if (u + PF_ROWS < u1 && ids[u + PF_ROWS])
+            prefetch_bytes(row_at(t, ids[u + PF_ROWS] - 1), pf);
+        float *o = out + (size_t)u * f;
+        if (ids[u])
+            memcpy(o, row_emb(row_at(t, ids[u] - 1)), f * sizeof(float));
+        else if (!create)
+            continue;
+        kv_optim_apply_rows(&t->cfg.optim, t->dim, 1, o, o + d, g + (size_t)u * d, step);
+        if (bad < 0 && !kv_all_finite(o, f)) bad = u;
+    }
+    return bad;
+}
+
+/* Write prepared rows: out[u] becomes the embedding and slots of row ids[u] - 1 (0:
+ * skipped), with last_step = step, count + 1 and the dirty bit. Write lock held. */
+static void write_rows(kv_table_t *t, const uint32_t *ids, int64_t u0, int64_t u1,
+                       const float *out, int64_t step) {
+    const size_t f = row_floats(t);
+    for (int64_t u = u0; u < u1; u++) {
+        if (u + PF_ROWS < u1 && ids[u + PF_ROWS]) { /* the row's first line, for writing */
+            const unsigned char *p = row_at(t, ids[u + PF_ROWS] - 1);
+            __builtin_prefetch(p, 1);
+            if (t->row_bytes > 64) __builtin_prefetch(p + t->row_bytes - 1, 1);
+        }
         if (!ids[u]) continue;
         unsigned char *r = row_at(t, ids[u] - 1);
-        kv_optim_apply_rows(&t->cfg.optim, t->dim, 1, row_emb(r), row_slots(t, r),
-                            g + (size_t)u * d, step);
+        memcpy(row_emb(r), out + (size_t)u * f, f * sizeof(float));
         *row_step(r) = (uint32_t)step;
         uint32_t meta = *row_meta(r), cnt = meta & META_COUNT;
         *row_meta(r) = (meta & ~META_COUNT) | (cnt < META_COUNT ? cnt + 1 : cnt) | META_DIRTY;
     }
-    if (t->pub_on) /* a pass of its own, after every row is updated */
-        for (int64_t u = 0; u < nu; u++)
-            if (ids[u]) pub_mark(t, ids[u] - 1);
 }
+
+/* Publishing's change marks of rows ids[u] - 1 (0: skipped), u < n: a pass of its own,
+ * on one thread after every row is written (pub_mark appends to one list: never run it
+ * from the pool's tasks). Write lock held. */
+static void pub_mark_rows(kv_table_t *t, const uint32_t *ids, int64_t n) {
+    if (!t->pub_on) return;
+    for (int64_t u = 0; u < n; u++)
+        if (ids[u]) pub_mark(t, ids[u] - 1);
+}
+
+#ifndef KV_COMMIT_PARALLEL /* -D overrides: tests thread small commits too */
+#define KV_COMMIT_PARALLEL 8192 /* rows of a commit below which one thread writes them */
+#endif
+
+/* A buffer for n prepared rows of t (at least one byte). */
+static float *prep_buffer(const kv_table_t *t, int64_t n) {
+    return kv_malloc((size_t)(n ? n : 1) * row_floats(t) * sizeof(float));
+}
+
+int32_t kv_table_slot_floats(const kv_table_t *t) { return t ? t->nslot : 0; }
 
 int kv_table_apply_gradients(kv_table_t *t, const int64_t *keys, int64_t n,
                              const float *grads, int64_t step, int32_t flags,
@@ -1129,9 +1200,11 @@ int kv_table_apply_gradients(kv_table_t *t, const int64_t *keys, int64_t n,
     /* Sum duplicates outside the lock: uniq[nu], sums[nu][dim], ids[nu]. */
     int64_t *uniq = kv_malloc((size_t)n * (sizeof(int64_t) + sizeof(uint32_t)));
     float *sums = kv_malloc((size_t)n * d * sizeof(float));
-    if (!uniq || !sums) {
+    float *out = prep_buffer(t, n);
+    if (!uniq || !sums || !out) {
         kv_free(uniq);
         kv_free(sums);
+        kv_free(out);
         return KV_ENOMEM;
     }
     uint32_t *ids = (uint32_t *)(void *)(uniq + n);
@@ -1141,23 +1214,28 @@ int kv_table_apply_gradients(kv_table_t *t, const int64_t *keys, int64_t n,
     if (rc != KV_OK) {
         kv_free(uniq);
         kv_free(sums);
+        kv_free(out);
         return rc;
     }
     pthread_rwlock_wrlock(&t->lock);
     int64_t n_absent = lookup_all(t, uniq, nu, ids);
     int create = (flags & KV_APPLY_CREATE_MISSING) && t->admit_k < 2;
-    if (create)
-        rc = create_absent(t, uniq, nu, ids, n_absent, (uint32_t)step, 1, NULL, NULL, 0);
+    /* every new value first: a result that is not finite changes nothing */
+    if (prep_rows(t, uniq, ids, 0, nu, sums, step, create, out) >= 0) rc = KV_ENONFINITE;
+    if (rc == KV_OK && create)
+        rc = create_absent(t, uniq, nu, ids, n_absent, (uint32_t)step, 0, NULL, NULL, 0);
     if (rc == KV_OK) {
         if (!create) {
             t->n_dropped += n_absent;
             if (n_missing) *n_missing = n_absent;
         }
-        update_rows(t, ids, nu, sums, step);
+        write_rows(t, ids, 0, nu, out, step);
+        pub_mark_rows(t, ids, nu);
     }
     pthread_rwlock_unlock(&t->lock);
     kv_free(uniq);
     kv_free(sums);
+    kv_free(out);
     return rc;
 }
 
@@ -1198,7 +1276,8 @@ int kv_table_apply_gradients_ref(kv_table_t *t, const int64_t *keys, const uint3
     if (!kv_all_finite(grads, (size_t)n * d)) return KV_ENONFINITE;
     int distinct = (flags & KV_APPLY_DISTINCT) != 0;
     int64_t *uniq = NULL, nu = n, n_zero = 0;
-    float *sums = NULL;
+    float *sums = NULL, *out = prep_buffer(t, n);
+    if (!out) return KV_ENOMEM;
     pthread_rwlock_wrlock(&t->lock);
     int ok = refs_valid(t, keys, ref, n, &n_zero);
     /* a key without a row that must be created goes by key (create_missing without
@@ -1207,10 +1286,11 @@ int kv_table_apply_gradients_ref(kv_table_t *t, const int64_t *keys, const uint3
     int rc = KV_OK;
     int64_t n_miss = n_zero; /* distinct: every zero ref is a key of its own */
     const uint32_t *ids = ref;
+    const int64_t *ukeys = keys;
     const float *g = grads;
     if (ok && !distinct) {
         /* sum duplicate rows: a segment sum keyed by ref (the zero refs form one group,
-         * which update_rows skips); the keys without a row count once each */
+         * which prep_rows skips); the keys without a row count once each */
         uniq = kv_malloc((size_t)n * (4 * sizeof(int64_t) + sizeof(uint32_t)));
         sums = kv_malloc((size_t)n * d * sizeof(float));
         if (!uniq || !sums) {
@@ -1231,21 +1311,44 @@ int kv_table_apply_gradients_ref(kv_table_t *t, const int64_t *keys, const uint3
                 rc = kv_unique(as_key, z, zu, zi, &n_miss);
             }
             ids = u32;
+            ukeys = NULL; /* not read: prep_rows creates nothing here */
             g = sums;
         }
     }
+    if (ok && rc == KV_OK && prep_rows(t, ukeys, ids, 0, nu, g, step, 0, out) >= 0)
+        rc = KV_ENONFINITE;
     if (ok && rc == KV_OK) {
-        update_rows(t, ids, nu, g, step);
+        write_rows(t, ids, 0, nu, out, step);
+        pub_mark_rows(t, ids, nu);
         t->n_dropped += n_miss;
         if (n_missing) *n_missing = n_miss;
     }
     pthread_rwlock_unlock(&t->lock);
     kv_free(uniq);
     kv_free(sums);
+    kv_free(out);
     if (!ok) /* a stale or wrong ref: by key, the same result */
         return kv_table_apply_gradients(t, keys, n, grads, step,
                                         flags & KV_APPLY_CREATE_MISSING, n_missing);
     return rc;
+}
+
+/* Whether the refs of generation `gen` still name their rows (write or read lock
+ * held): no row was freed since, and none lies past the arena's used ids. *n_zero:
+ * the refs that are 0. */
+static int refs_current(const kv_table_t *t, const uint32_t *ref, int64_t n, uint64_t gen,
+                        int64_t *n_zero) {
+    if (t->gen != gen) return 0;
+    int64_t z = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (!ref[i])
+            z++;
+        else if (ref[i] - 1 >= t->next_id ||
+                 ((ref[i] - 1) & t->chunk_mask) >= chunk_rows(t, (ref[i] - 1) >> t->chunk_shift))
+            return 0;
+    }
+    *n_zero = z;
+    return 1;
 }
 
 int kv_table_apply_refs(kv_table_t *t, const int64_t *keys, const uint32_t *ref, int64_t n,
@@ -1255,28 +1358,140 @@ int kv_table_apply_refs(kv_table_t *t, const int64_t *keys, const uint32_t *ref,
     if (n_missing) *n_missing = 0;
     if (n == 0) return KV_OK;
     if (!kv_all_finite(grads, (size_t)n * (size_t)t->dim)) return KV_ENONFINITE;
-    pthread_rwlock_wrlock(&t->lock);
-    /* the refs name live rows of their keys while nothing was freed; a ref past the
-     * arena's used ids cannot come from this generation either */
-    int ok = t->gen == gen;
+    float *out = prep_buffer(t, n);
+    if (!out) return KV_ENOMEM;
+    int rc = KV_OK;
     int64_t n_zero = 0;
-    for (int64_t i = 0; ok && i < n; i++) {
-        if (!ref[i])
-            n_zero++;
-        else if (ref[i] - 1 >= t->next_id ||
-                 ((ref[i] - 1) & t->chunk_mask) >= chunk_rows(t, (ref[i] - 1) >> t->chunk_shift))
-            ok = 0;
-    }
-    if (ok) {
-        update_rows(t, ref, n, grads, step);
+    pthread_rwlock_wrlock(&t->lock);
+    int ok = refs_current(t, ref, n, gen, &n_zero);
+    if (ok && prep_rows(t, keys, ref, 0, n, grads, step, 0, out) >= 0) rc = KV_ENONFINITE;
+    if (ok && rc == KV_OK) {
+        write_rows(t, ref, 0, n, out, step);
+        pub_mark_rows(t, ref, n);
         t->n_dropped += n_zero;
         if (n_missing) *n_missing = n_zero;
     }
     pthread_rwlock_unlock(&t->lock);
+    kv_free(out);
     if (!ok) /* rows were freed since the refs were taken: by key, the same result */
         return kv_table_apply_gradients(t, keys, n, grads, step, KV_APPLY_CREATE_MISSING,
                                         n_missing);
+    return rc;
+}
+
+int kv_table_prepare_refs(kv_table_t *t, const int64_t *keys, const uint32_t *ref, int64_t n,
+                          const float *grads, int64_t step, uint64_t gen, float *out,
+                          uint32_t *ids, uint64_t *gen_out, int64_t *bad) {
+    if (check_batch(t, keys, n) != KV_OK || !gen_out || !bad ||
+        (n > 0 && (!grads || !ref || !out || !ids)))
+        return KV_EINVAL;
+    if (step < 1) return KV_EINVAL;
+    /* a NaN/Inf gradient is not looked for apart: it makes its row's update NaN/Inf
+     * (every rule puts g, or g^2 in a slot, into what it writes), which is checked */
+    int64_t n_zero = 0;
+    pthread_rwlock_rdlock(&t->lock);
+    if (refs_current(t, ref, n, gen, &n_zero)) {
+        if (n) memcpy(ids, ref, (size_t)n * sizeof(uint32_t));
+    } else { /* rows were freed since the refs were taken: by key; gone ones skipped */
+        lookup_ids(t, keys, n, ids, HDR_BYTES);
+    }
+    *gen_out = t->gen;
+    *bad = prep_rows(t, keys, ids, 0, n, grads, step, 0, out);
+    pthread_rwlock_unlock(&t->lock);
+    return *bad >= 0 ? KV_ENONFINITE : KV_OK;
+}
+
+typedef struct {
+    kv_table_t *t;
+    const uint32_t *ids;
+    const float *rows;
+    int64_t n, parts, step;
+} commit_job_t;
+
+/* Part q of a commit's rows (the write lock is held by the caller of the job). */
+static void commit_part(void *arg, int64_t q) {
+    commit_job_t *j = arg;
+    write_rows(j->t, j->ids, q * j->n / j->parts, (q + 1) * j->n / j->parts, j->rows, j->step);
+}
+
+int kv_table_commit_refs(kv_table_t *t, kv_pool_t *pool, const int64_t *keys,
+                         const uint32_t *ids, int64_t n, const float *rows, int64_t step,
+                         uint64_t gen, int64_t *n_missing) {
+    if (check_batch(t, keys, n) != KV_OK || (n > 0 && (!ids || !rows)) || step < 1)
+        return KV_EINVAL;
+    if (n_missing) *n_missing = 0;
+    if (n == 0) return KV_OK;
+    uint32_t *now = NULL;
+    int64_t n_zero = 0;
+    pthread_rwlock_wrlock(&t->lock);
+    if (!refs_current(t, ids, n, gen, &n_zero)) {
+        /* a row was freed since the prepare: find each key's row again (by key, into a
+         * buffer allocated under the lock, the one path that needs it) */
+        now = kv_malloc((size_t)n * sizeof(uint32_t));
+        if (!now) {
+            pthread_rwlock_unlock(&t->lock);
+            return KV_ENOMEM;
+        }
+        lookup_ids(t, keys, n, now, HDR_BYTES);
+        n_zero = 0;
+        for (int64_t i = 0; i < n; i++) n_zero += !now[i] || !ids[i];
+        for (int64_t i = 0; i < n; i++)
+            if (!ids[i]) now[i] = 0; /* no row at the prepare: nothing was computed */
+        ids = now;
+    }
+    /* by key range over the pool's threads: each row is written by one of them */
+    commit_job_t job = {.t = t, .ids = ids, .rows = rows, .n = n, .step = step, .parts = 1};
+    if (n >= KV_COMMIT_PARALLEL) job.parts = 4 * (int64_t)kv_pool_threads(pool);
+    kv_pool_run(job.parts > 1 ? pool : NULL, job.parts, commit_part, &job);
+    pub_mark_rows(t, ids, n); /* after the join */
+    t->n_dropped += n_zero;
+    pthread_rwlock_unlock(&t->lock);
+    kv_free(now);
+    if (n_missing) *n_missing = n_zero;
     return KV_OK;
+}
+
+int kv_table_check_update(kv_table_t *t, const int64_t *keys, int64_t n, const float *grads,
+                          int64_t step, int32_t flags, int64_t *key, int32_t *what) {
+    if (check_batch(t, keys, n) != KV_OK || (n > 0 && !grads) || !key || !what || step < 1 ||
+        (flags & ~(KV_APPLY_CREATE_MISSING | KV_APPLY_DISTINCT)))
+        return KV_EINVAL;
+    *key = 0;
+    *what = 0;
+    if (n == 0) return KV_OK;
+    size_t d = (size_t)t->dim;
+    int64_t *uniq = kv_malloc((size_t)n * (sizeof(int64_t) + sizeof(uint32_t)));
+    float *sums = kv_malloc((size_t)n * d * sizeof(float));
+    float *out = prep_buffer(t, n);
+    int rc = uniq && sums && out ? KV_OK : KV_ENOMEM;
+    int64_t nu = 0;
+    for (int64_t i = 0; rc == KV_OK && i < n && !*what; i++)
+        if (!kv_all_finite(grads + (size_t)i * d, d)) {
+            *key = keys[i];
+            *what = 1;
+        }
+    if (rc == KV_OK && !*what) rc = kv_segment_sum(keys, n, grads, t->dim, uniq, sums, &nu);
+    for (int64_t u = 0; rc == KV_OK && u < nu && !*what; u++)
+        if (!kv_all_finite(sums + (size_t)u * d, d)) {
+            *key = uniq[u];
+            *what = 3;
+        }
+    if (rc == KV_OK && !*what) {
+        uint32_t *ids = (uint32_t *)(void *)(uniq + n);
+        pthread_rwlock_rdlock(&t->lock);
+        lookup_ids(t, uniq, nu, ids, HDR_BYTES);
+        int create = (flags & KV_APPLY_CREATE_MISSING) && t->admit_k < 2;
+        int64_t u = prep_rows(t, uniq, ids, 0, nu, sums, step, create, out);
+        pthread_rwlock_unlock(&t->lock);
+        if (u >= 0) {
+            *key = uniq[u];
+            *what = 2;
+        }
+    }
+    kv_free(uniq);
+    kv_free(sums);
+    kv_free(out);
+    return rc;
 }
 
 int kv_table_export(kv_table_t *t, int64_t *cursor, int64_t max_n, int32_t flags,

@@ -62,6 +62,7 @@
 #define KV_TABLE_H
 
 #include <stdint.h>
+#include "kv_pool.h"
 #include "kv_status.h"
 #include "kv_optim.h"
 
@@ -187,7 +188,8 @@ int kv_table_find_or_create_ref(kv_table_t *t, const int64_t *keys, int64_t n, f
  * KV_APPLY_CREATE_MISSING as there; KV_APPLY_DISTINCT if no key appears twice (else
  * duplicates are summed first). If a ref went stale (its row was freed or reused since), does not match its
  * key, or a missing key would have to be created, the whole batch goes by key
- * (kv_table_apply_gradients). Write lock.
+ * (kv_table_apply_gradients). An update that would make a row or its slots NaN/Inf
+ * is refused whole (KV_ENONFINITE), as there. Write lock.
  */
 int kv_table_apply_gradients_ref(kv_table_t *t, const int64_t *keys, const uint32_t *ref,
                                  int64_t n, const float *grads, int64_t step, int32_t flags,
@@ -212,11 +214,63 @@ int kv_table_find_or_create_gen(kv_table_t *t, const int64_t *keys, int64_t n, f
  * the batch goes by key (kv_table_apply_gradients with KV_APPLY_CREATE_MISSING): the
  * same result. The caller is trusted to pass each key with the ref it got for it
  * (kvcoll's exchange keeps both); a mismatched pair updates the wrong row but never
- * touches memory outside the table. NaN/Inf anywhere: KV_ENONFINITE, nothing
- * changed. Write lock. KV_OK, KV_EINVAL, KV_ENONFINITE, KV_ENOMEM, KV_EFULL.
+ * touches memory outside the table. NaN/Inf anywhere (in the gradients, or in a row or
+ * its slots after the update): KV_ENONFINITE, nothing changed. Write lock. KV_OK,
+ * KV_EINVAL, KV_ENONFINITE, KV_ENOMEM, KV_EFULL.
  */
 int kv_table_apply_refs(kv_table_t *t, const int64_t *keys, const uint32_t *ref, int64_t n,
                         const float *grads, int64_t step, uint64_t gen, int64_t *n_missing);
+
+/*
+ * The update kv_table_apply_refs would make, computed without making it, so that a
+ * caller can decide (with other ranks) whether it happens, and then write it with
+ * kv_table_commit_refs, or drop it (nothing to undo):
+ *   keys, ref, n, grads, step, gen   as kv_table_apply_refs (keys distinct)
+ *   out      [n][dim + slot_floats]: row i's embedding and slots after the update
+ *            (left alone for a key without a row)
+ *   ids      [n]: the row of each key (id + 1; 0: no row, skipped): ref itself while
+ *            the generation is still gen; else each key is found again, and a key
+ *            whose row was freed since is skipped (not created again)
+ *   gen_out  the generation ids belong to
+ *   bad      the first i whose row or slots after the update are NaN/Inf (a NaN/Inf
+ *            gradient makes them so, whatever the optimizer); -1 if none
+ * Read lock. KV_OK; KV_ENONFINITE (*bad says which key); KV_EINVAL. Changes nothing.
+ */
+int kv_table_prepare_refs(kv_table_t *t, const int64_t *keys, const uint32_t *ref, int64_t n,
+                          const float *grads, int64_t step, uint64_t gen, float *out,
+                          uint32_t *ids, uint64_t *gen_out, int64_t *bad);
+
+/*
+ * Write what kv_table_prepare_refs computed: rows[i] becomes keys[i]'s embedding and
+ * slots, with last_step = step, update count + 1 and the dirty bit; ids[i] == 0 is
+ * skipped and counted in n_missing (may be NULL) and stats.dropped_grads. While the
+ * generation is still gen the rows are those ids names; else each key is found again
+ * (a row freed since the prepare is skipped and counted). Between the prepare and the
+ * commit the caller changes none of these rows (the commit writes the prepared values
+ * over any change). pool (kv_pool.h; may be NULL): a large commit writes its rows by
+ * key range on the pool's threads, under the one write lock this call holds. Write
+ * lock. KV_OK, KV_EINVAL, KV_ENOMEM (only after a row was freed since the prepare;
+ * nothing changed).
+ */
+int kv_table_commit_refs(kv_table_t *t, kv_pool_t *pool, const int64_t *keys,
+                         const uint32_t *ids, int64_t n, const float *rows, int64_t step,
+                         uint64_t gen, int64_t *n_missing);
+
+/*
+ * Which key of a kv_table_apply_gradients(t, keys, n, grads, step, flags) call would
+ * be refused with KV_ENONFINITE, found without changing anything (to name it in an
+ * error): the gradients of each key summed over duplicates, applied to a copy of its
+ * row (an absent key: its initial row with KV_APPLY_CREATE_MISSING and admission off,
+ * else skipped). *key = the key of the first gradient row that is NaN/Inf (*what =
+ * 1); else the first key, in order of first appearance, whose gradients summed
+ * overflow (*what = 3) or whose row or slots after the update would be NaN/Inf (*what
+ * = 2); *what = 0 if none (*key = 0). Read lock. KV_OK, KV_EINVAL, KV_ENOMEM.
+ */
+int kv_table_check_update(kv_table_t *t, const int64_t *keys, int64_t n, const float *grads,
+                          int64_t step, int32_t flags, int64_t *key, int32_t *what);
+
+/* Floats of optimizer state per row (fixed at create; no lock). 0 for NULL. */
+int32_t kv_table_slot_floats(const kv_table_t *t);
 
 /* Assign embedding values: values[i][dim] becomes the row of keys[i], creating the
  * row (slots initialised) if absent. Duplicate keys: the last one wins. Marks rows
@@ -244,7 +298,10 @@ int kv_table_clear(kv_table_t *t);
 /*
  * Apply gradients with the table's row optimizer. grads[i][dim] belongs to keys[i];
  * duplicate keys are summed first and applied once. The whole batch is checked for
- * NaN/Inf before anything changes (KV_ENONFINITE). `step` (>= 1) feeds Adam's bias
+ * NaN/Inf before anything changes (KV_ENONFINITE), and so is every row and slot the
+ * update would write: an update that would make one NaN/Inf (a huge gradient whose
+ * square overflows Adagrad's accumulator, say) is refused whole with KV_ENONFINITE
+ * (kv_table_check_update names the key). `step` (>= 1) feeds Adam's bias
  * correction; every updated row gets last_step = step, count += 1, dirty = 1.
  * Missing keys are skipped and counted in n_missing (may be NULL) and in
  * stats.dropped_grads, unless flags has KV_APPLY_CREATE_MISSING and admission is off

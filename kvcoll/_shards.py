@@ -112,8 +112,15 @@ def write_durably(path: str, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def raw_bytes(data) -> memoryview:
+    """`data` (bytes or an array of any shape, empty included) as a flat byte view."""
+    if isinstance(data, np.ndarray):
+        data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    return memoryview(data).cast("B")
+
+
 def _write_all(fd: int, data) -> None:
-    mv = memoryview(data).cast("B")
+    mv = raw_bytes(data)
     while mv:  # raw writes may be short
         mv = mv[os.write(fd, mv):]
 

@@ -131,9 +131,9 @@ import time
 import numpy as np
 
 from . import _shards, ids
-from .errors import CheckpointError, InvalidArgumentError
+from .errors import CheckpointError, InvalidArgumentError, NonFiniteError
 from .routing import OwnerMap, bucket_of, owners_for
-from .table import KvTable
+from .table import KvTable, first_nonfinite_row
 
 __all__ = ["latest", "Checkpointer", "SaveInfo", "RestoreInfo",
            "read_shard", "FORMAT", "VERSION", "RESTORE_BUFFER", "MIN_RESTORE_BUFFER"]
@@ -196,6 +196,20 @@ def _check_owned(name: str, keys: np.ndarray, owners: OwnerMap, rank: int) -> No
             f"table {name!r} on rank {rank} holds {int(theirs.sum())} keys that the owner "
             f"map gives other ranks (e.g. {int(keys[theirs][0])}): the Checkpointer's "
             "owners= must be the map the tables were filled by (the exchange's .owners)")
+
+
+def _check_finite(name: str, rows: dict, rank: int) -> None:
+    """NonFiniteError unless every row's values and slots are finite: a restore refuses
+    NaN/Inf, so a checkpoint holding one could not be restored (the save fails on every
+    rank, and the previous checkpoint stays the latest)."""
+    for column, what in (("values", "embedding"), ("slots", "optimizer slots")):
+        arr = rows.get(column)
+        at = -1 if arr is None or not arr.size else first_nonfinite_row(arr)
+        if at >= 0:
+            raise NonFiniteError(
+                f"table {name!r}: key {int(rows['keys'][at])} on rank {rank} has a NaN/Inf "
+                f"in its {what}: a checkpoint holding it could not be restored, so none is "
+                "written; delete the key (KvTable.delete) or restore an earlier checkpoint")
 
 
 ADMISSION_ARRAYS = ("keys", "counts", "steps", "bloom", "bloom_adds")
@@ -447,6 +461,7 @@ class Checkpointer:
                 fname = f"{i:03d}-{_safe(name)}.r{comm.rank}-of-{comm.size}.kvs"
                 path = os.path.join(tmp, fname)
                 if self.version == 1:
+                    _check_finite(name, rows, comm.rank)
                     sha, nbytes = _shards.write_shard_v1(
                         path, [rows["keys"], rows["values"], rows["slots"],
                                rows["last_step"], rows["counts"], removed])
@@ -455,6 +470,7 @@ class Checkpointer:
                     # a key whose bucket went to another rank is no longer ours to remove
                     removed = removed[self.owners.owner_of(removed) == comm.rank]
                     _check_owned(name, rows["keys"], self.owners, comm.rank)
+                    _check_finite(name, rows, comm.rank)
                     info = _write_shard(path, rows, removed, self.owners.buckets)
                 files[fname] = {**info, "table": name, "rank": comm.rank, "world": comm.size}
                 del rows

@@ -98,6 +98,18 @@ class Config:
         checkpoint's own hash when it is restored before any string id is hashed. A
         checkpoint whose hash differs from a fixed one (set here, or already used) is
         refused.
+    threads: threads of the rank's C table work per step (dedup and routing, lookups and
+        inserts, gradient sums, the row optimizer, the gather gradient), split by table
+        and by key range with the same results as one thread (KVCOLL_THREADS, --threads).
+        0 (default): the cores TensorFlow leaves free, i.e. this rank's share of its
+        host's cores (its CPU affinity / the ranks on the host) less TensorFlow's
+        intra-op threads (all of that share unless set lower), at least 1; see
+        kvcoll.exchange.kernels.default_threads.
+    pipeline: "on" or "off": BSP steps pipelined (the next batch read, prepared, routed
+        and its ids exchanged by a helper thread while a step computes; the results are
+        the unpipelined loop's). See docs/performance.md.
+    xla: "on" or "off": compile the dense step with XLA (jit_compile), the rows padded
+        to a few bucket sizes so it does not recompile. See docs/performance.md.
     """
 
     step_mode: str = "bsp"
@@ -106,6 +118,9 @@ class Config:
     io_timeout: float = 1800.0
     startup_timeout: float = 600.0
     id_hash: str = "auto"
+    threads: int = 0
+    pipeline: str = "on"
+    xla: str = "off"
 
     def __post_init__(self):
         if self.step_mode not in STEP_MODES:
@@ -116,6 +131,15 @@ class Config:
         if self.id_hash not in ID_HASH_SETTINGS:
             raise InvalidArgumentError(
                 f"id_hash {self.id_hash!r} is unknown; use one of {', '.join(ID_HASH_SETTINGS)}")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) \
+                or self.threads < 0:
+            raise InvalidArgumentError(
+                f"threads must be an integer >= 0 (0: the cores TensorFlow leaves free), "
+                f"got {self.threads!r}")
+        for name in ("pipeline", "xla"):
+            if getattr(self, name) not in ("on", "off"):
+                raise InvalidArgumentError(
+                    f"{name} must be 'on' or 'off', got {getattr(self, name)!r}")
         for name in ("comm_timeout", "io_timeout", "startup_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:

@@ -18,7 +18,9 @@ sqrt(accum + epsilon)) and `Ftrl(beta=...)`. GroupAdam and
 GroupAdagrad are TFPlus's sparse-group-lasso optimizers (Yue et al., "Adaptive
 Optimizers with Sparse Group Lasso for Neural Networks in CTR Prediction", ECML PKDD
 2021) with TFPlus's parameter names and defaults: a row whose group norm falls under
-the l21 threshold becomes exactly zero.
+the l21 threshold becomes exactly zero. RowWiseAdagrad is FBGEMM's
+EXACT_ROWWISE_ADAGRAD, TorchRec's optimizer for its fused tables: one accumulator per
+row instead of one per float.
 
 Every optimizer's `learning_rate` is a positive float or a schedule: a callable of the
 integer step returning a float, such as a `keras.optimizers.schedules.
@@ -44,7 +46,7 @@ from .errors import InvalidArgumentError
 # A learning rate: a float, or a schedule (a callable of the integer step).
 LearningRate = Union[float, Callable[[int], float]]
 
-__all__ = ["SGD", "Adagrad", "Adam", "Ftrl", "GroupAdagrad", "GroupAdam"]
+__all__ = ["SGD", "Adagrad", "Adam", "Ftrl", "GroupAdagrad", "GroupAdam", "RowWiseAdagrad"]
 
 
 def _as_f32(x: float) -> float:
@@ -158,10 +160,12 @@ def _flag(opt, field: str) -> None:
 
 def _fields(kind: str, flags: tuple = (), **kw) -> dict:
     """kv_optim_t's fields by their C names; the ones a kind does not use are 0.
-    flags: names of KV_OPTF_* bits (table.py maps them: "eps_inside_sqrt")."""
+    flags: names of KV_OPTF_* bits (table.py maps them: "eps_inside_sqrt", "wd_l2",
+    "wd_decoupled")."""
     out = {"kind": kind, "per_row_step": 0, "flags": tuple(flags), "lr": 0.0, "beta1": 0.0,
            "beta2": 0.0, "epsilon": 0.0, "initial_accumulator": 0.0, "lr_power": 0.0,
-           "l1": 0.0, "l2": 0.0, "l21": 0.0, "l2_shrinkage": 0.0, "beta": 0.0}
+           "l1": 0.0, "l2": 0.0, "l21": 0.0, "l2_shrinkage": 0.0, "beta": 0.0,
+           "weight_decay": 0.0}
     out.update({k: (int(v) if k == "per_row_step" else float(v)) for k, v in kw.items()})
     return out
 
@@ -410,3 +414,65 @@ class GroupAdagrad(_RowOptimizer):
 
     def _slot_layout(self, dim: int) -> list:
         return [("accum", dim), ("linear", dim)]
+
+
+# FBGEMM's weight_decay_mode values that row-wise Adagrad takes, and their KV_OPTF_ bit.
+_WEIGHT_DECAY_MODES = {"none": (), "l2": ("wd_l2",), "decoupled": ("wd_decoupled",)}
+
+
+@dataclasses.dataclass(frozen=True)
+class RowWiseAdagrad(_RowOptimizer):
+    """Row-wise Adagrad: FBGEMM's EXACT_ROWWISE_ADAGRAD, the kernel TorchRec's
+    RowWiseAdagrad runs for its fused tables. One accumulator per row instead of one
+    per float, so a row's optimizer state is 4 bytes instead of 4 * dim, and an update
+    reads and writes dim - 1 fewer floats. Per row, with wd = weight_decay:
+
+        g'     = g + wd * w  ("l2"),  g  ("none", "decoupled")
+        accum += mean(g'^2)                  (the mean over the row's dim floats)
+        m      = learning_rate / (sqrt(accum) + epsilon)
+        w      = c * w - m * g,   c = 1 - m * wd ("l2"), 1 - learning_rate * wd
+                                  ("decoupled"), 1 ("none")
+
+    computed in float32 in FBGEMM's CPU kernel's order (csrc/kv_optim.c). Every float
+    of a row moves with the one step size m. With dim 1 it is Adagrad.
+
+    learning_rate: step size, > 0, or a schedule of the step (see the module).
+    initial_accumulator_value: accum of a new row, >= 0 (FBGEMM starts at 0.0).
+    epsilon: added to sqrt(accum), >= 0 (FBGEMM's default 1e-8; TorchRec passes its
+        own `eps` when given).
+    weight_decay: >= 0; 0.0 (the default, TorchRec's) applies none.
+    weight_decay_mode: "none" (the default), "l2" (FBGEMM's L2: the decay joins the
+        gradient, in the accumulator too) or "decoupled" (FBGEMM's DECOUPLE: w shrinks
+        by learning_rate * weight_decay). A weight_decay > 0 needs "l2" or "decoupled".
+    Slots per row: accum (1 float).
+    """
+
+    learning_rate: LearningRate
+    initial_accumulator_value: float = 0.0
+    epsilon: float = 1e-8
+    weight_decay: float = 0.0
+    weight_decay_mode: str = "none"
+
+    def __post_init__(self):
+        self._check_learning_rate()
+        _non_negative(self, "initial_accumulator_value")
+        _non_negative(self, "epsilon")
+        _non_negative(self, "weight_decay")
+        if self.weight_decay_mode not in _WEIGHT_DECAY_MODES:
+            raise InvalidArgumentError(
+                f"RowWiseAdagrad: weight_decay_mode must be one of "
+                f"{sorted(_WEIGHT_DECAY_MODES)}, got {self.weight_decay_mode!r}")
+        if self.weight_decay_mode == "none" and self.weight_decay != 0:
+            raise InvalidArgumentError(
+                f"RowWiseAdagrad: weight_decay={self.weight_decay!r} with "
+                "weight_decay_mode='none' would be ignored (as FBGEMM ignores it); pass "
+                "weight_decay_mode='l2' or 'decoupled', or weight_decay=0.0")
+
+    def _c_fields(self) -> dict:
+        return _fields("rowwise_adagrad", lr=self.learning_rate_at(0), epsilon=self.epsilon,
+                       initial_accumulator=self.initial_accumulator_value,
+                       weight_decay=self.weight_decay,
+                       flags=_WEIGHT_DECAY_MODES[self.weight_decay_mode])
+
+    def _slot_layout(self, dim: int) -> list:
+        return [("accum", 1)]

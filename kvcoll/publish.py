@@ -343,7 +343,7 @@ class Publisher:
         h = hashlib.sha256()
         for w in weights:
             h.update(str(w.dtype).encode() + str(w.shape).encode())
-            h.update(memoryview(w).cast("B"))
+            h.update(_shards.raw_bytes(w))
         digest = h.hexdigest()
         out = {"graph": self._graph, "digest": digest, "files": {}}
         changed = digest != self._dense_digest or not plan["delta"]

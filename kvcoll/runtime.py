@@ -3,6 +3,20 @@
 `init()` reads the configuration once (code > --flags > KVCOLL_* > defaults), brings
 MPI up with thread support, duplicates COMM_WORLD and makes an uncaught exception on
 any rank end the whole job.
+
+Shutting down inside a Horovod job. Horovod's shutdown is global: when one rank calls
+it (hvd.shutdown(), which Horovod registers with atexit), the background threads of
+every rank stop together, and where Horovod initialised MPI (hvd.init() before
+kv.init()) each rank's background thread then calls MPI_Finalize, whatever that rank's
+main thread is doing. A rank still inside kvcoll's last collective (polling its request
+with MPI_Test, freeing its communicator) a few milliseconds after a faster peer left
+crashes: "An error occurred in MPI_Test on a NULL communicator", exit code 14. So
+`shutdown()` ends with a barrier through Horovod itself, after kvcoll's last MPI call:
+no rank can leave (and start Horovod's shutdown) before every rank is done with
+kvcoll's MPI, and the main thread then waits on a Horovod op that Horovod completes
+before it processes any shutdown. At exit, kvcoll's handler runs `shutdown()` while
+Horovod is still running (it does in that order: atexit runs the later registration,
+kvcoll's, first).
 """
 
 from __future__ import annotations
@@ -16,7 +30,7 @@ import numpy as np
 from . import ids
 from .comm import Comm, install_abort_hook
 from .config import Config
-from .errors import InvalidArgumentError, KvcollError
+from .errors import CommError, CommTimeoutError, InvalidArgumentError, KvcollError
 
 __all__ = ["init", "shutdown", "rank", "size", "local_rank", "local_size", "config", "comm",
            "is_initialized", "allreduce", "allgather", "broadcast", "preempted"]
@@ -54,10 +68,15 @@ def init(argv: list[str] | None = None, **settings) -> Config:
 
 def _at_exit() -> None:
     """Stop SSP/ASP service threads before MPI_Finalize (which mpi4py runs at exit,
-    after this: atexit runs in reverse order of registration)."""
+    after this: atexit runs in reverse order of registration). Inside a Horovod job whose
+    Horovod still runs (hvd.init() came first, so Horovod's own atexit shutdown comes
+    after this), shut kvcoll down as well, ending with Horovod's barrier: see the
+    module's docstring."""
     from .exchange.ssp import close_all
 
     close_all()
+    if _state and _horovod_world(_state["comm"]):
+        shutdown()
 
 
 def is_initialized() -> bool:
@@ -193,12 +212,67 @@ def broadcast(value, root_rank: int = 0):
 
 
 def shutdown() -> None:
-    """Wait for every rank, then free kvcoll's communicator (a collective; MPI itself
-    is finalized at exit). Safe to call twice. Raises CommTimeoutError when a rank does
+    """Wait for every rank, then free kvcoll's communicators (SSP/ASP service threads
+    stop first). Inside a Horovod job, a barrier through Horovod comes last, so that no
+    rank starts Horovod's shutdown (which may finalize MPI on every rank) while another
+    is still in kvcoll's MPI calls. A collective; safe to call twice. Call it before
+    hvd.shutdown(), if the script calls that. Raises CommTimeoutError when a rank does
     not arrive within the step deadline."""
     if not _state:
         return
+    from .exchange.ssp import close_all
+
+    close_all()
     c = _state["comm"]
+    horovod = _horovod_world(c)
+    timeout, rank = c.timeout, c.rank
     c.barrier("shutdown")
     c.free()
     _state.clear()
+    if horovod:
+        _horovod_barrier(timeout, rank)
+
+
+# -- inside a Horovod job (kvcoll.keras._horovod holds the rest; not imported here, as
+#    that package brings Keras in) --------------------------------------------------------
+
+def _horovod_world(c: Comm) -> bool:
+    """Whether Horovod's TensorFlow layer is imported, initialised (not yet shut down)
+    and spans kvcoll's world: then its shutdown can finalize MPI under kvcoll."""
+    hvd = sys.modules.get("horovod.tensorflow")
+    if hvd is None or not hvd.is_initialized():
+        return False
+    return (hvd.size(), hvd.rank()) == (c.size, c.rank)
+
+
+def _horovod_barrier(timeout: float, rank: int) -> None:
+    """Wait until every rank is here, through Horovod's allreduce (run by its background
+    thread): kvcoll's last synchronisation inside a Horovod job. It waits at most
+    `timeout` seconds (the op runs in a helper thread) and then raises
+    CommTimeoutError naming the rank."""
+    import tensorflow as tf
+
+    hvd = sys.modules["horovod.tensorflow"]
+    failed: list = []
+
+    def run():
+        try:
+            hvd.allreduce(tf.zeros([1], tf.float32), op=hvd.Sum, name="kvcoll.shutdown").numpy()
+        except Exception as exc:  # noqa: BLE001 - raised on the calling thread below
+            failed.append(exc)
+
+    try:
+        t = threading.Thread(target=run, name="kvcoll-shutdown", daemon=True)
+        t.start()
+    except RuntimeError:  # no new threads at interpreter shutdown (Python >= 3.12)
+        run()
+    else:
+        t.join(timeout)
+        if t.is_alive():
+            raise CommTimeoutError(
+                f"rank {rank}: shutdown: Horovod's barrier did not complete within "
+                f"{timeout:g}s; a rank died, stopped, or did not call kv.shutdown() (or "
+                "exit) while Horovod ran (raise the limit with KVCOLL_COMM_TIMEOUT)")
+    if failed:
+        raise CommError(f"rank {rank}: shutdown: Horovod's barrier failed: {failed[0]}; "
+                        "call kv.shutdown() before hvd.shutdown()") from failed[0]

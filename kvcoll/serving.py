@@ -58,7 +58,7 @@ import time
 
 import numpy as np
 
-from . import ids as _ids
+from . import _shards, ids as _ids
 from .errors import InvalidArgumentError
 from .routing import OwnerMap
 
@@ -107,8 +107,8 @@ def _write_part(table, ids_path: str, vec_path: str, n: int) -> None:
             got += part["keys"].size
             if got > n:
                 break
-            fi.write(memoryview(part["keys"]).cast("B"))
-            fv.write(memoryview(part["values"]).cast("B"))
+            fi.write(_shards.raw_bytes(part["keys"]))
+            fv.write(_shards.raw_bytes(part["values"]))
     if got != n:
         raise InvalidArgumentError(f"table {table.name!r} changed during the export "
                                    f"({n} rows, then {got}); export between steps")

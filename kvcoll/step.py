@@ -22,11 +22,19 @@ Three seams for what changes the loop:
 - `abandon()`: give up the step in flight (its exchange's abandon and the metric state
   untouched), as a lost peer needs;
 - `replan(comm)`: continue on a new communicator (a world that changed size);
-- prefetch (`prefetch=True`, BSP): the next element is read, prepared, planned and its
-  ids sent while this step computes; its rows are looked up only after this step's
-  update, so results are those of the unpipelined loop. The data position a checkpoint
-  records is `consumed`: elements whose step committed (and the empty ones read while
-  every rank waited for data, which move no position), never the prefetched one.
+- prefetch (`prefetch=True`, BSP): a pipeline. While this step's dense compute runs
+  (TensorFlow releases the GIL), a helper thread reads the next element, prepares it,
+  plans it (unique + route, C) and exchanges its ids and its vote, on a communicator of
+  its own (a dup: its collectives never interleave with the step's); its rows are
+  looked up only after this step's update, so results are those of the unpipelined
+  loop. The helper is joined before the step returns, so nothing runs between steps
+  (callbacks, checkpoints see a quiet loop). The data position a checkpoint records is
+  `consumed`: elements whose step committed (and the empty ones read while every rank
+  waited for data, which move no position), never the prefetched one. A stop asked
+  after the next step's vote was sent rides that step's push allreduce: the step is
+  abandoned on every rank (nothing applied) and the loop stops, as if the vote had
+  carried it. `train_next(it, stage=False)` stages nothing: for the last step of a pass
+  of known length, so no collective is posted for a step that will not be called.
 
 `END` marks a rank whose data ran out: in BSP it keeps joining the others' steps with no
 samples until every rank is out (then the step returns None on every rank at the same
@@ -36,6 +44,7 @@ step); in SSP/ASP a rank decides alone and `finish()` is the epoch's sync point.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Any, Protocol
 
@@ -152,15 +161,18 @@ class Loop:
     """kvcoll's step loop over `exchange` and `compute` (see the module docstring).
 
     prefetch: BSP only, prepare the next element while this step computes (train_next).
+    threaded: with prefetch, in a helper thread (False: inline, after this step's pull,
+    as a reference the tests compare with).
     dense_allreduce: a callable summing the flat dense gradient over ranks in place of
     the exchange's allreduce (Horovod's); BSP only.
     """
 
     def __init__(self, exchange, compute: Compute, *, prefetch: bool = False,
-                 dense_allreduce=None):
+                 threaded: bool = True, dense_allreduce=None):
         self.ex = exchange
         self.compute = compute
         self.prefetch = bool(prefetch) and exchange.synchronous
+        self.threaded = bool(threaded)
         self.dense_allreduce = dense_allreduce
         self.stop_asked = False     # carried in the next step's vote
         self.consumed = 0           # elements whose step committed, this pass
@@ -173,8 +185,8 @@ class Loop:
             self.timings["wait"] = 0.0
         self._dense_started = False
         self._inflight = None       # the step in flight (a Pull or a push handle)
-        self._staged = None         # prefetch: (iterator, element, batch, error, agreement,
-                                    # the ids in flight)
+        self._staged = None         # prefetch: the next element (a _Staged)
+        self._stage_comm = None     # prefetch: the helper thread's communicator (a dup)
         self._pending = None        # predict: a compute error to report at the next step
 
     # -- what the loop knows ----------------------------------------------------------------
@@ -193,9 +205,10 @@ class Loop:
         return self.ex.synchronous
 
     def new_pass(self) -> None:
-        """A new pass over the data begins (an epoch): `consumed` counts from 0."""
+        """A new pass over the data begins (an epoch): `consumed` counts from 0, and an
+        element prefetched from the last pass's iterator is dropped (on every rank)."""
         self.consumed = 0
-        self._staged = None
+        self.drop_staged()
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -229,15 +242,26 @@ class Loop:
 
     # -- training ---------------------------------------------------------------------------
 
-    def train_next(self, iterator):
+    def train_next(self, iterator, stage: bool = True, element=None):
         """One training step on the next element of `iterator` (read here, so a rank
-        whose data ran out still joins the step). Returns what train() returns."""
-        staged, self._staged = self._staged, None
-        if staged is not None and staged[0] is iterator:
-            return self._train(*staged[1:], iterator=iterator)
-        element = self.read(iterator)
+        whose data ran out still joins the step). Returns what train() returns.
+
+        With prefetch, the element after it is staged while this step computes, unless
+        `stage` is False (every rank alike: the last step of a pass of known length).
+        An element staged from another iterator is dropped first. `element`: the next
+        element, already read from `iterator` (a pass's first, read for its layout)."""
+        staged = self._staged
+        if staged is not None and (staged.iterator is not iterator or element is not None):
+            self.drop_staged()
+            staged = None
+        self._staged = None
+        if staged is not None:
+            return self._train(staged.element, staged.batch, staged.err, staged.agreement,
+                               staged.pending, iterator=iterator, stage=stage)
+        if element is None:
+            element = self.read(iterator)
         batch, err = self._prepare(element)
-        return self._train(element, batch, err, None, None, iterator=iterator)
+        return self._train(element, batch, err, None, None, iterator=iterator, stage=stage)
 
     def train(self, element) -> StepResult | None:
         """One training step on this rank's element (END: its data has run out).
@@ -246,11 +270,13 @@ class Loop:
         data has run out or a rank asked to stop (BSP: on every rank at the same step;
         SSP/ASP: this rank's own data or stop); IDLE when no rank had samples but some
         rank's data goes on. Raises the agreed error when a rank's batch was bad or its
-        compute failed: the same error class on every rank (BSP), nothing changed."""
+        compute failed: the same error class on every rank (BSP), nothing changed.
+        An element train_next prefetched is dropped first (every rank alike)."""
+        self.drop_staged()
         batch, err = self._prepare(element)
         return self._train(element, batch, err, None, None)
 
-    def _train(self, element, batch, err, agreement, pending, iterator=None):
+    def _train(self, element, batch, err, agreement, pending, iterator=None, stage=True):
         ex, compute = self.ex, self.compute
         if not ex.synchronous:
             self.start_dense()      # SSP/ASP: the slices start from the compute's values
@@ -273,11 +299,16 @@ class Loop:
         self._inflight = pull
         if "wait" in self.timings:
             self.timings["wait"] += getattr(ex, "last_wait", 0.0)
-        if self.prefetch and iterator is not None:
-            self._stage_next(iterator)
+        if self.prefetch and iterator is not None and stage:
+            self._stage_next(iterator, pull.step + 1)
         t2 = time.perf_counter()
         n = batch.n if batch is not None else 0
+        # a stop asked after this step's vote went out (prefetch: before the callbacks
+        # of the last step ran) rides this step's allreduce: the step is given up
+        stop_late = self.stop_asked and not agreement.stop
         fail = None
+        if stop_late:
+            n = 0
         if n:
             if pull.dense is not None:
                 compute.set_dense_values(pull.dense)
@@ -298,7 +329,7 @@ class Loop:
             dense_grad = np.zeros(compute.n_dense, np.float32)
         if not ex.synchronous and not n:
             dense_grad = None
-        extra = np.concatenate([np.array([grads.loss], np.float32),
+        extra = np.concatenate([np.array([grads.loss, float(stop_late)], np.float32),
                                 np.asarray(grads.state, np.float32)])
         pushed = ex.push(pull, grads.rows, dense_grad, extra, agreement, lr=row_lr,
                          dense_lr=dense_lr)
@@ -310,25 +341,34 @@ class Loop:
                 grads.dense if grads.dense is not None else np.zeros(compute.n_dense,
                                                                       np.float32))
         t5 = time.perf_counter()
+        if ex.synchronous and total[1] > 0:     # some rank asked to stop: no step
+            ex.abandon(pushed)
+            self._inflight = None
+            self.drop_staged()
+            self.stop_asked = True
+            return None
         if agreement.outcome_failed:
             ex.abandon(pushed)
             self._inflight = None
-            self._staged = None
+            self.drop_staged()
             self._raise_outcome_error(agreement, fail, batch, pull.step)
         pushed.commit()
         t6 = time.perf_counter()
         if n:
             compute.set_state(grads.state)
             self.local_steps += 1
-        shown = total[1:] if ex.synchronous else np.asarray(grads.state, np.float32)
+        shown = total[2:] if ex.synchronous else np.asarray(grads.state, np.float32)
         logs = compute.apply(dense_sum if ex.synchronous else None, shown, pull.step)
         self._inflight = None
         if element is not END:
             self.consumed += 1
         t7 = time.perf_counter()
+        if self._staged is not None:
+            self._staged.join()    # the next element is ready (its ids are in)
+        tm = self.timings
+        tm["stage_wait"] = tm.get("stage_wait", 0.0) + time.perf_counter() - t7
         loss = float(total[0]) if ex.synchronous else float(grads.loss) * self.comm.size
         self.last_loss, self.last_samples = loss, n
-        tm = self.timings
         tm["exchange"] += (t1 - t0) + (t4 - t3) + (t6 - t5)
         tm["tables"] = getattr(ex, "table_seconds", 0.0)
         tm["compute"] += t3 - t2
@@ -336,14 +376,42 @@ class Loop:
         tm["apply"] += t7 - t6
         return StepResult(loss, logs)
 
-    def _stage_next(self, iterator) -> None:
-        """Prefetch: read and prepare the next element and send its ids (BSP); its rows
-        are fetched by the next step, after this one's update."""
-        element = self.read(iterator)
-        batch, err = self._prepare(element)
-        agreement = self._vote(element, batch, err, self.stop_asked)
-        pending = self.ex.send_ids(self.compute.ids(batch), agreement)
-        self._staged = (iterator, element, batch, err, agreement, pending)
+    def _stage_next(self, iterator, step: int) -> None:
+        """Prefetch: read and prepare the next element (for `step`) and exchange its ids
+        and vote (BSP), in the helper thread while this step computes (or here, not
+        threaded); its rows are fetched by the next step, after this one's update."""
+        staged = _Staged(self, iterator, step, self._helper_comm() if self.threaded else None,
+                         self.threaded)
+        self._staged = staged
+        if self.threaded:
+            staged.start()
+        else:
+            staged.run()
+
+    def _helper_comm(self):
+        """The helper thread's communicator: a dup of the step's (made here, on the main
+        thread, at the same step on every rank: a dup is a collective)."""
+        comm = self.comm
+        if comm.size == 1 or not hasattr(comm, "dup"):
+            return None                 # the exchange's own (one rank: no MPI call)
+        if self._stage_comm is None or self._stage_comm[0] is not comm:
+            self._free_stage_comm()
+            self._stage_comm = (comm, comm.dup())
+        return self._stage_comm[1]
+
+    def _free_stage_comm(self) -> None:
+        held, self._stage_comm = self._stage_comm, None
+        if held is not None and hasattr(held[1], "free"):
+            held[1].free()
+
+    def drop_staged(self) -> None:
+        """Drop the prefetched element, if any: its helper is joined and its id exchange
+        completed (every rank staged it, so every rank drains it alike); its errors are
+        dropped with it. The element is not consumed: a checkpoint's data position
+        (`consumed`) never counted it."""
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            staged.join(drain=True)
 
     # -- evaluation and prediction ------------------------------------------------------------
 
@@ -450,7 +518,9 @@ class Loop:
 
     def set_step(self, step: int) -> None:
         """Continue from `step` (a restore, on every rank between steps); SSP/ASP: the
-        dense weights the compute now holds become the slices'."""
+        dense weights the compute now holds become the slices'. A prefetched element
+        is dropped (it was planned for the old step)."""
+        self.drop_staged()
         self.ex.set_step(int(step))
         if self._dense_started:
             self.start_dense(replace=True)
@@ -459,8 +529,11 @@ class Loop:
 
     def abandon(self) -> None:
         """Give up the step in flight, on every rank alike (the exchange's abandon): every
-        table, optimizer slot, metric state and counter is as before the step."""
-        inflight, self._inflight, self._staged = self._inflight, None, None
+        table, optimizer slot, metric state and counter is as before the step. A
+        prefetched element is dropped (its helper joined: its wait ends at the
+        communicator's deadline at the latest)."""
+        inflight, self._inflight = self._inflight, None
+        self.drop_staged()
         if inflight is not None:
             self.ex.abandon(inflight)
 
@@ -468,12 +541,14 @@ class Loop:
         """Continue on communicator `comm` (a world that changed) and owner map `owners`
         (default: the even map of its size), between steps."""
         self.abandon()
+        self._free_stage_comm()
         self.ex.replan(comm, owners)
         if not self.ex.synchronous:
             self._dense_started = False
 
     def close(self) -> None:
-        self._staged = None
+        self.drop_staged()
+        self._free_stage_comm()
         self.ex.close()
 
     # -- the agreed errors ------------------------------------------------------------------
@@ -498,15 +573,78 @@ class Loop:
         codes = agreement.codes
         bad = agreement.outcome_failed
         failed = [r for r in bad if codes[r] == FAILED]
+        own = own if own is not None else agreement.outcome_error  # e.g. the push refused
         texts = self._texts(own, bool(failed))
         if failed:
-            raise _agreed(texts, failed, f"rank(s) {failed} failed in the compute of step "
-                          f"{step}", own)
+            raise _agreed(texts, failed, f"rank(s) {failed} failed in step {step}", own)
         why = self.compute.explain(batch) if batch is not None else None
         reason = f" (this rank: {why})" if why else ""
         raise errors.NonFiniteError(
             f"step {step}: the loss or a gradient is NaN/Inf on rank(s) {bad}{reason}; no "
             "update was applied (check the inputs for NaN/Inf, or lower the learning rate)")
+
+
+class _Staged:
+    """The next element of a pipelined loop: read, prepared, its ids planned and sent and
+    its vote exchanged (BspExchange.send_ids + receive_ids on the helper's
+    communicator), by a helper thread while the step before it computes.
+
+    A failure to read or prepare the element is its vote (every rank learns of it at the
+    fetch, the next step raises it); anything else the helper raises (a communication
+    deadline) is raised by join() on the main thread."""
+
+    __slots__ = ("loop", "iterator", "step", "comm", "threaded", "element", "batch", "err",
+                 "agreement", "pending", "exc", "thread")
+
+    def __init__(self, loop: Loop, iterator, step: int, comm, threaded: bool):
+        self.loop, self.iterator, self.step, self.comm = loop, iterator, step, comm
+        self.threaded = threaded
+        self.element = self.batch = self.err = self.agreement = self.pending = None
+        self.exc = None
+        self.thread = None
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._body, name="kvcoll-prefetch", daemon=True)
+        self.thread.start()
+
+    def _body(self) -> None:
+        try:
+            self.run()
+        except BaseException as exc:  # noqa: BLE001 - raised on the main thread by join()
+            self.exc = exc
+
+    def run(self) -> None:
+        loop = self.loop
+        self.element = loop.read(self.iterator)
+        self.batch, self.err = loop._prepare(self.element)
+        self.agreement = loop._vote(self.element, self.batch, self.err, loop.stop_asked)
+        ex = loop.ex
+        ids = loop.compute.ids(self.batch)
+        if self.comm is None:    # the exchange's own communicator (and next step)
+            self.pending = ex.send_ids(ids, self.agreement)
+        else:
+            self.pending = ex.send_ids(ids, self.agreement, step=self.step, comm=self.comm)
+        receive = getattr(ex, "receive_ids", None)
+        if receive is not None and self.threaded:
+            receive(self.pending)
+
+    def join(self, drain: bool = False) -> None:
+        """Wait for the helper. drain: the element is being dropped: complete its id
+        exchange (when the helper sent it) and swallow its errors."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if drain:
+            receive = getattr(self.loop.ex, "receive_ids", None)
+            if self.exc is None and self.pending is not None and receive is not None:
+                try:
+                    receive(self.pending)
+                except Exception:  # noqa: BLE001 - the element is given up anyway
+                    pass
+            return
+        if self.exc is not None:
+            exc, self.exc = self.exc, None
+            raise exc
 
 
 def _class_path(cls) -> str:

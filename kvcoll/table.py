@@ -37,7 +37,8 @@ from . import errors, optimizers
 from ._c import check, ffi, lib, ptr, step32
 from .ids import as_keys
 
-__all__ = ["KvTable", "Initializer", "TableStats", "fill_optim"]
+__all__ = ["KvTable", "Initializer", "TableStats", "fill_optim", "nonfinite_update_error",
+           "first_nonfinite_row"]
 
 _ADMIT = {"exact": lib.KV_ADMIT_EXACT, "bloom": lib.KV_ADMIT_BLOOM}
 _POLICY = {"lru": lib.KV_EVICT_LRU, "lfu": lib.KV_EVICT_LFU}
@@ -49,9 +50,11 @@ _OPT_KINDS = {
     "ftrl": lib.KV_OPT_FTRL,
     "group_adam": lib.KV_OPT_GROUP_ADAM,
     "group_adagrad": lib.KV_OPT_GROUP_ADAGRAD,
+    "rowwise_adagrad": lib.KV_OPT_ROWWISE_ADAGRAD,
 }
 
-_OPT_FLAGS = {"eps_inside_sqrt": lib.KV_OPTF_EPS_INSIDE_SQRT}
+_OPT_FLAGS = {"eps_inside_sqrt": lib.KV_OPTF_EPS_INSIDE_SQRT, "wd_l2": lib.KV_OPTF_WD_L2,
+              "wd_decoupled": lib.KV_OPTF_WD_DECOUPLED}
 
 # What KvTable.export reads of a row, in kv_table_export's argument order.
 _EXPORT_COLUMNS = ("keys", "values", "slots", "last_step", "counts", "dirty")
@@ -193,7 +196,8 @@ class KvTable:
         if not hasattr(self.optimizer, "_c_fields"):
             raise errors.InvalidArgumentError(
                 f"table {name!r}: optimizer must be a kvcoll.optimizers row optimizer "
-                f"(SGD, Adagrad, Adam, Ftrl, GroupAdam, GroupAdagrad), got {optimizer!r}")
+                f"(SGD, Adagrad, Adam, Ftrl, GroupAdam, GroupAdagrad, RowWiseAdagrad), got "
+                f"{optimizer!r}")
         self._cfg = ffi.new("kv_table_config_t *")
         self._cfg.dim = self.dim
         self._cfg.init_kind = Initializer._KINDS[self.initializer.kind]
@@ -367,10 +371,12 @@ class KvTable:
         missing = ffi.new("int64_t *")
         flags = (lib.KV_APPLY_CREATE_MISSING if create_missing else 0) | \
             (lib.KV_APPLY_DISTINCT if distinct else 0)
-        check(lib.kv_table_apply_gradients_ref(
+        status = lib.kv_table_apply_gradients_ref(
             self._handle(), ptr("int64_t *", k), ptr("uint32_t *", r), k.size,
-            ptr("float *", g), int(step), flags, missing),
-            f"table {self.name!r}: apply_gradients")
+            ptr("float *", g), int(step), flags, missing)
+        if status == lib.KV_ENONFINITE:
+            self._refused(k, g, step, flags)
+        check(status, f"table {self.name!r}: apply_gradients")
         return int(missing[0])
 
     def update(self, keys, values) -> None:
@@ -487,17 +493,33 @@ class KvTable:
 
     def apply_gradients(self, keys, grads, *, step: int, create_missing: bool = False) -> int:
         """Apply the row optimizer. Duplicate keys are summed, then applied once.
-        Rejects NaN/Inf before changing anything. Returns the number of missing keys
+        Rejects NaN/Inf before changing anything, in the gradients and in what the update
+        would write: an update that would make a row or an optimizer slot NaN/Inf (a
+        huge finite gradient) raises NonFiniteError naming the key, and nothing changes
+        (such a row could not be checkpointed). Returns the number of missing keys
         skipped (0 with create_missing)."""
         k = as_keys(keys, table=self.name)
         g = self._rows(grads, k.size, "gradients")
         self._check_apply_step(step)
         missing = ffi.new("int64_t *")
         flags = lib.KV_APPLY_CREATE_MISSING if create_missing else 0
-        check(lib.kv_table_apply_gradients(self._handle(), ptr("int64_t *", k), k.size,
-                                           ptr("float *", g), int(step), flags, missing),
-              f"table {self.name!r}: apply_gradients")
+        status = lib.kv_table_apply_gradients(self._handle(), ptr("int64_t *", k), k.size,
+                                              ptr("float *", g), int(step), flags, missing)
+        if status == lib.KV_ENONFINITE:
+            self._refused(k, g, step, flags)
+        check(status, f"table {self.name!r}: apply_gradients")
         return int(missing[0])
+
+    def _refused(self, keys: np.ndarray, grads: np.ndarray, step: int, flags: int) -> None:
+        """An apply came back KV_ENONFINITE (nothing changed): raise the error naming
+        the key (kv_table_check_update finds it, read-only) when there is one."""
+        key = ffi.new("int64_t *")
+        what = ffi.new("int32_t *")
+        check(lib.kv_table_check_update(self._handle(), ptr("int64_t *", keys), keys.size,
+                                        ptr("float *", grads), int(step), int(flags), key,
+                                        what), f"table {self.name!r}: apply_gradients")
+        if what[0]:
+            raise nonfinite_update_error(self, int(key[0]), int(what[0]), step)
 
     def export(self, *, dirty_only: bool = False, clear_dirty: bool = False,
                batch: int = 1 << 16) -> dict:
@@ -682,6 +704,41 @@ class KvTable:
         check(lib.kv_table_changes_pending(self._handle(), nr, ng, lost),
               f"table {self.name!r}: changes_pending")
         return int(nr[0]), int(ng[0])
+
+
+def nonfinite_update_error(table: KvTable, key: int, what: int,
+                           step: int) -> errors.NonFiniteError:
+    """The error of an update refused because it is not finite (kv_table_check_update's
+    or kv_xprepare's `what`: 1 a gradient of the key is NaN/Inf; 3 its gradients summed
+    over the ranks and duplicates that sent them overflow float32; 2 its row or optimizer
+    slots after the update would be NaN/Inf), naming the table and the key. The
+    exception's `what` attribute keeps the code."""
+    if what == 1:
+        why = "its gradient is NaN/Inf"
+    elif what == 3:
+        why = ("its gradients summed over the ranks and duplicates that sent them overflow "
+               "float32")
+    else:
+        why = (f"the update would make its row or its {type(table.optimizer).__name__} "
+               "slots NaN/Inf (a finite gradient too large for float32: e.g. Adagrad's "
+               "g^2 or Adam's second moment overflows)")
+    exc = errors.NonFiniteError(
+        f"table {table.name!r}: key {key}: step {step}: {why}; nothing was applied "
+        "(clip the gradients, scale the loss down, or lower the learning rate)")
+    exc.what = what
+    return exc
+
+
+def first_nonfinite_row(values: np.ndarray) -> int:
+    """The index of the first row of a 2-D float32 array that holds a NaN or an Inf,
+    or -1 (one C pass, no temporary array)."""
+    v = np.ascontiguousarray(values, np.float32)
+    if v.ndim != 2:
+        raise errors.InvalidArgumentError(f"first_nonfinite_row: a 2-D array, got {v.shape}")
+    row = ffi.new("int64_t *")
+    check(lib.kv_xfind_nonfinite(ptr("float *", v), v.shape[0], v.shape[1], row),
+          "first_nonfinite_row")
+    return int(row[0])
 
 
 def fill_optim(c_optim, optimizer) -> None:

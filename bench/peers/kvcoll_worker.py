@@ -7,6 +7,22 @@ table) per field, compiled with kv.DistributedOptimizer(Adam, sparse=Adagrad), t
 by Keras' model.fit on a generator that reads this rank's slice of each global batch
 from the shared files; BSP, one fused all-to-all per exchange phase. TensorFlow's
 intra-op pool gets --threads threads, its inter-op pool 1.
+
+--row-optimizer rowwise trains the rows with kv.optimizers.RowWiseAdagrad (FBGEMM's
+EXACT_ROWWISE_ADAGRAD, what TorchRec's fused tables run: one accumulator per row) with
+TorchRec's settings in this bench (the same learning rate, epsilon 1e-7, accumulators
+from --sparse-init-accum), instead of per-element Adagrad.
+After the timed fit and the evaluation, the same process measures the step's floor
+(issue #32's definition) on batches of the timed range, `floor` in the record:
+- dense alone: the compiled dense step (forward, backward, the rows' gradient, the
+  dense optimizer) on ready-made rows, every rank at once with no communication while
+  timed: its wall time a step (the slowest rank) and its CPU time (all ranks);
+- sparse alone: everything else a step does: the batch read from the files and
+  prepared, the pull and push of its rows (dedup, routing, lookups, the all-to-alls,
+  the row optimizer's apply) with a zero gradient, no TensorFlow step: its wall time and
+  its CPU time (all ranks; MPI's waits poll, which counts);
+- floor = max(dense wall, (dense CPU + sparse CPU) / cores): what a pipeline that hides
+  every wait could reach; step / floor is how far the real step is from it.
 """
 
 from __future__ import annotations
@@ -27,8 +43,29 @@ def features(b: dict, num_fields: int) -> dict:
     return f
 
 
+def extra_flags(p) -> None:
+    p.add_argument("--row-optimizer", choices=("adagrad", "rowwise"), default="adagrad",
+                   help="Adagrad with one accumulator per float, or row-wise Adagrad (one "
+                        "per row, TorchRec's)")
+
+
+def row_optimizer(args):
+    """The rows' optimizer and its description."""
+    import kvcoll as kv
+
+    if args.row_optimizer == "rowwise":
+        return (kv.optimizers.RowWiseAdagrad(args.sparse_lr, epsilon=1e-7,
+                                             initial_accumulator_value=args.sparse_init_accum),
+                f"kv.optimizers.RowWiseAdagrad({args.sparse_lr}, initial_accumulator_value="
+                f"{args.sparse_init_accum}, epsilon=1e-7): one accumulator per row (FBGEMM's "
+                "EXACT_ROWWISE_ADAGRAD, as TorchRec's), in C on the rows' owners")
+    return (kv.optimizers.Adagrad(args.sparse_lr, initial_accumulator_value=args.sparse_init_accum),
+            f"kv.optimizers.Adagrad({args.sparse_lr}, initial_accumulator_value="
+            f"{args.sparse_init_accum}, epsilon=1e-7), per element, in C on the rows' owners")
+
+
 def main(argv=None) -> None:
-    args = common.parse(argv)
+    args = common.parse(argv, extra_flags)
     import kvcoll as kv
     from kvcoll import runtime
 
@@ -49,11 +86,10 @@ def main(argv=None) -> None:
     keras.utils.set_random_seed(args.seed)
     model = kv.distribute(build_deepfm(nf, data.num_numeric, args.dim, lambda f, w: kv.Embedding(
         f, w, initializer=("normal", 0.0, args.init_std), seed=args.seed), hidden=args.hidden))
+    sparse, sparse_text = row_optimizer(args)
     model.compile(
         optimizer=kv.DistributedOptimizer(                 # kvcoll: dense allreduce, rows in C
-            keras.optimizers.Adam(args.lr),
-            sparse=kv.optimizers.Adagrad(args.sparse_lr,
-                                         initial_accumulator_value=args.sparse_init_accum)),
+            keras.optimizers.Adam(args.lr), sparse=sparse),
         loss=keras.losses.BinaryCrossentropy(from_logits=True))
 
     def batches(first, n):
@@ -70,7 +106,9 @@ def main(argv=None) -> None:
     comm.barrier()
     seconds = time.perf_counter() - t0
     peak = common.peak_rss_bytes()
-    rows = sum(len(t) for t in engine_of(model).tables.values())
+    tables = engine_of(model).tables.values()
+    rows = sum(len(t) for t in tables)
+    row_bytes = next(iter(tables)).stats().row_bytes
     ev = data.eval_part(rank, world)
     preds = model.predict(features(ev, nf), batch_size=args.eval_batch, verbose=0)
     config = {
@@ -78,19 +116,75 @@ def main(argv=None) -> None:
         "training": "model.fit (Keras 3), BSP over MPI (mpirun)",
         "dense_optimizer": f"keras Adam({args.lr}, epsilon=1e-7) in kv.DistributedOptimizer "
                            "(one fused allreduce of the dense gradients)",
-        "row_optimizer": (f"kv.optimizers.Adagrad({args.sparse_lr}, initial_accumulator_value="
-                          f"{args.sparse_init_accum}, epsilon=1e-7), per element, in C on the "
-                          "rows' owners"),
+        "row_optimizer": sparse_text,
+        "row_bytes": f"{row_bytes} bytes a row in the table's arena ({args.dim + 1} floats of "
+                     f"embedding, the optimizer's slots, the row's header)",
         "tables": f"{nf} growable hash tables, sharded by id hash over the ranks; "
                   "one row per distinct id (no collisions)",
         "threads": f"TensorFlow intra-op {args.threads}, inter-op 1 per process",
+        "steps": (f"pipeline {'on' if engine_of(model).prefetch else 'off'}, XLA "
+                  f"{'on' if engine_of(model).xla else 'off'} (--pipeline, --xla; "
+                  "KVCOLL_PIPELINE, KVCOLL_XLA)"),
         "versions": {"tensorflow": tf.__version__, "keras": keras.__version__,
                      "kvcoll": getattr(kv, "__version__", "checkout")},
     }
+    floor = measure_floor(args, model, data, comm, seconds / args.steps)
     common.report(args, framework="kvcoll", rank=rank, world=world, seconds=seconds,
                   rows=rows, preds=preds, config=config,
-                  train_loss=hist.history["loss"][-1], peak_rss=peak)
+                  train_loss=hist.history["loss"][-1], peak_rss=peak, row_bytes=row_bytes,
+                  floor=floor)
     kv.shutdown()
+
+
+def measure_floor(args, model, data, comm, step_seconds: float, steps: int = 30) -> dict:
+    """The dense step alone and the sparse side alone on `steps` batches of the timed
+    range, after the run (the tables and weights it leaves are not used again): ms a
+    step, wall and CPU (see the module docstring). A collective."""
+    import numpy as np
+
+    from kvcoll.keras import engine_of
+
+    eng = engine_of(model)
+    ex, compute = eng.loop.ex, eng.compute
+    rank, world = comm.rank, comm.size
+    nf = data.num_fields
+    steps = max(1, min(steps, args.steps))
+    first = args.warmup
+
+    def element(step):
+        b = data.batch(step, rank, world)
+        return features(b, nf), b["label"]
+
+    # sparse alone: read, prepare, pull and push (zero gradient: nothing changes)
+    comm.barrier()
+    c0, t0 = time.process_time(), time.perf_counter()
+    for step in range(first, first + steps):
+        batch = compute.prepare(element(step))
+        pulled = ex.pull(compute.ids(batch))
+        ex.push(pulled, {g: np.zeros_like(m) for g, m in pulled.rows.items()}).commit()
+    sparse = [time.perf_counter() - t0, time.process_time() - c0]
+    comm.barrier()
+    # dense alone: ready-made rows, every rank at once, no communication while timed
+    ready = []
+    for step in range(first, first + steps):
+        batch = compute.prepare(element(step))
+        ready.append((batch, ex.lookup(compute.ids(batch))))
+    flat = np.zeros(compute.n_dense, np.float32)
+    compute.train(*ready[0], 1.0 / world)                 # warm (shapes seen in fit)
+    comm.barrier()
+    c0, t0 = time.process_time(), time.perf_counter()
+    for i, (batch, pulled) in enumerate(ready):
+        grads = compute.train(batch, pulled, 1.0 / world)
+        compute.apply(flat, grads.state, eng.step + 1 + i)
+    dense = [time.perf_counter() - t0, time.process_time() - c0]
+    got = comm.allgather(np.array(sparse + dense, np.float64), op="floor") / steps * 1e3
+    cores = os.cpu_count() or 1
+    out = {"steps": steps, "cores": cores, "step_ms": step_seconds * 1e3,
+           "sparse_ms": float(got[:, 0].max()), "sparse_cpu_ms": float(got[:, 1].sum()),
+           "dense_ms": float(got[:, 2].max()), "dense_cpu_ms": float(got[:, 3].sum())}
+    out["floor_ms"] = max(out["dense_ms"], (out["dense_cpu_ms"] + out["sparse_cpu_ms"]) / cores)
+    out["step_over_floor"] = out["step_ms"] / out["floor_ms"]
+    return out
 
 
 if __name__ == "__main__":

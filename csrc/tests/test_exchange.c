@@ -68,6 +68,10 @@ typedef struct {
 
 static sim_t S;
 
+/* The pool every kernel call here uses: NULL, then pools of several threads; the
+ * failing-allocator checks use none (their counter is not thread-safe). */
+static kv_pool_t *G_POOL;
+
 static int64_t seg_len(const int64_t *counts, int r, int t) { return counts[r * NT + t]; }
 
 /* floats in segment (r, t) of a payload laid out by counts, and where it starts */
@@ -115,7 +119,7 @@ static int plan_and_route(void) {
             ptrs[t] = S.ids[r][t];
             n[t] = B;
         }
-        int rc = kv_xplan(NT, S.owners, NB, w, ptrs, n, GROUP, S.send[r], S.counts[r],
+        int rc = kv_xplan(G_POOL, NT, S.owners, NB, w, ptrs, n, GROUP, S.send[r], S.counts[r],
                           S.inverse[r], S.upos[r], S.pos[r], S.nu[r]);
         if (rc != KV_OK) return rc;
     }
@@ -135,8 +139,8 @@ static int plan_and_route(void) {
 
 static int serve_all(uint32_t step) {
     for (int o = 0; o < S.world; o++) {
-        int rc = kv_xserve(S.shard[o], NT, S.world, S.recv[o], S.rcounts[o], step, 1, S.reply[o],
-                           S.uidx[o], S.ukeys[o], S.urefs[o], S.ustart[o], S.gens[o]);
+        int rc = kv_xserve(G_POOL, S.shard[o], NT, S.world, S.recv[o], S.rcounts[o], step, 1,
+                           S.reply[o], S.uidx[o], S.ukeys[o], S.urefs[o], S.ustart[o], S.gens[o]);
         if (rc != KV_OK) return rc;
     }
     return KV_OK;
@@ -243,9 +247,9 @@ static void test_round_trip(int world, int universe) {
             static float g[MAXW * NT * B * 5];
             grads_for(o, g);
             int64_t miss[NT];
-            CHECK_EQ_INT(kv_xapply(S.shard[o], NT, world, S.rcounts[o], g, scale, step, S.uidx[o],
-                                   S.ukeys[o], S.urefs[o], S.ustart[o], S.gens[o], miss),
-                         KV_OK);
+            CHECK_EQ_INT(kv_xapply(G_POOL, S.shard[o], NT, world, S.rcounts[o], g, scale, step,
+                                   S.uidx[o], S.ukeys[o], S.urefs[o], S.ustart[o], S.gens[o], miss),
+                                   KV_OK);
             CHECK(miss[0] == 0 && miss[1] == 0 && miss[2] == 0);
         }
         for (int t = 0; t < NT; t++) { /* reference: all ranks' unique ids, rank order */
@@ -330,25 +334,28 @@ static void test_errors(void) {
     for (int k = 0; k < 2 * NT; k++) tot += S.rcounts[0][k] * DIMS[k % NT];
     float keep = g[tot - 1];
     g[tot - 1] = NAN;
-    CHECK_EQ_INT(kv_xapply(S.shard[0], NT, 2, S.rcounts[0], g, 1.0f, 1, S.uidx[0], S.ukeys[0],
-                           S.urefs[0], S.ustart[0], S.gens[0], NULL), KV_ENONFINITE);
+    CHECK_EQ_INT(kv_xapply(G_POOL, S.shard[0], NT, 2, S.rcounts[0], g, 1.0f, 1, S.uidx[0],
+                           S.ukeys[0], S.urefs[0], S.ustart[0], S.gens[0], NULL), KV_ENONFINITE);
     g[tot - 1] = keep;
-    CHECK_EQ_INT(kv_xapply(S.shard[0], NT, 2, S.rcounts[0], g, INFINITY, 1, S.uidx[0],
+    CHECK_EQ_INT(kv_xapply(G_POOL, S.shard[0], NT, 2, S.rcounts[0], g, INFINITY, 1, S.uidx[0],
                            S.ukeys[0], S.urefs[0], S.ustart[0], S.gens[0], NULL), KV_EINVAL);
-    CHECK_EQ_INT(kv_xapply(S.shard[0], NT, 2, S.rcounts[0], g, 1.0f, 0, S.uidx[0], S.ukeys[0],
-                           S.urefs[0], S.ustart[0], S.gens[0], NULL), KV_EINVAL);
+    CHECK_EQ_INT(kv_xapply(G_POOL, S.shard[0], NT, 2, S.rcounts[0], g, 1.0f, 0, S.uidx[0],
+                           S.ukeys[0], S.urefs[0], S.ustart[0], S.gens[0], NULL), KV_EINVAL);
     int64_t bad = S.uidx[0][0];
     S.uidx[0][0] = 1 << 30; /* an index past the table's distinct ids */
-    CHECK_EQ_INT(kv_xapply(S.shard[0], NT, 2, S.rcounts[0], g, 1.0f, 1, S.uidx[0], S.ukeys[0],
-                           S.urefs[0], S.ustart[0], S.gens[0], NULL), KV_EINVAL);
+    CHECK_EQ_INT(kv_xapply(G_POOL, S.shard[0], NT, 2, S.rcounts[0], g, 1.0f, 1, S.uidx[0],
+                           S.ukeys[0], S.urefs[0], S.ustart[0], S.gens[0], NULL), KV_EINVAL);
     S.uidx[0][0] = bad;
     CHECK(digest() == before);
-    /* failed allocations: apply fails cleanly and changes nothing */
+    /* failed allocations: apply fails cleanly and changes nothing (one thread: the
+     * failing allocator's counter is not thread-safe) */
+    kv_pool_t *keep_pool = G_POOL;
+    G_POOL = NULL;
     fail_alloc_install();
-    for (int k = 1; k <= 6; k++) {
+    for (int k = 1; k <= 16; k++) {
         fail_alloc_arm(k);
-        int rc = kv_xapply(S.shard[0], NT, 2, S.rcounts[0], g, 1.0f, 1, S.uidx[0], S.ukeys[0],
-                           S.urefs[0], S.ustart[0], S.gens[0], NULL);
+        int rc = kv_xapply(G_POOL, S.shard[0], NT, 2, S.rcounts[0], g, 1.0f, 1, S.uidx[0],
+                           S.ukeys[0], S.urefs[0], S.ustart[0], S.gens[0], NULL);
         fail_alloc_arm(0);
         if (rc == KV_OK) break; /* k passed the last allocation: it applied */
         CHECK_EQ_INT(rc, KV_ENOMEM);
@@ -365,6 +372,7 @@ static void test_errors(void) {
         CHECK(rc == KV_OK || rc == KV_ENOMEM);
     }
     kv_set_allocator(NULL, NULL, NULL);
+    G_POOL = keep_pool;
     /* arguments */
     const int64_t *ptrs[NT] = {S.ids[0][0], S.ids[0][1], S.ids[0][2]};
     int64_t n[NT] = {B, B, B}, nbad[NT] = {B, -1, B};
@@ -372,36 +380,37 @@ static void test_errors(void) {
     int32_t map[NB] = {0}, badmap[NB] = {0};
     for (int b = 0; b < NB; b++) map[b] = b % 2;
     badmap[NB - 1] = 2; /* a rank outside a world of 2 */
-    CHECK_EQ_INT(kv_xplan(NT, map, NB, 0, ptrs, n, GROUP, S.send[0], S.counts[0], S.inverse[0],
-                          S.upos[0], S.pos[0], S.nu[0]), KV_EINVAL);
-    CHECK_EQ_INT(kv_xplan(NT, map, 0, 2, ptrs, n, GROUP, S.send[0], S.counts[0], S.inverse[0],
-                          S.upos[0], S.pos[0], S.nu[0]), KV_EINVAL);
-    CHECK_EQ_INT(kv_xplan(NT, NULL, NB, 2, ptrs, n, GROUP, S.send[0], S.counts[0], S.inverse[0],
-                          S.upos[0], S.pos[0], S.nu[0]), KV_EINVAL);
-    CHECK_EQ_INT(kv_xplan(NT, map, NB, 2, ptrs, nbad, GROUP, S.send[0], S.counts[0], S.inverse[0],
-                          S.upos[0], S.pos[0], S.nu[0]), KV_EINVAL);
-    CHECK_EQ_INT(kv_xplan(NT, map, NB, 2, ptrs, n, gbad, S.send[0], S.counts[0], S.inverse[0],
-                          S.upos[0], S.pos[0], S.nu[0]), KV_EINVAL);
+    CHECK_EQ_INT(kv_xplan(G_POOL, NT, map, NB, 0, ptrs, n, GROUP, S.send[0], S.counts[0],
+                          S.inverse[0], S.upos[0], S.pos[0], S.nu[0]), KV_EINVAL);
+    CHECK_EQ_INT(kv_xplan(G_POOL, NT, map, 0, 2, ptrs, n, GROUP, S.send[0], S.counts[0],
+                          S.inverse[0], S.upos[0], S.pos[0], S.nu[0]), KV_EINVAL);
+    CHECK_EQ_INT(kv_xplan(G_POOL, NT, NULL, NB, 2, ptrs, n, GROUP, S.send[0], S.counts[0],
+                          S.inverse[0], S.upos[0], S.pos[0], S.nu[0]), KV_EINVAL);
+    CHECK_EQ_INT(kv_xplan(G_POOL, NT, map, NB, 2, ptrs, nbad, GROUP, S.send[0], S.counts[0],
+                          S.inverse[0], S.upos[0], S.pos[0], S.nu[0]), KV_EINVAL);
+    CHECK_EQ_INT(kv_xplan(G_POOL, NT, map, NB, 2, ptrs, n, gbad, S.send[0], S.counts[0],
+                          S.inverse[0], S.upos[0], S.pos[0], S.nu[0]), KV_EINVAL);
     int hit = 0; /* some id of the batch must fall in the bad bucket for the check to bite */
     for (int t = 0; t < NT; t++)
         for (int i = 0; i < B; i++)
             hit |= kv_bucket_of_hash(kv_mix64((uint64_t)S.ids[0][t][i]), NB) == NB - 1;
     CHECK(hit);
-    CHECK_EQ_INT(kv_xplan(NT, badmap, NB, 2, ptrs, n, GROUP, S.send[0], S.counts[0],
+    CHECK_EQ_INT(kv_xplan(G_POOL, NT, badmap, NB, 2, ptrs, n, GROUP, S.send[0], S.counts[0],
                           S.inverse[0], S.upos[0], S.pos[0], S.nu[0]), KV_EINVAL);
-    CHECK_EQ_INT(kv_xplan(NT, NULL, NB, 1, ptrs, n, GROUP, S.send[0], S.counts[0], S.inverse[0],
-                          S.upos[0], S.pos[0], S.nu[0]), KV_OK); /* world 1: no map needed */
-    int64_t negc[2 * NT] = {1, -1, 0, 0, 0, 0};
-    CHECK_EQ_INT(kv_xserve(S.shard[0], NT, 2, S.recv[0], negc, 1, 1, S.reply[0], S.uidx[0],
+    CHECK_EQ_INT(kv_xplan(G_POOL, NT, NULL, NB, 1, ptrs, n, GROUP, S.send[0], S.counts[0],
+                          S.inverse[0], S.upos[0], S.pos[0], S.nu[0]),
+                          KV_OK); /* world 1: no map needed */ int64_t negc[2 * NT] = {1, -1, 0, 0,
+                          0, 0};
+    CHECK_EQ_INT(kv_xserve(G_POOL, S.shard[0], NT, 2, S.recv[0], negc, 1, 1, S.reply[0], S.uidx[0],
                            S.ukeys[0], S.urefs[0], S.ustart[0], S.gens[0]), KV_EINVAL);
-    CHECK_EQ_INT(kv_xserve(S.shard[0], NT, 2, S.recv[0], S.rcounts[0], 1, 1, S.reply[0], NULL,
-                           S.ukeys[0], S.urefs[0], S.ustart[0], S.gens[0]), KV_EINVAL);
+    CHECK_EQ_INT(kv_xserve(G_POOL, S.shard[0], NT, 2, S.recv[0], S.rcounts[0], 1, 1, S.reply[0],
+                           NULL, S.ukeys[0], S.urefs[0], S.ustart[0], S.gens[0]), KV_EINVAL);
     free_tables();
 }
 
 /* A row freed between serve and apply: the table goes by key, with the same result as
- * a reference that never had the row freed... except that the freed key is created
- * again with its initial value (as kv_table_apply_gradients with create_missing). */
+ * a reference that had the row freed too: the freed key's gradient is dropped (counted
+ * missing; it is not created again), every other key's is applied. */
 static void test_generation(void) {
     make_tables(1);
     make_ids(11, 200);
@@ -418,14 +427,17 @@ static void test_generation(void) {
     CHECK_EQ_INT(kv_table_delete(S.ref[0], &victim, 1, &nd), KV_OK);
     static float g[NT * B * 5];
     grads_for(0, g);
-    CHECK_EQ_INT(kv_xapply(S.shard[0], NT, 1, S.rcounts[0], g, 1.0f, 1, S.uidx[0], S.ukeys[0],
-                           S.urefs[0], S.ustart[0], S.gens[0], NULL), KV_OK);
+    int64_t missing[NT];
+    CHECK_EQ_INT(kv_xapply(G_POOL, S.shard[0], NT, 1, S.rcounts[0], g, 1.0f, 1, S.uidx[0],
+                           S.ukeys[0], S.urefs[0], S.ustart[0], S.gens[0], missing), KV_OK);
+    CHECK_EQ_INT(missing[0], 1);
     for (int t = 0; t < NT; t++) { /* world 1: the sender's unique ids are the payload */
         int64_t c = S.rcounts[0][t], a = seg_at(S.rcounts[0], 1, 0, t, 0);
         int64_t fa = seg_at(S.rcounts[0], 1, 0, t, 1);
-        CHECK_EQ_INT(kv_table_apply_gradients(S.ref[t], S.recv[0] + a, c, g + fa, 1,
-                                              KV_APPLY_CREATE_MISSING, NULL), KV_OK);
+        CHECK_EQ_INT(kv_table_apply_gradients(S.ref[t], S.recv[0] + a, c, g + fa, 1, 0, NULL),
+                     KV_OK);
         CHECK(same_tables(S.ref[t], &S.shard[0][t], 1));
+        if (t) CHECK_EQ_INT(missing[t], 0);
     }
     uint64_t g1;
     float row[3];
@@ -434,6 +446,191 @@ static void test_generation(void) {
                  KV_OK);
     CHECK(g1 != g0);
     free_tables();
+}
+
+/* Finite gradients whose update is not finite (Adagrad's g^2 overflows at 1e30): the
+ * prepare names the first (table, key) and changes nothing, and so does kv_xapply;
+ * a scaled gradient that overflows is named as a gradient; a good prepare changes
+ * nothing until its commit, which equals kv_xapply on twin tables. */
+static void test_nonfinite(void) {
+    make_tables(2);
+    make_ids(21, 300);
+    CHECK_EQ_INT(plan_and_route(), KV_OK);
+    CHECK_EQ_INT(serve_all(1), KV_OK);
+    static float g[MAXW * NT * B * 5];
+    grads_for(0, g);
+    uint64_t before = digest();
+    const int64_t *rc0 = S.rcounts[0];
+    int64_t nf = kv_xprepare_floats(S.shard[0], NT, S.ustart[0]);
+    int64_t want_nf = 0;
+    for (int t = 0; t < NT; t++)
+        want_nf += (S.ustart[0][t + 1] - S.ustart[0][t]) * (2 * DIMS[t]); /* Adagrad: dim slots */
+    CHECK_EQ_INT(nf, want_nf);
+    static float rows[MAXW * NT * B * 10];
+    static uint32_t ids[MAXW * NT * B];
+    uint64_t pg[NT];
+    int64_t bad[3];
+    /* the first id table 2 received from rank 1: a huge gradient */
+    int64_t j1 = seg_at(rc0, 2, 1, 2, 0), f1 = seg_at(rc0, 2, 1, 2, 1);
+    CHECK(rc0[1 * NT + 2] > 0);
+    float keep[5];
+    memcpy(keep, g + f1, 3 * sizeof(float));
+    g[f1 + 1] = 1e30f;
+    int64_t key = S.ukeys[0][S.ustart[0][2] + S.uidx[0][j1]];
+    CHECK_EQ_INT(kv_xprepare(G_POOL, S.shard[0], NT, 2, rc0, g, 1.0f, 1, S.uidx[0], S.ukeys[0],
+                             S.urefs[0], S.ustart[0], S.gens[0], rows, ids, pg, bad),
+                 KV_ENONFINITE);
+    CHECK_EQ_INT(bad[0], 2);
+    CHECK_EQ_INT(bad[1], key);
+    CHECK_EQ_INT(bad[2], 2);
+    CHECK(digest() == before);
+    CHECK_EQ_INT(kv_xapply(G_POOL, S.shard[0], NT, 2, rc0, g, 1.0f, 1, S.uidx[0], S.ukeys[0],
+                           S.urefs[0], S.ustart[0], S.gens[0], NULL), KV_ENONFINITE);
+    CHECK(digest() == before);
+    /* 1e30 scaled by 1e10 overflows: the summed gradient, named as such */
+    g[f1 + 1] = 1e30f;
+    CHECK_EQ_INT(kv_xprepare(G_POOL, S.shard[0], NT, 2, rc0, g, 1e10f, 1, S.uidx[0], S.ukeys[0],
+                             S.urefs[0], S.ustart[0], S.gens[0], rows, ids, pg, bad),
+                 KV_ENONFINITE);
+    CHECK_EQ_INT(bad[0], 2);
+    CHECK_EQ_INT(bad[1], key);
+    CHECK_EQ_INT(bad[2], 3);
+    /* a NaN as received: its table and key */
+    g[f1 + 1] = NAN;
+    CHECK_EQ_INT(kv_xprepare(G_POOL, S.shard[0], NT, 2, rc0, g, 1.0f, 1, S.uidx[0], S.ukeys[0],
+                             S.urefs[0], S.ustart[0], S.gens[0], rows, ids, pg, bad),
+                 KV_ENONFINITE);
+    CHECK_EQ_INT(bad[0], 2);
+    CHECK_EQ_INT(bad[1], key);
+    CHECK_EQ_INT(bad[2], 1);
+    CHECK(digest() == before);
+    memcpy(g + f1, keep, 3 * sizeof(float));
+    /* a good push: prepared (nothing changes), then committed; equals kv_xapply on twins */
+    kv_table_t *twin[NT];
+    for (int t = 0; t < NT; t++) {
+        kv_table_config_t c = config(t);
+        CHECK_EQ_INT(kv_table_create(&c, &twin[t]), KV_OK);
+        int64_t cur = 0, n = 0, keys[B * 8];
+        static float v[B * 8 * 5], sl[B * 8 * 5];
+        uint32_t st[B * 8], cn[B * 8];
+        kv_table_export(S.shard[0][t], &cur, B * 8, 0, keys, v, sl, st, cn, NULL, &n);
+        CHECK(n < B * 8);
+        CHECK_EQ_INT(kv_table_import(twin[t], keys, n, v, sl, st, cn), KV_OK);
+    }
+    CHECK_EQ_INT(kv_xprepare(G_POOL, S.shard[0], NT, 2, rc0, g, 0.5f, 3, S.uidx[0], S.ukeys[0],
+                             S.urefs[0], S.ustart[0], S.gens[0], rows, ids, pg, bad),
+                 KV_OK);
+    CHECK_EQ_INT(bad[0], -1);
+    CHECK(digest() == before);
+    int64_t miss[NT];
+    CHECK_EQ_INT(kv_xcommit(G_POOL, S.shard[0], NT, S.ukeys[0], S.ustart[0], ids, pg, rows, 3,
+                            miss), KV_OK);
+    CHECK(digest() != before);
+    /* the twins' refs are by key (other tables: the serve's refs do not name their rows) */
+    for (int t = 0; t < NT; t++) {
+        int64_t us = S.ustart[0][t], nu = S.ustart[0][t + 1] - us;
+        static float tmp[MAXW * B * 5];
+        static uint32_t tref[MAXW * B];
+        uint64_t tg;
+        CHECK_EQ_INT(kv_table_find_or_create_gen(twin[t], S.ukeys[0] + us, nu, tmp, 1, NULL, tref,
+                                                 &tg), KV_OK);
+        for (int64_t u = 0; u < nu; u++) S.urefs[0][us + u] = tref[u];
+        S.gens[0][t] = tg;
+        CHECK_EQ_INT(miss[t], 0);
+    }
+    CHECK_EQ_INT(kv_xapply(G_POOL, twin, NT, 2, rc0, g, 0.5f, 3, S.uidx[0], S.ukeys[0], S.urefs[0],
+                           S.ustart[0], S.gens[0], NULL), KV_OK);
+    for (int t = 0; t < NT; t++) {
+        CHECK(same_tables(twin[t], &S.shard[0][t], 1));
+        kv_table_stats_t a, b;
+        kv_table_stats(twin[t], &a);
+        kv_table_stats(S.shard[0][t], &b);
+        CHECK_EQ_INT(a.rows, b.rows);
+        kv_table_destroy(twin[t]);
+    }
+    free_tables();
+}
+
+/* One pool or another, the same bits: plan, serve (from 1 and from 3 sources), prepare
+ * and commit with no pool and with G_POOL give identical outputs and tables. */
+static void test_pool_equivalence(void) {
+    static sim_t one;
+    static float rows1[MAXW * NT * B * 10];
+    static uint32_t ids1[MAXW * NT * B];
+    kv_pool_t *pool = G_POOL;
+    for (int world = 1; world <= 3; world += 2) {
+        uint64_t digests[2];
+        for (int pass = 0; pass < 2; pass++) {
+            G_POOL = pass ? pool : NULL;
+            make_tables(world);
+            for (int step = 1; step <= 2; step++) {
+                make_ids((uint64_t)(77 + step), 700);
+                CHECK_EQ_INT(plan_and_route(), KV_OK);
+                CHECK_EQ_INT(serve_all((uint32_t)step), KV_OK);
+                static float g[MAXW * NT * B * 5], rows[MAXW * NT * B * 10];
+                static uint32_t ids[MAXW * NT * B];
+                uint64_t pg[NT];
+                int64_t bad[3];
+                grads_for(0, g);
+                CHECK_EQ_INT(kv_xprepare(G_POOL, S.shard[0], NT, world, S.rcounts[0], g, 0.5f,
+                                         step, S.uidx[0], S.ukeys[0], S.urefs[0], S.ustart[0],
+                                         S.gens[0], rows, ids, pg, bad), KV_OK);
+                int64_t nf = kv_xprepare_floats(S.shard[0], NT, S.ustart[0]);
+                if (pass == 0 && step == 2) {
+                    memcpy(&one, &S, sizeof S);
+                    memcpy(rows1, rows, (size_t)nf * sizeof(float));
+                    memcpy(ids1, ids, (size_t)S.ustart[0][NT] * sizeof(uint32_t));
+                }
+                if (pass == 1 && step == 2) {
+                    int same = 1;
+                    for (int r = 0; r < world; r++) {
+                        int64_t tot = 0, nu = 0;
+                        for (int t = 0; t < NT; t++) tot += B, nu += S.nu[r][t];
+                        same &= !memcmp(S.send[r], one.send[r], (size_t)nu * 8);
+                        same &= !memcmp(S.counts[r], one.counts[r], sizeof S.counts[r]);
+                        same &= !memcmp(S.inverse[r], one.inverse[r], (size_t)tot * 8);
+                        same &= !memcmp(S.upos[r], one.upos[r], (size_t)nu * 8);
+                        same &= !memcmp(S.pos[r], one.pos[r], (size_t)tot * 8);
+                        same &= !memcmp(S.nu[r], one.nu[r], sizeof S.nu[r]);
+                    }
+                    CHECK(same);
+                    int64_t tot = 0;
+                    for (int k = 0; k < world * NT; k++) tot += S.rcounts[0][k] * DIMS[k % NT];
+                    CHECK(!memcmp(S.reply[0], one.reply[0], (size_t)tot * sizeof(float)));
+                    CHECK(!memcmp(S.ustart[0], one.ustart[0], sizeof S.ustart[0]));
+                    CHECK(!memcmp(S.ukeys[0], one.ukeys[0], (size_t)S.ustart[0][NT] * 8));
+                    CHECK(!memcmp(S.urefs[0], one.urefs[0], (size_t)S.ustart[0][NT] * 4));
+                    CHECK(!memcmp(rows, rows1, (size_t)nf * sizeof(float)));
+                    CHECK(!memcmp(ids, ids1, (size_t)S.ustart[0][NT] * sizeof(uint32_t)));
+                }
+                CHECK_EQ_INT(kv_xcommit(G_POOL, S.shard[0], NT, S.ukeys[0], S.ustart[0], ids, pg,
+                                        rows, step, NULL), KV_OK);
+                /* the other owners: apply at once */
+                for (int o = 1; o < world; o++) {
+                    grads_for(o, g);
+                    CHECK_EQ_INT(kv_xapply(G_POOL, S.shard[o], NT, world, S.rcounts[o], g, 0.5f,
+                                           step, S.uidx[o], S.ukeys[o], S.urefs[o], S.ustart[o],
+                                           S.gens[o], NULL), KV_OK);
+                }
+            }
+            /* row gradients of a big gather */
+            enum { ROWS = 3000, N = 20000, D = 7 };
+            static float vals[N * D], out[2][ROWS * D];
+            static int64_t idx[N];
+            uint64_t seed = 5;
+            for (int i = 0; i < N; i++) {
+                idx[i] = (int64_t)(test_rand(&seed) % ROWS);
+                for (int k = 0; k < D; k++)
+                    vals[i * D + k] = (float)((int64_t)(test_rand(&seed) % 2001) - 1000) * 1e-3f;
+            }
+            CHECK_EQ_INT(kv_xrowgrad(G_POOL, ROWS, D, vals, idx, N, out[pass]), KV_OK);
+            if (pass) CHECK(!memcmp(out[0], out[1], sizeof out[0]));
+            digests[pass] = digest();
+            free_tables();
+        }
+        CHECK(digests[0] == digests[1]);
+    }
+    G_POOL = pool;
 }
 
 static void test_rowgrad(void) {
@@ -453,36 +650,48 @@ static void test_rowgrad(void) {
         for (int i = 0; i < N; i++)
             for (int j = 0; j < d; j++) want[idx[i] * d + j] += vals[i * d + j];
         memset(out, 0xff, sizeof out);
-        CHECK_EQ_INT(kv_xrowgrad(ROWS, d, vals, idx, N, out), KV_OK);
+        CHECK_EQ_INT(kv_xrowgrad(G_POOL, ROWS, d, vals, idx, N, out), KV_OK);
         CHECK(memcmp(out, want, (size_t)ROWS * (size_t)d * sizeof(float)) == 0);
     }
     /* nothing gathered: zeros; no rows, no gradients: fine */
     memset(out, 0xff, sizeof out);
-    CHECK_EQ_INT(kv_xrowgrad(ROWS, 9, vals, idx, 0, out), KV_OK);
+    CHECK_EQ_INT(kv_xrowgrad(G_POOL, ROWS, 9, vals, idx, 0, out), KV_OK);
     CHECK(out[0] == 0.0f && out[ROWS * 9 - 1] == 0.0f);
-    CHECK_EQ_INT(kv_xrowgrad(0, 9, NULL, NULL, 0, NULL), KV_OK);
+    CHECK_EQ_INT(kv_xrowgrad(G_POOL, 0, 9, NULL, NULL, 0, NULL), KV_OK);
     /* bad input: out unchanged */
     memset(out, 0x7f, sizeof out);
     memcpy(want, out, sizeof out);
     idx[N - 1] = ROWS;
-    CHECK_EQ_INT(kv_xrowgrad(ROWS, 9, vals, idx, N, out), KV_EINVAL);
+    CHECK_EQ_INT(kv_xrowgrad(G_POOL, ROWS, 9, vals, idx, N, out), KV_EINVAL);
     idx[N - 1] = -1;
-    CHECK_EQ_INT(kv_xrowgrad(ROWS, 9, vals, idx, N, out), KV_EINVAL);
+    CHECK_EQ_INT(kv_xrowgrad(G_POOL, ROWS, 9, vals, idx, N, out), KV_EINVAL);
     idx[N - 1] = 0;
-    CHECK_EQ_INT(kv_xrowgrad(ROWS, 0, vals, idx, N, out), KV_EINVAL);
-    CHECK_EQ_INT(kv_xrowgrad(-1, 9, vals, idx, N, out), KV_EINVAL);
-    CHECK_EQ_INT(kv_xrowgrad(ROWS, 9, NULL, idx, N, out), KV_EINVAL);
-    CHECK_EQ_INT(kv_xrowgrad(ROWS, 9, vals, idx, N, NULL), KV_EINVAL);
+    CHECK_EQ_INT(kv_xrowgrad(G_POOL, ROWS, 0, vals, idx, N, out), KV_EINVAL);
+    CHECK_EQ_INT(kv_xrowgrad(G_POOL, -1, 9, vals, idx, N, out), KV_EINVAL);
+    CHECK_EQ_INT(kv_xrowgrad(G_POOL, ROWS, 9, NULL, idx, N, out), KV_EINVAL);
+    CHECK_EQ_INT(kv_xrowgrad(G_POOL, ROWS, 9, vals, idx, N, NULL), KV_EINVAL);
     CHECK(memcmp(out, want, sizeof out) == 0);
 }
 
-int main(void) {
-    for (int w = 1; w <= MAXW; w++) {
-        test_round_trip(w, 5000); /* few duplicates across ranks */
-        test_round_trip(w, 300);  /* many */
+int main(int argc, char **argv) {
+    /* every test with no pool, then with pools of 2 and 4 threads (the build for these
+     * tests lowers the work below which one thread works, so every path is threaded);
+     * "threads" (the ThreadSanitizer build): the pools only */
+    int tsan = argc > 1 && !strcmp(argv[1], "threads");
+    static const int32_t threads[] = {1, 2, 4};
+    for (int p = tsan ? 1 : 0; p < 3; p++) {
+        G_POOL = NULL;
+        if (threads[p] > 1) CHECK_EQ_INT(kv_pool_create(threads[p], &G_POOL), KV_OK);
+        for (int w = 1; w <= MAXW; w++) {
+            test_round_trip(w, 5000); /* few duplicates across ranks */
+            test_round_trip(w, 300);  /* many */
+        }
+        test_errors();
+        test_generation();
+        test_nonfinite();
+        test_rowgrad();
+        if (G_POOL) test_pool_equivalence();
+        kv_pool_destroy(G_POOL);
     }
-    test_errors();
-    test_generation();
-    test_rowgrad();
     return test_summary();
 }

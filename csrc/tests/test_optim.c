@@ -5,7 +5,8 @@
  * every rule (Adagrad with epsilon outside and inside the sqrt, FTRL with Keras'
  * beta, which follows a changed learning rate), the group-lasso zeroing (exact +0.0f bits, threshold l21 * sqrt(dim)),
  * Group Adam without regularization reducing to Adam, multi-row strides, and the
- * per-row step counter. The precise comparison with TensorFlow and TFPlus's rules
+ * per-row step counter; row-wise Adagrad (FBGEMM's rule: the mean of g^2 into one
+ * accumulator per row, its three weight-decay modes, dim 1 equal to Adagrad). The precise comparison with TensorFlow and TFPlus's rules
  * lives in tests/unit/test_optimizers.py. Buffers are malloc'ed at their exact size
  * so AddressSanitizer sees any write past a row's slots.
  */
@@ -68,27 +69,44 @@ static void test_check(void)
     CHECK_EQ_INT(kv_optim_check(&o), KV_EOPTIM);
     o.per_row_step = 1;
     CHECK_EQ_INT(kv_optim_check(&o), KV_OK);
-    o.kind = 6;
+    o.kind = 7;
     CHECK_EQ_INT(kv_optim_check(&o), KV_EOPTIM);
     o.kind = -1;
     CHECK_EQ_INT(kv_optim_check(&o), KV_EOPTIM);
-    for (int32_t k = KV_OPT_SGD; k <= KV_OPT_GROUP_ADAGRAD; k++) {
+    for (int32_t k = KV_OPT_SGD; k <= KV_OPT_ROWWISE_ADAGRAD; k++) {
+        const int rowwise = k == KV_OPT_ROWWISE_ADAGRAD;
         o.kind = k;
         CHECK_EQ_INT(kv_optim_check(&o), KV_OK);
         /* epsilon inside the sqrt: Adagrad's flag only; unknown bits never */
         o.flags = KV_OPTF_EPS_INSIDE_SQRT;
         CHECK_EQ_INT(kv_optim_check(&o), k == KV_OPT_ADAGRAD ? KV_OK : KV_EOPTIM);
-        o.flags = 2;
+        o.flags = 8;
+        CHECK_EQ_INT(kv_optim_check(&o), KV_EOPTIM);
+        /* weight decay and its modes: row-wise Adagrad's only, one mode at a time, and a
+         * decay without a mode (FBGEMM's NONE ignores it) is refused */
+        o.flags = KV_OPTF_WD_L2;
+        CHECK_EQ_INT(kv_optim_check(&o), rowwise ? KV_OK : KV_EOPTIM);
+        o.flags = KV_OPTF_WD_DECOUPLED;
+        o.weight_decay = 0.01f;
+        CHECK_EQ_INT(kv_optim_check(&o), rowwise ? KV_OK : KV_EOPTIM);
+        o.flags = KV_OPTF_WD_L2 | KV_OPTF_WD_DECOUPLED;
         CHECK_EQ_INT(kv_optim_check(&o), KV_EOPTIM);
         o.flags = 0;
+        CHECK_EQ_INT(kv_optim_check(&o), KV_EOPTIM);
+        o.flags = KV_OPTF_WD_L2;
+        o.weight_decay = -0.01f;
+        CHECK_EQ_INT(kv_optim_check(&o), KV_EOPTIM);
+        o.weight_decay = NAN;
+        CHECK_EQ_INT(kv_optim_check(&o), KV_EOPTIM);
+        o.flags = 0, o.weight_decay = 0.0f;
     }
 }
 
 static void test_slots(void)
 {
     const int32_t d = 5;
-    int32_t want[] = {0, d, 2 * d + 1, 2 * d, 3 * d + 1, 2 * d};
-    for (int32_t k = KV_OPT_SGD; k <= KV_OPT_GROUP_ADAGRAD; k++) {
+    int32_t want[] = {0, d, 2 * d + 1, 2 * d, 3 * d + 1, 2 * d, 1};
+    for (int32_t k = KV_OPT_SGD; k <= KV_OPT_ROWWISE_ADAGRAD; k++) {
         kv_optim_t o = base(k, 0.1f);
         o.initial_accumulator = 0.25f;
         CHECK_EQ_INT(kv_optim_slot_floats(&o, d), want[k]);
@@ -99,7 +117,8 @@ static void test_slots(void)
         int ok = 1;
         for (int32_t i = 0; i < want[k]; i++) {
             float expect = 0.0f;
-            if ((k == KV_OPT_ADAGRAD || k == KV_OPT_FTRL || k == KV_OPT_GROUP_ADAGRAD) && i < d)
+            if ((k == KV_OPT_ADAGRAD || k == KV_OPT_FTRL || k == KV_OPT_GROUP_ADAGRAD ||
+                 k == KV_OPT_ROWWISE_ADAGRAD) && i < d)
                 expect = 0.25f;
             if (k == KV_OPT_GROUP_ADAM && i >= d && i < 2 * d)
                 expect = 0.25f; /* Group Adam's v */
@@ -351,7 +370,7 @@ static void test_group_adam_reduces_to_adam(void)
 static void test_multi_row_strides(void)
 {
     const int32_t d = 3;
-    for (int32_t k = KV_OPT_SGD; k <= KV_OPT_GROUP_ADAGRAD; k++) {
+    for (int32_t k = KV_OPT_SGD; k <= KV_OPT_ROWWISE_ADAGRAD; k++) {
         kv_optim_t o = base(k, 0.05f);
         o.beta1 = 0.9f, o.beta2 = 0.99f, o.epsilon = 1e-7f, o.lr_power = -0.5f;
         o.initial_accumulator = 0.1f, o.l1 = 0.001f, o.l2 = 0.001f, o.l21 = 0.001f;
@@ -377,6 +396,57 @@ static void test_multi_row_strides(void)
     }
 }
 
+/* Row-wise Adagrad, FBGEMM's rule by hand (in double; the kernel is float): the
+ * accumulator gains the mean of g'^2 over the row, every component moves with one step
+ * m = lr / (sqrt(accum) + eps), and the weight-decay modes change g' and the factor c. */
+static void test_rowwise_adagrad(void)
+{
+    const float w0[4] = {0.5f, -1.0f, 2.0f, 0.0f}, g[4] = {1.0f, -2.0f, 0.5f, 0.0f};
+    const int32_t modes[3] = {0, KV_OPTF_WD_L2, KV_OPTF_WD_DECOUPLED};
+    for (int k = 0; k < 3; k++) {
+        kv_optim_t o = base(KV_OPT_ROWWISE_ADAGRAD, 0.1f);
+        o.epsilon = 1e-8f, o.initial_accumulator = 0.25f;
+        o.flags = modes[k], o.weight_decay = k ? 0.05f : 0.0f;
+        CHECK_EQ_INT(kv_optim_check(&o), KV_OK);
+        CHECK_EQ_INT(kv_optim_slot_floats(&o, 4), 1);
+        float *w = fvec(4, 0.0f), *s = fvec(1, 9.0f);
+        memcpy(w, w0, sizeof w0);
+        kv_optim_init_slots(&o, 4, s);
+        CHECK(s[0] == 0.25f);
+        kv_optim_apply_rows(&o, 4, 1, w, s, g, 1);
+        double sumsq = 0.0, wd = k ? 0.05 : 0.0;
+        for (int i = 0; i < 4; i++) {
+            double gi = g[i] + (modes[k] == KV_OPTF_WD_L2 ? wd * w0[i] : 0.0);
+            sumsq += gi * gi;
+        }
+        const double acc = 0.25 + sumsq / 4.0;
+        const double m = 0.1 / (sqrt(acc) + 1e-8);
+        const double c = modes[k] == KV_OPTF_WD_L2 ? 1.0 - m * wd
+                         : modes[k] == KV_OPTF_WD_DECOUPLED ? 1.0 - 0.1 * wd : 1.0;
+        CHECK(CLOSE(s[0], acc, 1e-6));
+        for (int i = 0; i < 4; i++)
+            CHECK(CLOSE(w[i], c * w0[i] - m * g[i], 1e-6) || (w0[i] == 0.0f && g[i] == 0.0f &&
+                                                              w[i] == 0.0f));
+        /* a second step adds to the same single accumulator */
+        kv_optim_apply_rows(&o, 4, 1, w, s, g, 2);
+        CHECK(s[0] > (float)acc);
+        free(w), free(s);
+    }
+    /* dim 1: the mean over the row is the element itself, so it is Adagrad with epsilon
+     * outside the sqrt (the same accumulator bits; the weight to an ulp, as FBGEMM
+     * multiplies g by lr / den where TF divides lr * g by den) */
+    kv_optim_t r = base(KV_OPT_ROWWISE_ADAGRAD, 0.05f), a = base(KV_OPT_ADAGRAD, 0.05f);
+    r.epsilon = a.epsilon = 1e-7f, r.initial_accumulator = a.initial_accumulator = 0.1f;
+    float wr = 0.3f, wa = 0.3f, sr, sa;
+    kv_optim_init_slots(&r, 1, &sr), kv_optim_init_slots(&a, 1, &sa);
+    for (int step = 1; step <= 5; step++) {
+        const float gs = 0.7f - 0.3f * (float)step;
+        kv_optim_apply_rows(&r, 1, 1, &wr, &sr, &gs, step);
+        kv_optim_apply_rows(&a, 1, 1, &wa, &sa, &gs, step);
+    }
+    CHECK(bits(sr) == bits(sa) && CLOSE(wr, wa, 1e-6));
+}
+
 int main(void)
 {
     test_check();
@@ -390,5 +460,6 @@ int main(void)
     test_group_adagrad_threshold();
     test_group_adam_reduces_to_adam();
     test_multi_row_strides();
+    test_rowwise_adagrad();
     return test_summary();
 }

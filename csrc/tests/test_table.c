@@ -57,6 +57,12 @@ static kv_table_config_t config(int32_t dim, int32_t kind, float a, float b) {
     return c;
 }
 
+static int kv_all_finite_test(const float *v, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (!isfinite(v[i])) return 0;
+    return 1;
+}
+
 /* ---- snapshots: the full arena-order export ------------------------------------- */
 
 typedef struct {
@@ -1509,6 +1515,144 @@ static void test_apply_ref(void) {
     free(ref);
 }
 
+/* Updates that would leave a row or a slot NaN/Inf from finite gradients (1e30:
+ * Adagrad's and FTRL's accumulators, Adam's second moment overflow; SGD past FLT_MAX)
+ * are refused whole by every apply path, and kv_table_check_update names the key. A
+ * prepare changes nothing and names the same key; a good prepare + commit equals
+ * kv_table_apply_refs. */
+static void test_nonfinite_updates(void) {
+    enum { N = 64, D = 4 };
+    static const int32_t kinds[] = {KV_OPT_SGD,  KV_OPT_ADAGRAD,    KV_OPT_ADAM,
+                                    KV_OPT_FTRL, KV_OPT_GROUP_ADAM, KV_OPT_GROUP_ADAGRAD};
+    for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++) {
+        kv_table_config_t c = config(D, KV_INIT_UNIFORM, -0.1f, 0.1f);
+        memset(&c.optim, 0, sizeof c.optim);
+        c.optim.kind = kinds[k];
+        c.optim.lr = kinds[k] == KV_OPT_SGD ? 10.0f : 0.1f;
+        c.optim.beta1 = 0.9f;
+        c.optim.beta2 = 0.999f;
+        c.optim.epsilon = 1e-7f;
+        c.optim.initial_accumulator = 0.1f;
+        c.optim.lr_power = -0.5f;
+        c.optim.l1 = 0.001f;
+        c.optim.l21 = 0.001f;
+        if (kv_optim_check(&c.optim) != KV_OK) continue; /* the SGD stub build */
+        kv_table_t *t;
+        CHECK_EQ_INT(kv_table_create(&c, &t), KV_OK);
+        int64_t keys[N];
+        float rows[N * D], g[N * D];
+        uint32_t ref[N];
+        uint64_t gen;
+        for (int i = 0; i < N; i++) keys[i] = key_of((uint64_t)i + 1);
+        CHECK_EQ_INT(kv_table_find_or_create_gen(t, keys, N, rows, 1, NULL, ref, &gen), KV_OK);
+        if (kinds[k] == KV_OPT_SGD) { /* a row near FLT_MAX: w - 10 * g overflows */
+            float big[D] = {3e38f, 3e38f, 3e38f, 3e38f};
+            CHECK_EQ_INT(kv_table_update(t, &keys[17], 1, big), KV_OK);
+        }
+        for (int i = 0; i < N * D; i++) g[i] = 0.01f * (float)(i % 7 - 3);
+        g[17 * D + 2] = kinds[k] == KV_OPT_SGD ? -1e38f : 1e30f;
+        snap_t before = snapshot(t);
+        int64_t miss = -1, bad = -2, bkey = 0;
+        int32_t what = -1;
+        static float out[N * (4 * D + 1)]; /* the widest row: Group Adam */
+        uint32_t ids[N];
+        uint64_t pgen;
+        /* the check names the key and what */
+        CHECK_EQ_INT(kv_table_check_update(t, keys, N, g, 2, 0, &bkey, &what), KV_OK);
+        int refused = what != 0;
+        if (kinds[k] == KV_OPT_SGD || kinds[k] == KV_OPT_ADAGRAD || kinds[k] == KV_OPT_ADAM ||
+            kinds[k] == KV_OPT_FTRL)
+            CHECK(refused);
+        if (refused) {
+            CHECK_EQ_INT(what, 2);
+            CHECK_EQ_INT(bkey, keys[17]);
+            CHECK_EQ_INT(kv_table_apply_gradients(t, keys, N, g, 2, 0, &miss), KV_ENONFINITE);
+            CHECK_EQ_INT(kv_table_apply_gradients(t, keys, N, g, 2, KV_APPLY_CREATE_MISSING, &miss),
+                         KV_ENONFINITE);
+            CHECK_EQ_INT(kv_table_apply_gradients_ref(t, keys, ref, N, g, 2, 0, &miss),
+                         KV_ENONFINITE);
+            CHECK_EQ_INT(kv_table_apply_gradients_ref(t, keys, ref, N, g, 2, KV_APPLY_DISTINCT,
+                                                      &miss), KV_ENONFINITE);
+            CHECK_EQ_INT(kv_table_apply_refs(t, keys, ref, N, g, 2, gen, &miss), KV_ENONFINITE);
+            CHECK_EQ_INT(kv_table_prepare_refs(t, keys, ref, N, g, 2, gen, out, ids, &pgen, &bad),
+                         KV_ENONFINITE);
+            CHECK_EQ_INT(bad, 17);
+            snap_t after = snapshot(t);
+            CHECK(snap_equal(&before, &after));
+            snap_free(&after);
+        }
+        /* a NaN or an Inf gradient makes its row's update NaN/Inf under every rule:
+         * the prepare names it without looking at the gradients apart */
+        g[17 * D + 2] = 0.0f;
+        static const float odd[] = {NAN, INFINITY, -INFINITY};
+        for (int k2 = 0; k2 < 3; k2++) {
+            g[23 * D + 1] = odd[k2];
+            CHECK_EQ_INT(kv_table_prepare_refs(t, keys, ref, N, g, 2, gen, out, ids, &pgen,
+                                               &bad), KV_ENONFINITE);
+            CHECK_EQ_INT(bad, 23);
+        }
+        g[23 * D + 1] = 0.0f;
+        /* without the bad key: applied, every row and slot finite */
+        CHECK_EQ_INT(kv_table_prepare_refs(t, keys, ref, N, g, 2, gen, out, ids, &pgen, &bad),
+                     KV_OK);
+        CHECK_EQ_INT(bad, -1);
+        snap_t mid = snapshot(t);
+        CHECK(snap_equal(&before, &mid)); /* a prepare changes nothing */
+        snap_free(&mid);
+        kv_table_t *twin;
+        CHECK_EQ_INT(kv_table_create(&c, &twin), KV_OK);
+        CHECK_EQ_INT(kv_table_import(twin, before.keys, before.n, before.values, before.slots,
+                                     before.steps, before.counts), KV_OK);
+        CHECK_EQ_INT(kv_table_commit_refs(t, NULL, keys, ids, N, out, 2, pgen, &miss), KV_OK);
+        CHECK_EQ_INT(miss, 0);
+        CHECK_EQ_INT(kv_table_apply_gradients(twin, keys, N, g, 2, 0, &miss), KV_OK);
+        snap_t a = snapshot(t), b = snapshot(twin);
+        int same = a.n == b.n;
+        for (int64_t i = 0; same && i < a.n; i++) { /* twin's arena order: by import */
+            int64_t j = 0;
+            while (j < b.n && b.keys[j] != a.keys[i]) j++;
+            same = j < b.n && !memcmp(a.values + i * D, b.values + j * D, D * 4) &&
+                   !memcmp(a.slots + i * a.s, b.slots + j * b.s, (size_t)a.s * 4) &&
+                   a.steps[i] == b.steps[j] && a.counts[i] == b.counts[j] && a.dirty[i];
+        }
+        CHECK(same);
+        CHECK(kv_all_finite_test(a.values, (size_t)(a.n * D)));
+        CHECK(kv_all_finite_test(a.slots, (size_t)(a.n * a.s)));
+        snap_free(&a);
+        snap_free(&b);
+        snap_free(&before);
+        kv_table_destroy(twin);
+        /* a new key whose first update is not finite is not created */
+        if (refused) {
+            int64_t nk = key_of(9999);
+            float hg[D] = {0, 1e30f, 0, 0};
+            int64_t size0 = kv_table_size(t);
+            int rc = kv_table_apply_gradients(t, &nk, 1, hg, 3, KV_APPLY_CREATE_MISSING, &miss);
+            if (kinds[k] != KV_OPT_SGD) { /* SGD: a new row - 10 * 1e30 is finite */
+                CHECK_EQ_INT(rc, KV_ENONFINITE);
+                CHECK_EQ_INT(kv_table_size(t), size0);
+                CHECK_EQ_INT(kv_table_check_update(t, &nk, 1, hg, 3, KV_APPLY_CREATE_MISSING,
+                                                   &bkey, &what), KV_OK);
+                CHECK_EQ_INT(what, 2);
+                CHECK_EQ_INT(bkey, nk);
+            }
+            /* duplicates whose sum overflows: named as the summed gradient */
+            float dg[2 * D] = {3e38f, 0, 0, 0, 3e38f, 0, 0, 0};
+            int64_t dk[2] = {keys[3], keys[3]};
+            CHECK_EQ_INT(kv_table_apply_gradients(t, dk, 2, dg, 3, 0, &miss), KV_ENONFINITE);
+            CHECK_EQ_INT(kv_table_check_update(t, dk, 2, dg, 3, 0, &bkey, &what), KV_OK);
+            CHECK_EQ_INT(what, 3);
+            CHECK_EQ_INT(bkey, keys[3]);
+            dg[5] = NAN; /* a NaN as given: named first */
+            dk[1] = keys[4];
+            CHECK_EQ_INT(kv_table_check_update(t, dk, 2, dg, 3, 0, &bkey, &what), KV_OK);
+            CHECK_EQ_INT(what, 1);
+            CHECK_EQ_INT(bkey, keys[4]);
+        }
+        kv_table_destroy(t);
+    }
+}
+
 int main(int argc, char **argv) {
     pick_optim();
     if (argc > 1 && !strcmp(argv[1], "threads")) {
@@ -1524,6 +1668,7 @@ int main(int argc, char **argv) {
     (void)test_admission, (void)test_evict_exact, (void)test_removed_log, (void)test_lifecycle_oom;
     (void)test_apply_ref, (void)test_init_normal_accuracy, (void)test_set_optim;
     (void)test_admission_once_per_step, (void)test_forget_new, (void)test_admission_state;
+    (void)test_nonfinite_updates;
 #else
     test_random_ops();
     test_key_patterns();
@@ -1534,6 +1679,7 @@ int main(int argc, char **argv) {
     test_apply_and_dirty();
     test_set_optim();
     test_apply_ref();
+    test_nonfinite_updates();
     test_export_import();
     test_errors();
     test_oom();

@@ -17,8 +17,12 @@ batch's rows are a matrix sized by its unique ids, never the whole table.
 
 One push sends the gradient of every row back over the same routing: the gradient of
 Pull.rows is already laid out as the owners want it (one all-to-all); each owner sums
-what several ranks sent for one id and applies its row optimizer in C at the rows its
-serve found, no second lookup (kv_xapply).
+what several ranks sent for one id and computes its row optimizer's update in C at the
+rows its serve found, no second lookup, into a buffer (kv_xprepare), and says in the
+step's one fused allreduce whether every update is finite. Only when every rank's
+outcome is OK does each owner write its buffer (kv_xcommit); otherwise the step is
+given up on every rank alike, so an update that would make a row NaN/Inf is refused
+like a NaN gradient, with an error naming the table and the key.
 """
 
 from __future__ import annotations
@@ -31,10 +35,10 @@ import numpy as np
 
 from .._buffers import aligned_empty
 from ..comm import Comm
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, NonFiniteError
 from ..routing import owners_for
 from ..table import KvTable
-from .agreement import Agreement
+from .agreement import FAILED, OK, Agreement
 from .kernels import TableSet
 
 
@@ -173,13 +177,20 @@ class Pull(Mapping):
 
 class IdsInFlight:
     """A pull whose ids are on their way (BspExchange.send_ids): the first half of a pull,
-    which the prefetch stage runs ahead; BspExchange.fetch completes it."""
+    which the prefetch stage runs ahead; BspExchange.receive_ids waits for the ids (and
+    settles the vote), BspExchange.fetch serves them.
 
-    __slots__ = ("step", "create", "agreement", "given", "plan", "handle")
+    proceeds: None until the vote is settled; then whether the step happens. received:
+    (the ids this rank serves, their counts) once they are in."""
+
+    __slots__ = ("step", "create", "agreement", "given", "plan", "handle", "proceeds",
+                 "received")
 
     def __init__(self, step, create, agreement, given, plan, handle):
         self.step, self.create, self.agreement = step, create, agreement
         self.given, self.plan, self.handle = given, plan, handle
+        self.proceeds = None
+        self.received = None
 
 
 class BspExchange:
@@ -226,11 +237,15 @@ class BspExchange:
         return self.fetch(self.send_ids(ids, agreement, create=False))
 
     def send_ids(self, ids: dict[str, np.ndarray], agreement: Agreement | None = None,
-                 create: bool = True) -> IdsInFlight:
+                 create: bool = True, *, step: int | None = None,
+                 comm: Comm | None = None) -> IdsInFlight:
         """The first half of a pull: plan it (unique + partition, one C call) and post
         the id all-to-all, whose counts phase carries the agreement's vote. Nothing is
         served: a step's lookups must wait until the previous step's update is applied
-        (fetch). The prefetch stage runs this for the next step while this one computes."""
+        (fetch). The prefetch stage runs this for the next step while this one computes,
+        in a thread of its own: `step` is then the step it is for (default: the next
+        one) and `comm` a communicator of that thread's (a dup of this one's, so its
+        collectives never interleave with the step's own; default this one's)."""
         if set(ids) != set(self._names):
             unknown = sorted(set(ids) - set(self._names))
             missing = sorted(set(self._names) - set(ids))
@@ -238,26 +253,42 @@ class BspExchange:
                                        f"{unknown}, missing {missing}")
         given = [np.ascontiguousarray(ids[n], np.int64) for n in self._names]
         plan = self._set.plan(given, self.owners)
-        step = self.step + 1 if create else self.step
-        self.comm.step = step  # named by a timeout error of this step's collectives
-        handle = self.comm.alltoallv(plan[0], plan[1], op="pull:ids",
-                                     header=None if agreement is None else agreement.header())
+        if step is None:
+            step = self.step + 1 if create else self.step
+        comm = self.comm if comm is None else comm
+        comm.step = step  # named by a timeout error of this step's collectives
+        handle = comm.alltoallv(plan[0], plan[1], op="pull:ids",
+                                header=None if agreement is None else agreement.header())
         return IdsInFlight(step, create, agreement, given, plan, handle)
+
+    def receive_ids(self, pending: IdsInFlight) -> bool:
+        """Complete the id all-to-all of `pending` (any thread; nothing is served): settle
+        the agreement and, when the step proceeds, wait for the ids this rank serves.
+        Returns whether the step proceeds (every rank decides the same). A prefetched
+        element that is dropped is drained with it, on every rank alike."""
+        if pending.proceeds is None:
+            agreement = pending.agreement
+            pending.proceeds = agreement is None or \
+                agreement.settle(pending.handle.headers()).proceeds
+        if pending.proceeds and pending.received is None:
+            pending.received = pending.handle.wait()
+        return pending.proceeds
 
     def fetch(self, pending: IdsInFlight) -> Pull | None:
         """The second half of a pull: settle the agreement; when the step proceeds, the
         owners serve the ids and the rows come back (and a training pull's step
         becomes this rank's step)."""
-        agreement = pending.agreement
-        if agreement is not None and not agreement.settle(pending.handle.headers()).proceeds:
+        if not self.receive_ids(pending):
             return None  # every rank decides the same: nobody posts the payload
-        recv_ids, recv_counts = pending.handle.wait()
+        recv_ids, recv_counts = pending.received
+        pending.received = None
         dims = self._dims
         reply = aligned_empty(int((recv_counts * dims).sum()), np.float32)
         t0 = time.perf_counter()
         served = self._set.serve(recv_ids, recv_counts, pending.step, pending.create, reply)
         self.table_seconds += time.perf_counter() - t0
         counts = pending.plan[1]
+        self.comm.step = pending.step
         got, _ = self.comm.alltoallv(reply, (recv_counts * dims).sum(axis=1), op="pull:rows",
                                      recv_counts=(counts * dims).sum(axis=1)).wait()
         out = Pull(self._set, self._names, [a.size for a in pending.given], got, pending.plan)
@@ -271,33 +302,68 @@ class BspExchange:
     def push(self, pull: Pull, grads: dict, dense_grad: np.ndarray | None = None,
              extra: np.ndarray | None = None, agreement: Agreement | None = None,
              lr: dict | None = None, dense_lr: float | None = None) -> "Pushed":
-        """Post the gradient of pull's rows to their owners and start one fused
+        """Send the gradient of pull's rows to their owners; as the owner, wait for the
+        gradients of the rows this rank owns and compute every updated row and slot
+        without writing them (TableSet.prepare, one C call); then start one fused
         allreduce of [every rank's outcome code, dense_grad, extra] (float32; dense_grad
-        and extra may be None); return at once. The handle's reduced() waits for that sum
-        (and settles the agreement's outcome); commit() then waits for the rows'
-        gradients and applies them with each table's row optimizer (lr: table name -> its
-        learning rate for this step; absent: unchanged). A step whose outcome failed on
-        any rank is given up with abandon(pushed) instead.
+        and extra may be None) and return. The handle's reduced() waits for that sum (and
+        settles the agreement's outcome); commit() then writes the prepared rows (lr:
+        table name -> its learning rate for this step; absent: unchanged). A step whose
+        outcome failed on any rank is given up with abandon(pushed) instead.
+
+        An update that would make a row or an optimizer slot NaN/Inf (a huge finite
+        gradient) is this owner's outcome: FAILED, with a NonFiniteError naming the table
+        and the key. It rides the same allreduce, so every rank refuses the step alike
+        and nothing is applied anywhere (no second collective). A rank whose own compute
+        did not succeed skips the prepare (the step is refused anyway).
 
         grads: per group, a matrix shaped like pull.rows[group]; or per table,
         (len(uniq), dim) as its Pulled rows. dense_lr: unused (BSP's dense parameters are
         updated by the Keras optimizer of every rank)."""
         if pull is None or getattr(pull, "served", None) is None:
             raise InvalidArgumentError("push() needs the Pull of this step's pull()")
-        agreement = agreement if agreement is not None else Agreement(1).settle(None)
+        given = agreement is not None
+        agreement = agreement if given else Agreement(1).settle(None)
         send = pull.payload_of(grads)
         state = pull.served
         recv_counts = state[0]
         dims = self._dims
         rows = self.comm.alltoallv(send, (pull.counts * dims).sum(axis=1), op="push:grads",
                                    recv_counts=(recv_counts * dims).sum(axis=1))
+        prepared, rates_before = None, None
+        if agreement.outcome == OK:
+            got, _ = rows.wait()
+            t0 = time.perf_counter()
+            rates_before = self._set_rates(lr)
+            try:
+                prepared = self._set.prepare(state, np.ascontiguousarray(got, np.float32),
+                                             pull.step)
+            except NonFiniteError as exc:
+                if getattr(exc, "what", 0) == 1:
+                    # a gradient as received is NaN/Inf: its sender's own check voted
+                    # NONFINITE on this same allreduce, which refuses the step; this
+                    # rank's outcome stays its compute's (commit() raises it if not)
+                    prepared = exc
+                else:
+                    agreement.report(FAILED, exc)
+            self.table_seconds += time.perf_counter() - t0
         world = self.comm.size
         parts = [agreement.outcome_codes(world, self.comm.rank)]
         parts += [np.asarray(p, np.float32).reshape(-1) for p in (dense_grad, extra)
                   if p is not None]
         reduce = self.comm.iallreduce(np.concatenate(parts), op="allreduce:dense")
         n_dense = 0 if dense_grad is None else int(np.size(dense_grad))
-        return Pushed(self, pull, rows, reduce, lr, agreement, n_dense)
+        return Pushed(self, pull, rows, reduce, agreement, n_dense, prepared, rates_before,
+                      given)
+
+    def _set_rates(self, lr: dict | None) -> dict:
+        """Give each table of `lr` its learning rate; returns the rates they had."""
+        before = {}
+        for name, rate in (lr or {}).items():
+            table = self.tables[name]
+            before[name] = table.learning_rate
+            table.set_learning_rate(rate)
+        return before
 
     def abandon(self, step) -> None:
         """Give the step in flight up, on every rank alike (a Pull not yet pushed, or a
@@ -340,10 +406,11 @@ class BspExchange:
 class Pushed:
     """A push in flight (BspExchange.push): reduced() and commit() complete it."""
 
-    def __init__(self, exchange: BspExchange, pull: Pull, rows, reduce, lr, agreement,
-                 n_dense):
+    def __init__(self, exchange: BspExchange, pull: Pull, rows, reduce, agreement, n_dense,
+                 prepared, rates_before, given):
         self._ex, self._pull, self._rows, self._reduce = exchange, pull, rows, reduce
-        self._lr, self.agreement, self._n_dense = lr, agreement, n_dense
+        self.agreement, self._n_dense = agreement, n_dense
+        self._prepared, self._rates_before, self._given = prepared, rates_before, given
         self._total = None
 
     def _wait_reduce(self) -> np.ndarray:
@@ -362,23 +429,43 @@ class Pushed:
         return dense, total[at + self._n_dense:]
 
     def commit(self) -> None:
-        """Wait for the gradients this rank owns and apply them. Only for a step whose
-        outcome succeeded on every rank."""
+        """Write the rows this rank's prepare computed. Only for a step whose outcome
+        succeeded on every rank. Without an agreement of the caller's (push(...,
+        agreement=None)), a step some rank refused is abandoned here and its error
+        raised: this rank's own (naming the table and the key), or one naming the
+        ranks that refused."""
         self._wait_reduce()
-        if self.agreement.outcome_failed:
-            raise AssertionError("commit() of a step that failed on ranks "
-                                 f"{self.agreement.outcome_failed}: abandon it")
-        got, _ = self._rows.wait()
-        state, self._pull.served = self._pull.served, None
+        failed = self.agreement.outcome_failed
+        if failed:
+            if not self._given:
+                self._abandon()
+                own = self.agreement.outcome_error
+                if own is not None:
+                    raise own
+                raise NonFiniteError(
+                    f"step {self._pull.step}: rank(s) {failed} refused the update (a row or "
+                    "an optimizer slot would have become NaN/Inf, see the error there); "
+                    "nothing was applied")
+            raise AssertionError(f"commit() of a step that failed on ranks {failed}: "
+                                 "abandon it")
+        self._rows.wait()
+        prepared, self._prepared = self._prepared, None
+        if isinstance(prepared, NonFiniteError):  # a NaN no rank voted for (no agreement)
+            self._abandon()
+            raise prepared
+        self._pull.served = None
         ex = self._ex
         t0 = time.perf_counter()
-        for name, rate in (self._lr or {}).items():
-            ex.tables[name].set_learning_rate(rate)
-        ex._set.apply(state, np.ascontiguousarray(got, np.float32), self._pull.step)
+        ex._set.commit(prepared)
         ex.table_seconds += time.perf_counter() - t0
 
     def _abandon(self) -> None:
-        """Complete the exchanges, apply nothing (BspExchange.abandon)."""
+        """Complete the exchanges, apply nothing (BspExchange.abandon): the prepared rows
+        are dropped and the tables' learning rates are put back."""
         self._wait_reduce()
         self._rows.wait()
+        self._prepared = None
+        if self._rates_before:
+            self._ex._set_rates(self._rates_before)
+            self._rates_before = None
         self._ex.abandon(self._pull)

@@ -21,6 +21,13 @@ def _c_optim(optimizer):
     if not hasattr(optimizer, "_c_fields"):
         raise errors.InvalidArgumentError(
             f"optimizer must be a kvcoll.optimizers row optimizer, got {optimizer!r}")
+    if optimizer._c_fields()["kind"] == "rowwise_adagrad":
+        # One accumulator per table row; a dense slice is no row: its width is where the
+        # flat dense vector is cut between ranks, so the rule would change with the world.
+        raise errors.InvalidArgumentError(
+            "RowWiseAdagrad keeps one accumulator per embedding row and has no meaning "
+            "for SSP/ASP's dense slices (cut where the ranks split the dense vector); use "
+            "it as the tables' row optimizer, and Adagrad for the dense parameters")
     o = ffi.new("kv_optim_t *")
     fill_optim(o[0], optimizer)
     return o

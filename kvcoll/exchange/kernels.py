@@ -5,18 +5,105 @@
 the push at the rows it served, and the rows are regrouped into one matrix per dim.
 `gather_grad` sums the gradient of gathered rows per row. The step modes (bsp.py,
 ssp.py) move the payloads between ranks; nothing here calls MPI.
+
+Threads. The kernels split their work over a pool of C threads (csrc/kv_pool.h), by
+table and by key range, with the same bits as one thread. The pool is this process's,
+made at the first kernel call with `threads()` threads: the run's `threads` setting
+(KVCOLL_THREADS, kv.init(threads=...)), or when that is 0 (the default)
+`default_threads()`, the cores TensorFlow leaves free. `set_threads(n)` replaces it
+(tests and benchmarks, between steps).
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
+
 import numpy as np
 
-from .. import errors
+from .. import errors, runtime
+from ..config import Config
 from .._buffers import aligned_empty
 from .._c import EMPTY, check, ffi, lib, ptr, step32
 from ..routing import OwnerMap
+from ..table import nonfinite_update_error
 
-__all__ = ["TableSet", "gather_grad"]
+__all__ = ["TableSet", "Prepared", "gather_grad", "threads", "default_threads", "set_threads"]
+
+
+# -- the thread pool ---------------------------------------------------------------------
+
+_pool = {"threads": 0, "handle": None}   # the pool in use and its size (0: none made yet)
+_pool_lock = threading.Lock()
+
+
+def default_threads() -> int:
+    """The cores TensorFlow leaves free on this rank: its share of the host's cores (the
+    cores its CPU affinity allows, divided by the ranks on its host) less TensorFlow's
+    intra-op threads (when TensorFlow is loaded: its setting, where 0, the default, means
+    the whole share), at least 1. TensorFlow runs a step's dense compute on every core
+    it may use, so on a host whose ranks' cores TensorFlow takes whole (this 2-core
+    machine: 1 rank with TensorFlow's default, or 2 ranks) it is 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    local = runtime.local_size() if runtime.is_initialized() else 1
+    share = max(1, cores // max(1, local))
+    used = 0
+    tf = sys.modules.get("tensorflow")
+    if tf is not None and hasattr(tf, "config"):
+        intra = int(tf.config.threading.get_intra_op_parallelism_threads())
+        used = share if intra <= 0 else min(intra, share)
+    return max(1, share - used)
+
+
+def _setting() -> int:
+    """The run's `threads` setting (kv.init's, else KVCOLL_THREADS), read once."""
+    cfg = runtime.config() if runtime.is_initialized() else Config.resolve([])
+    return cfg.threads
+
+
+def threads() -> int:
+    """The C threads the kernels use (the pool's size, made now if not yet)."""
+    return int(lib.kv_pool_threads(_handle()))
+
+
+def _handle():
+    """The process's pool (ffi.NULL: one thread), made on first use."""
+    if _pool["threads"]:
+        return _pool["handle"]
+    with _pool_lock:
+        if not _pool["threads"]:
+            _make(_setting() or default_threads(), "KVCOLL_THREADS")
+    return _pool["handle"]
+
+
+def _make(n: int, what: str) -> None:
+    """Replace the pool by one of n threads (_pool_lock held)."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or \
+            not 1 <= n <= lib.KV_POOL_MAX_THREADS:
+        raise errors.InvalidArgumentError(
+            f"{what}: the C threads per rank must be an integer in [1, "
+            f"{lib.KV_POOL_MAX_THREADS}], got {n!r}")
+    old = _pool["handle"]
+    handle = ffi.NULL
+    if n > 1:
+        out = ffi.new("kv_pool_t **")
+        check(lib.kv_pool_create(int(n), out), f"{what}: starting {n} threads")
+        handle = out[0]
+    _pool["handle"], _pool["threads"] = handle, int(n)
+    if old is not None and old != ffi.NULL:
+        lib.kv_pool_destroy(old)
+
+
+def set_threads(n: int | None) -> int:
+    """Use n C threads from now on (None: the run's setting again); returns how many.
+    For tests and benchmarks, between steps: no kernel may be running."""
+    with _pool_lock:
+        _make(n if n is not None else (_setting() or default_threads()), "set_threads")
+    return _pool["threads"]
 
 
 class TableSet:
@@ -37,6 +124,8 @@ class TableSet:
         first = {}
         self.group = np.array([first.setdefault(int(d), len(first)) for d in self.dims], np.int32)
         self.group_dims = list(first)  # dim of each group
+        self._spare = None  # the last commit's (rows, ids) buffers, for the next prepare
+        self._spare_lock = threading.Lock()
 
     def _handles(self):
         return ffi.new("kv_table_t *[]", [t._handle() for t in self.tables])
@@ -60,7 +149,8 @@ class TableSet:
         upos = np.empty(total, np.int64)
         pos = np.empty(total, np.int64)
         nu = np.empty(ntab, np.int64)
-        check(lib.kv_xplan(ntab, owners._ptr, owners.buckets, world, ptrs, ptr("int64_t *", n),
+        check(lib.kv_xplan(_handle(), ntab, owners._ptr, owners.buckets, world, ptrs,
+                           ptr("int64_t *", n),
                            ptr("int32_t *", self.group), ptr("int64_t *", send),
                            ptr("int64_t *", counts), ptr("int64_t *", inverse),
                            ptr("int64_t *", upos), ptr("int64_t *", pos),
@@ -78,7 +168,8 @@ class TableSet:
                 reply.dtype != np.float32 or reply.size != int((rc * self.dims).sum()):
             raise errors.InvalidArgumentError("exchange: serve: payload sizes do not match counts")
         if not create:
-            check(lib.kv_xserve(self._handles(), ntab, world, ptr("int64_t *", recv_ids),
+            check(lib.kv_xserve(_handle(), self._handles(), ntab, world,
+                                ptr("int64_t *", recv_ids),
                                 ptr("int64_t *", rc), step32(step), 0, ptr("float *", reply),
                                 ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL),
                   "exchange: serve")
@@ -88,16 +179,20 @@ class TableSet:
         urefs = np.empty(total, np.uint32)
         ustart = np.empty(ntab + 1, np.int64)
         gens = np.empty(ntab, np.uint64)
-        check(lib.kv_xserve(self._handles(), ntab, world, ptr("int64_t *", recv_ids),
+        check(lib.kv_xserve(_handle(), self._handles(), ntab, world,
+                            ptr("int64_t *", recv_ids),
                             ptr("int64_t *", rc), step32(step), 1, ptr("float *", reply),
                             ptr("int64_t *", uidx), ptr("int64_t *", ukeys),
                             ptr("uint32_t *", urefs), ptr("int64_t *", ustart),
                             ptr("uint64_t *", gens)), "exchange: serve")
         return (rc, uidx, ukeys, urefs, ustart, gens)
 
-    def apply(self, state, grads: np.ndarray, step: int, scale: float = 1.0) -> np.ndarray:
-        """Owner side of a push (kv_xapply): scale * grads (float32, payload layout) of
-        the ids a serve returned `state` for. Returns the ids without a row, per table."""
+    def prepare(self, state, grads: np.ndarray, step: int, scale: float = 1.0) -> "Prepared":
+        """Owner side of a push, first half (kv_xprepare): every row and optimizer slot
+        scale * grads (float32, payload layout) would give the ids a serve returned
+        `state` for, computed without changing any table. Raises NonFiniteError naming
+        the table and the key when an update (or a gradient) is not finite: then the
+        step must be given up (nothing to undo). commit() writes what it computed."""
         rc, uidx, ukeys, urefs, ustart, gens = state
         if grads.dtype != np.float32 or not grads.flags.c_contiguous or \
                 grads.size != int((rc * self.dims).sum()):
@@ -106,14 +201,55 @@ class TableSet:
         if not isinstance(step, (int, np.integer)) or step < 1:
             raise errors.InvalidArgumentError(
                 f"exchange: step must be an integer >= 1, got {step!r}")
+        handles = self._handles()
+        ntab = len(self.tables)
+        floats = int(lib.kv_xprepare_floats(handles, ntab, ptr("int64_t *", ustart)))
+        check(lib.KV_EINVAL if floats < 0 else lib.KV_OK, "exchange: prepare")
+        with self._spare_lock:
+            spare, self._spare = self._spare, None
+        rows, ids = spare if spare is not None else (None, None)
+        if rows is None or rows.size < floats:
+            rows = aligned_empty(max(floats, 1), np.float32)
+        if ids is None or ids.size < int(ustart[-1]):
+            ids = np.empty(max(int(ustart[-1]), 1), np.uint32)
+        pgens = np.empty(ntab, np.uint64)
+        bad = np.zeros(3, np.int64)
+        status = lib.kv_xprepare(_handle(), handles, ntab, rc.shape[0], ptr("int64_t *", rc),
+                                 ptr("float *", grads), float(scale), int(step),
+                                 ptr("int64_t *", uidx), ptr("int64_t *", ukeys),
+                                 ptr("uint32_t *", urefs), ptr("int64_t *", ustart),
+                                 ptr("uint64_t *", gens), ptr("float *", rows),
+                                 ptr("uint32_t *", ids), ptr("uint64_t *", pgens),
+                                 ptr("int64_t *", bad))
+        if status == lib.KV_ENONFINITE and bad[0] >= 0:
+            self._spare = (rows, ids)
+            raise nonfinite_update_error(self.tables[int(bad[0])], int(bad[1]), int(bad[2]),
+                                         int(step))
+        if status != lib.KV_OK:
+            self._spare = (rows, ids)
+        check(status, "exchange: apply gradients")
+        return Prepared(state, rows, ids, pgens, int(step))
+
+    def commit(self, prepared: "Prepared") -> np.ndarray:
+        """Owner side of a push, second half (kv_xcommit): write what prepare() computed.
+        Between the two, nothing else may change these rows. Returns the ids without a
+        row, per table."""
+        _, _, ukeys, _, ustart, _ = prepared.state
         missing = np.zeros(len(self.tables), np.int64)
-        check(lib.kv_xapply(self._handles(), len(self.tables), rc.shape[0], ptr("int64_t *", rc),
-                            ptr("float *", grads), float(scale), int(step),
-                            ptr("int64_t *", uidx),
-                            ptr("int64_t *", ukeys), ptr("uint32_t *", urefs),
-                            ptr("int64_t *", ustart), ptr("uint64_t *", gens),
-                            ptr("int64_t *", missing)), "exchange: apply gradients")
+        check(lib.kv_xcommit(_handle(), self._handles(), len(self.tables),
+                             ptr("int64_t *", ukeys),
+                             ptr("int64_t *", ustart), ptr("uint32_t *", prepared.ids),
+                             ptr("uint64_t *", prepared.gens), ptr("float *", prepared.rows),
+                             prepared.step, ptr("int64_t *", missing)),
+              "exchange: apply gradients")
+        self._spare, prepared.rows = (prepared.rows, prepared.ids), None
         return missing
+
+    def apply(self, state, grads: np.ndarray, step: int, scale: float = 1.0) -> np.ndarray:
+        """Owner side of a push at once: prepare() then commit(), so an update that is
+        not finite changes nothing (NonFiniteError naming the table and the key).
+        Returns the ids without a row, per table."""
+        return self.commit(self.prepare(state, grads, step, scale))
 
     def forget_new(self, state, step: int) -> int:
         """Undo a rejected step's lookups: the rows its serve (`state`) created, never
@@ -143,6 +279,17 @@ class TableSet:
               "exchange: ungroup")
 
 
+class Prepared:
+    """A push computed by TableSet.prepare and not yet written: the serve's state, every
+    updated row and slot (rows), the row each goes to (ids) and the tables' generations
+    they were found at, and the step."""
+
+    __slots__ = ("state", "rows", "ids", "gens", "step")
+
+    def __init__(self, state, rows, ids, gens, step):
+        self.state, self.rows, self.ids, self.gens, self.step = state, rows, ids, gens, step
+
+
 def gather_grad(values: np.ndarray, indices: np.ndarray, n_rows: int) -> np.ndarray:
     """The gradient of an (n_rows, dim) matrix from the gradient of gathers of it:
     row r is the sum of values[i] over the i with indices[i] == r (zeros if none), in
@@ -161,7 +308,8 @@ def gather_grad(values: np.ndarray, indices: np.ndarray, n_rows: int) -> np.ndar
             f"{i.shape}")
     dim = v.shape[1]
     out = aligned_empty(int(n_rows) * dim, np.float32).reshape(int(n_rows), dim)
-    check(lib.kv_xrowgrad(int(n_rows), dim, ptr("float *", v), ptr("int64_t *", i),
+    check(lib.kv_xrowgrad(_handle(), int(n_rows), dim, ptr("float *", v),
+                          ptr("int64_t *", i),
                           i.size, ptr("float *", out)),
           f"gather_grad: an index outside [0, {int(n_rows)}), or a bad size")
     return out

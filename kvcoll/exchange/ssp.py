@@ -44,6 +44,10 @@ and keeps what it found until that worker's push, which it applies there in one 
 (no lookup; the table locks per table: a row's value and its slots change together).
 Owners apply row gradients with the table's row optimizer, and dense gradients to their slice
 with the C kernel of the dense optimizer (only the service thread touches the slice).
+A push whose update would make a row or an optimizer slot NaN/Inf is refused whole by
+its owner (nothing of it applied); unlike BSP, where every rank refuses such a step
+alike, the ranks here have stepped on, so the job ends with an error naming the
+table, the key, the pushing rank and its step.
 Nothing waits forever: every wait has a deadline and names the rank and operation.
 """
 
@@ -58,7 +62,7 @@ import weakref
 import numpy as np
 
 from ..comm import SPIN, Comm, run_time
-from ..errors import CommError, CommTimeoutError, InvalidArgumentError
+from ..errors import CommError, CommTimeoutError, InvalidArgumentError, NonFiniteError
 from ..routing import owners_for
 from ..table import KvTable
 from .._buffers import aligned_empty
@@ -92,7 +96,7 @@ class _Trace:
     lead: int          # step - 1 - slowest clock seen at the gate
     staleness: int     # step - 1 - slowest clock the owners had seen when they served
     t_start: float     # time.time() after the gate
-    t_end: float = 0.0  # time.time() when its pushes were posted
+    t_end: float = 0.0  # time.time() just before its pushes were posted
 
 
 def _pack(header, ints=(), floats=()) -> np.ndarray:
@@ -375,7 +379,12 @@ class SspExchange:
         learning rate for this step; absent: the table's own) and dense_lr (the dense
         kernel's). Returns a handle like BSP's, whose reduced() is [dense_grad, extra]
         of this rank alone (nothing is summed over ranks here). With an agreement whose
-        outcome is not OK nothing is sent: give the step up with abandon()."""
+        outcome is not OK nothing is sent: give the step up with abandon().
+
+        This rank's own share is applied here, at once: an update of it that would make
+        a row or a slot NaN/Inf raises NonFiniteError (that share unchanged; the parts
+        already sent to lower ranks are theirs to apply or refuse), and the run cannot
+        go on (see _apply)."""
         world = self._world
         if agreement is not None:
             agreement.settle_outcome(agreement.outcome_codes(world, self._rank))
@@ -404,6 +413,8 @@ class SspExchange:
                 rates[t] = lr[name]
         if dense_lr is not None:
             rates[-1] = dense_lr
+        if self.trace and self.trace[-1].step == step:
+            self.trace[-1].t_end = time.time()   # before any peer can see this step's push
         for r in range(world):
             rg = payload[fl_at[r]:fl_at[r + 1]]
             dg = dense_grad[self._bounds[r]:self._bounds[r + 1]] if dense_grad is not None \
@@ -415,8 +426,6 @@ class SspExchange:
                         [rates, rg, dg if dg is not None else np.zeros(0, np.float32)])
             self._send(self._req, msg, r, f"ssp:push of step {step} to rank {r}")
         self._last = None
-        if self.trace and self.trace[-1].step == step:
-            self.trace[-1].t_end = time.time()
         parts = [np.asarray(p, np.float32).reshape(-1) for p in (dense_grad, extra)
                  if p is not None]
         return Posted(np.concatenate(parts) if parts else None, None,
@@ -681,7 +690,15 @@ class SspExchange:
         then record its clock (service thread for peers, training thread for itself).
         The rows are those its pull found here (kv_xapply, no lookup); a row evicted
         in between drops its gradient (counted in the table's dropped_grads). rates:
-        the push's learning rate per table, then the dense one (NaN: unchanged)."""
+        the push's learning rate per table, then the dense one (NaN: unchanged).
+
+        A push whose update would make a row or an optimizer slot NaN/Inf (a huge finite
+        gradient) is refused whole here: none of its rows, slots or its dense slice
+        change, and NonFiniteError names the table, the key, the pushing rank and its
+        step. Owners apply pushes as they arrive, so the other ranks cannot agree to
+        give that step up (their own parts of it may be applied already): on the
+        service thread the error ends the job (the training thread raises it, wrapped,
+        at its next wait); for this rank's own share it is raised by push() itself."""
         state = self._served.pop((src, clock), None)
         if counts.any():
             if state is None:
@@ -691,7 +708,17 @@ class SspExchange:
                 for t, table in enumerate(self._set.tables):
                     if not np.isnan(rates[t]):
                         table.set_learning_rate(float(rates[t]))
-                self._set.apply(state, np.ascontiguousarray(grads, np.float32), max(1, clock))
+                try:
+                    self._set.apply(state, np.ascontiguousarray(grads, np.float32),
+                                    max(1, clock))
+                except NonFiniteError as exc:
+                    # nothing of this push is applied (rows, slots, headers, its dense
+                    # slice) and, since owners apply pushes as they come, the ranks
+                    # cannot agree to give the step up: the job ends with this error
+                    raise NonFiniteError(
+                        f"rank {self._rank} refused the push of rank {src}'s step {clock}: "
+                        f"{exc}; SSP/ASP cannot give a step up on every rank, so the run "
+                        "ends here (its last checkpoint is intact)") from exc
         with self._cv:
             if dense_grad is not None:
                 lo, hi = self._bounds[self._rank], self._bounds[self._rank + 1]

@@ -16,6 +16,13 @@
 Metric states are float32 vectors in a fixed order (every metric's variables): they ride
 the step's allreduce, summed over ranks, never averaged, so AUC's confusion counts and
 a mean's total and count are those of all the data.
+
+With xla=True the train, test and predict functions are compiled by XLA
+(jit_compile). XLA compiles once per input shape, and a batch's unique ids change
+every step: each rows matrix is padded to a bucket size (`bucket`: 4 sizes an octave,
+at most 25% more rows; the padding rows are zeros no position reads) and each
+multi-hot feature's width to a power of two (-1 padded, as the layer masks), so a run
+compiles a few times and then never again. A last, shorter batch compiles once more.
 """
 
 from __future__ import annotations
@@ -118,9 +125,15 @@ class KerasCompute:
                 j = slot[f]
                 ids[j * n:(j + 1) * n] = pos
             else:
-                multi[f] = tf.constant(pad_positions(pos, splits))
+                pad = pad_positions(pos, splits)
+                if self.xla:       # one compiled shape per power-of-two width
+                    pad = _pad_columns(pad, _pow2(pad.shape[1]))
+                multi[f] = tf.constant(pad)
         dense = {k: tf.constant(v) for k, v in batch.dense.items()}
-        rows = {g: _tensor(m) for g, m in pulled.rows.items()}
+        if self.xla:
+            rows = {g: _tensor(_pad_rows(m, bucket(m.shape[0]))) for g, m in pulled.rows.items()}
+        else:
+            rows = {g: _tensor(m) for g, m in pulled.rows.items()}
         return (_tensor(ids), multi, dense), rows
 
     @staticmethod
@@ -158,7 +171,7 @@ class KerasCompute:
         loss_w, dense, row_grads, state = fn(inputs, rows, *self._targets(batch),
                                              tf.constant(weight, tf.float32),
                                              tf.constant(self.state()))
-        row_np = {g: gather_grad(v.numpy(), i.numpy(), pulled.rows[g].shape[0])
+        row_np = {g: _row_grad(v.numpy(), i.numpy(), pulled.rows[g].shape[0])
                   for g, (v, i) in row_grads.items()}
         loss_w, dense = float(loss_w), dense.numpy()
         finite = bool(np.isfinite(loss_w) and np.isfinite(dense).all()
@@ -300,7 +313,7 @@ class KerasCompute:
         ys_struct, sws_struct = self.targets
         state_s = tf.TensorSpec([None], tf.float32)
 
-        def model_call(ids, multi, dense, rows, training):
+        def inputs_of(ids, multi, dense):
             leaves = dict(dense)
             for f, t in multi.items():
                 leaves[f] = as_input(t, self.input_dtypes[f])
@@ -308,10 +321,17 @@ class KerasCompute:
                 split = tf.unstack(tf.reshape(ids, [len(lay.single), -1]))
                 for f, t in zip(lay.single, split):
                     leaves[f] = as_input(t, self.input_dtypes[f])
-            x = lay.rebuild(leaves)
-            table_rows = {t: rows[group_key(tab.dim)] for t, tab in self.tables.items()}
-            with rows_scope(table_rows):
+            return lay.rebuild(leaves)
+
+        def scope(rows):
+            return rows_scope({t: rows[group_key(tab.dim)] for t, tab in self.tables.items()})
+
+        def model_call(ids, multi, dense, rows, training):
+            x = inputs_of(ids, multi, dense)
+            with scope(rows):
                 return x, model(x, training=training)
+
+        custom = set(_compat.custom_step_methods(model))
 
         def targets_of(y, sw):
             return (lay.rebuild_targets(list(y), ys_struct) if ys_struct else None,
@@ -351,8 +371,14 @@ class KerasCompute:
             def test(inputs, rows, y, sw, state):
                 ids, multi, dense = inputs
                 self._assign_state(state)
-                x, y_pred = model_call(ids, multi, dense, rows, False)
                 yy, ss = targets_of(y, sw)
+                if "test_step" in custom:   # the user's own, with the rows in place
+                    data = (inputs_of(ids, multi, dense),) + tuple(
+                        v for v in (yy, ss) if v is not None)
+                    with scope(rows):
+                        model.test_step(data)
+                    return self._state_tensor()
+                x, y_pred = model_call(ids, multi, dense, rows, False)
                 loss = _compat.compute_loss(model, x, yy, y_pred, ss, False)
                 _compat.update_loss_tracker(model, loss, batch_size(ids, multi, dense, y))
                 model.compute_metrics(x, yy, y_pred, ss)
@@ -362,6 +388,9 @@ class KerasCompute:
         if kind == "predict":
             def predict(inputs, rows):
                 ids, multi, dense = inputs
+                if "predict_step" in custom:   # the user's own, with the rows in place
+                    with scope(rows):
+                        return model.predict_step((inputs_of(ids, multi, dense),))
                 return model_call(ids, multi, dense, rows, False)[1]
             return self._wrap(predict, [(ids_s, multi_s, dense_s), rows_s])
         raise AssertionError(kind)
@@ -461,6 +490,48 @@ def _gathered_grad(g, rows):
     if g is None:
         return tf.zeros([0, rows.shape[1]], rows.dtype), tf.zeros([0], tf.int64)
     return g, tf.range(tf.shape(rows, out_type=tf.int64)[0])
+
+
+def bucket(n: int) -> int:
+    """The rows a matrix of n rows is padded to under XLA: the next of 4, 5, 6 or 7 times
+    a power of two (at least 16): four sizes an octave, at most 25% of padding."""
+    if n <= 16:
+        return 16
+    k = max(0, (n - 1).bit_length() - 3)
+    step = 1 << k
+    return -(-n // step) * step
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _pad_rows(m: np.ndarray, rows: int) -> np.ndarray:
+    """m (n, dim) in a 64-byte aligned (rows, dim) matrix, zeros below (no copy when n
+    is rows)."""
+    if m.shape[0] == rows:
+        return m
+    out = aligned_empty(rows * m.shape[1], np.float32).reshape(rows, m.shape[1])
+    out[:m.shape[0]] = m
+    out[m.shape[0]:] = 0.0
+    return out
+
+
+def _pad_columns(pos: np.ndarray, width: int) -> np.ndarray:
+    if pos.shape[1] == width:
+        return pos
+    out = np.full((pos.shape[0], width), -1, np.int64)
+    out[:, :pos.shape[1]] = pos
+    return out
+
+
+def _row_grad(values: np.ndarray, indices: np.ndarray, n_rows: int) -> np.ndarray:
+    """gather_grad of a rows matrix's gradient; a dense gradient of a padded matrix (every
+    row once, XLA's padding included) is cut to the matrix's own rows."""
+    if indices.size > n_rows and indices.size == values.shape[0] and \
+            indices[-1] == indices.size - 1:
+        values, indices = values[:n_rows], indices[:n_rows]
+    return gather_grad(values, indices, n_rows)
 
 
 def _tensor(arr: np.ndarray):

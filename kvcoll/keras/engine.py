@@ -71,17 +71,29 @@ def _step_mode(step_mode, staleness) -> StepMode:
     return StepMode.of(step_mode, staleness)
 
 
+def _setting(value, name: str) -> bool:
+    """An on/off setting given, else the run's (kvcoll.config: --xla, --pipeline)."""
+    if value is not None:
+        return bool(value)
+    from ..config import Config
+
+    config = runtime.config() if runtime.is_initialized() else Config()
+    return getattr(config, name) == "on"
+
+
 class Engine:
     """Runs a Keras model with kv.Embedding layers on kvcoll's tables, in BSP, SSP or
     ASP.
 
     comm: kvcoll's communicator (default: the run's); step_mode, staleness: default the
     run's (--step-mode, --staleness); jit: compile the steps with tf.function; xla: with
-    XLA; prefetch: BSP, prepare the next batch while a step computes.
+    XLA (default: the run's --xla); prefetch: BSP, pipelined steps, the next batch
+    prepared and its ids exchanged while a step computes (default: the run's
+    --pipeline).
     """
 
     def __init__(self, model, *, comm=None, step_mode=None, staleness=None, jit: bool = True,
-                 xla: bool = False, prefetch: bool = False):
+                 xla: bool | None = None, prefetch: bool | None = None):
         if not isinstance(model, keras.Model):
             raise InvalidArgumentError(
                 f"kvcoll runs a {keras.__name__}.Model (Keras {keras.__version__}, the Keras "
@@ -96,7 +108,8 @@ class Engine:
         self.model = model
         self.comm = comm
         self.mode = _step_mode(step_mode, staleness)
-        self.jit, self.xla, self.prefetch = jit, xla, prefetch
+        self.jit, self.xla, self.prefetch = jit, _setting(xla, "xla"), \
+            _setting(prefetch, "pipeline")
         self.declared = Declared(model)
         self.layout: Layout | None = None
         self.tables: dict | None = None

@@ -85,6 +85,8 @@ class _Run:
         self.skip = 0               # train: elements to pass over (a resume without position)
         self.first_epoch = True     # train: the next epoch is fit's first
         self.steps_given = False    # train: fit was given steps_per_epoch
+        self.keras_skipped = 0      # train: steps Keras itself leaves out of this epoch
+                                    # (Keras 2 starts a resumed epoch at its saved step)
 
 
 _RUNS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -456,10 +458,13 @@ def _train_step(model, iterator):
     loop, compute = eng.loop, eng.compute
     compute.targets = run.targets["train"]
     loop.stop_asked = bool(model.__dict__.get("_kv_stop_asked", False))
-    out = loop.train(element) if element is not None else loop.train_next(iterator)
+    # prefetch: never stage past the last step Keras calls in an epoch of known length
+    calls = None if run.epoch_steps is None else run.epoch_steps - run.keras_skipped
+    stage = calls is None or run.steps + 1 < calls
+    out = loop.train_next(iterator, stage, element)
     while out is IDLE:             # every rank waits for data: keep the ranks in step
         loop.stop_asked = bool(model.__dict__.get("_kv_stop_asked", False))
-        out = loop.train_next(iterator)
+        out = loop.train_next(iterator, stage)
     if out is None:                # every rank is out of data, or a stop was agreed
         run.ended["train"] = True
         if loop.stop_asked:
@@ -533,8 +538,9 @@ def progress_of(model) -> dict | None:
     eng = find_engine(model)
     if run is None or eng is None or eng.loop is None:
         return None
-    complete = run.ended["train"] or (run.epoch_steps is not None
-                                      and run.steps >= run.epoch_steps)
+    stopped = bool(model.__dict__.get("_kv_stop_agreed", False))  # a stop or preemption
+    complete = (run.ended["train"] and not stopped) or (run.epoch_steps is not None
+                                                        and run.steps >= run.epoch_steps)
     position = None
     if run.position is not None:
         position = run.position.position_at(eng.loop.consumed)
@@ -592,6 +598,7 @@ def _resume_data(model, run, epoch: int) -> None:
     how short this epoch is."""
     resume, run.resume = run.resume, None
     step = _resumed_step(resume)
+    run.keras_skipped = step if _compat.KERAS_MAJOR < 3 else 0
     if resume.get("position") is not None and run.position is not None:
         run.position.resume(resume["position"])
     elif step:
@@ -821,7 +828,7 @@ class _EpochHooks(keras.callbacks.Callback):
         run = _run(self.model)
         ran_out, run.ended["train"] = run.ended["train"], False
         first, run.first_epoch = run.first_epoch, False
-        run.epoch, run.steps = epoch, 0
+        run.epoch, run.steps, run.keras_skipped = epoch, 0, 0
         if run.resume is not None:
             _resume_data(self.model, run, epoch)
         src = run.source["train"]

@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from ..step import END, StepResult
+from ..step import END, IDLE, DataFailure, Loop, StepResult
 from .engine import Engine, replace_engine
 
 __all__ = ["Trainer"]
@@ -34,8 +34,9 @@ class Trainer:
     default row optimizer, and says so); step_mode: "bsp", "ssp", "asp" or a
     kv.StepMode (default: the run's --step-mode); staleness: SSP's bound. model: any
     keras.Model with kv.Embedding layers (no kv.Model needed). jit: compile the step
-    with tf.function; comm: kvcoll's communicator (default the run's); prefetch: BSP,
-    prepare the next batch while a step computes.
+    with tf.function; xla: with XLA (default: the run's --xla); comm: kvcoll's
+    communicator (default the run's); prefetch: BSP, pipelined steps in
+    `train_next(iterator)` (default: the run's --pipeline).
 
     `train_step(features, labels)` returns the step's global mean loss; `finish()`
     keeps a rank whose data ended in step with the others until every rank's has;
@@ -47,10 +48,11 @@ class Trainer:
     NaN/Inf loss or input; CommTimeoutError when a rank does not take part in time."""
 
     def __init__(self, model, loss, optimizer, *, jit: bool = True, comm=None, step_mode=None,
-                 staleness: int | None = None, prefetch: bool = False):
+                 staleness: int | None = None, prefetch: bool | None = None,
+                 xla: bool | None = None):
         model.compile(optimizer=optimizer, loss=loss)
         self.engine = Engine(model, comm=comm, step_mode=step_mode, staleness=staleness,
-                             jit=jit, prefetch=prefetch)
+                             jit=jit, prefetch=prefetch, xla=xla)
         replace_engine(model, self.engine)
         self.model = model
         self.opt = model.optimizer
@@ -117,6 +119,31 @@ class Trainer:
         self._begin(element)
         out = self.engine.loop.train(element)
         return out.loss if isinstance(out, StepResult) else float("nan")
+
+    def train_next(self, batches) -> float | None:
+        """One step on the next (features, labels) of the iterator `batches` (read here;
+        a rank whose data ran out still joins the step). With prefetch (BSP), the batch
+        after it is read, prepared, routed and its ids exchanged while this step
+        computes: the same results, steps overlapped. Returns the loss as train_step
+        does; None once every rank's data has run out (or a rank asked to stop).
+
+            it = iter(my_batches)
+            while (loss := trainer.train_next(it)) is not None:
+                ...
+        """
+        first = None
+        if not self._began:      # the first batch: the layout agreement (a collective)
+            first = Loop.read(batches)
+            err = first.exc if isinstance(first, DataFailure) else None
+            self.engine.begin(None if first is END or err is not None else first, err)
+            self._began = True
+        loop = self.engine.loop
+        if loop is None:         # no rank had data
+            return None
+        out = loop.train_next(batches, element=first)
+        while out is IDLE:
+            out = loop.train_next(batches)
+        return out.loss if isinstance(out, StepResult) else None
 
     def finish(self) -> int:
         """This rank's data has run out: keeps answering the other ranks' steps (BSP)

@@ -4,7 +4,9 @@ on 2 ranks under horovodrun or mpirun):
     kv-first / hvd-first   kv.init() and hvd.init() in that order share one world: the
                            same ranks, kvcoll's communicator a duplicate of COMM_WORLD,
                            MPI_THREAD_MULTIPLE, both allreduces work, and a fit whose
-                           dense gradients ride Horovod's allreduce
+                           dense gradients ride Horovod's allreduce; the fit switched
+                           Open MPI to yield when idle (unless OMPI_MCA_mpi_yield_when_idle
+                           is set: then it is left as the user set it)
     threads-disabled       Horovod initialised MPI without thread support
                            (HOROVOD_MPI_THREADS_DISABLE=1): fit refuses with the fix
     broadcast              hvd.callbacks.BroadcastGlobalVariablesCallback gives every rank
@@ -47,9 +49,26 @@ def one_world():
     assert MPI.Query_thread() == MPI.THREAD_MULTIPLE and hvd.mpi_threads_supported()
     assert float(hvd.allreduce(np.float32(kv.rank() + 1), op=hvd.Sum)) == \
         kv.allreduce(float(kv.rank() + 1), op="sum") == kv.size() * (kv.size() + 1) / 2
+    assert not yielding() or "OMPI_MCA_mpi_yield_when_idle" in os.environ
     model = compile_hvd(build())
     hist = model.fit(batches(0, 3, kv.rank(), kv.size()), epochs=1, steps_per_epoch=3, verbose=0)
     assert np.isfinite(hist.history["loss"]).all()
+    setting = os.environ.get("OMPI_MCA_mpi_yield_when_idle")
+    assert yielding() == (setting != "0"), (yielding(), setting)
+    if kv.rank() == 0:
+        print(f"yielding {yielding()} (OMPI_MCA_mpi_yield_when_idle={setting})", flush=True)
+
+
+def yielding() -> bool:
+    """Open MPI's own flag: does its progress engine yield the core when idle?"""
+    import ctypes
+
+    from kvcoll.keras import _horovod
+
+    with open("/proc/self/maps") as f:
+        path = next(line.split()[-1] for line in f if "libopen-pal" in line)
+    assert _horovod._opal_function("opal_progress_set_yield_when_idle") is not None
+    return ctypes.c_bool.in_dll(ctypes.CDLL(path), "opal_progress_yield_when_idle").value
 
 
 def threads_disabled():

@@ -41,6 +41,17 @@ def test_one_world_either_order(launcher, case):
     assert code == 0 and f"{case} ok" in out, out[-6000:]
 
 
+@pytest.mark.parametrize("setting", ["0", "1"])
+def test_a_users_yield_setting_is_kept(setting):
+    """OMPI_MCA_mpi_yield_when_idle set by the user: kvcoll leaves Open MPI as it is."""
+    launcher = [BIN / "mpirun", "--oversubscribe", "--bind-to", "none", "-x",
+                "OMPI_MCA_mpi_yield_when_idle"]
+    code, out = run(2, [HERE / "hvd_worker.py", "hvd-first"], TIMEOUT, "yield setting",
+                    {"OMPI_MCA_mpi_yield_when_idle": setting}, launcher=launcher)
+    assert code == 0 and "hvd-first ok" in out, out[-6000:]
+    assert f"yielding {setting == '1'} (OMPI_MCA_mpi_yield_when_idle={setting})" in out, out[-3000:]
+
+
 def test_mpi_without_threads_is_refused_with_the_fix():
     code, out = run(2, [HERE / "hvd_worker.py", "threads-disabled"], TIMEOUT, "threads-disabled",
                     {"HOROVOD_MPI_THREADS_DISABLE": "1"})

@@ -109,7 +109,10 @@ def test_sigterm_stops_every_rank_after_the_same_step_saves_and_exits_0(tmp_path
     assert (ck / "latest").read_text() == "ckpt-0000000005\n"
     code, out = run(2, ["-c", PREEMPTED, ck], 180, "the restart")
     assert code == 0, out[-3000:]
-    assert "rank 0 ran to the end from step 5 to 55" in out, out[-3000:]
+    # the restart continues the preempted epoch (step 5 of 50), it does not begin a new one
+    assert "kvcoll: the next fit continues at epoch 1, step 5" in out, out[-3000:]
+    assert "resumed in epoch 1 after step 5 of 50: 45 left" in out, out[-3000:]
+    assert "rank 0 ran to the end from step 5 to 50" in out, out[-3000:]
 
 
 LONG_FIT = """

@@ -330,3 +330,43 @@ def test_a_top_level_pair_is_x_and_y_never_ragged_ids():
     h = m.fit(ds, epochs=1, verbose=0)
     assert len(h.history["loss"]) == 1 and np.isfinite(h.history["loss"][0])
     assert engine_of(m).step == 4 and len(engine_of(m).tables["user"]) == 7
+
+
+def test_own_test_step_and_predict_step_run_with_the_rows():
+    """A model's own test_step and predict_step run inside kvcoll's steps (the rows are
+    there while they run): here they double the outputs, which evaluate's loss and
+    predict's outputs show."""
+    class Doubled(kv.Model):
+        def __init__(self):
+            super().__init__()
+            self.e = kv.Embedding("user", DIM, initializer=("normal", 0, 0.1))
+            self.d = keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.d(tf.concat([self.e(x["user"]), x["x"]], axis=1))
+
+        def test_step(self, data):
+            x, y = data[0], data[1]
+            y_pred = 2.0 * self(x, training=False)
+            loss = self.compute_loss(x, y, y_pred)
+            if hasattr(self, "_loss_tracker") and self._loss_tracker is not None:
+                self._loss_tracker.update_state(loss, sample_weight=tf.shape(y)[0])
+            return {}
+
+        def predict_step(self, data):
+            return 2.0 * self(data[0], training=False)
+
+    x, y = data()
+    keras.utils.set_random_seed(4)
+    m = Doubled()
+    engine_of(m, comm=Comm.local())
+    m.compile(optimizer=kv.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss=BCE)
+    m.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    # the model's own logits, worked out from its table and weights
+    rows = engine_of(m).tables["user"].find(x["user"])
+    kernel, bias = m.d.get_weights()
+    logits = np.concatenate([rows, x["x"]], axis=1) @ kernel + bias
+    np.testing.assert_allclose(m.predict(x, batch_size=32, verbose=0), 2.0 * logits,
+                               rtol=1e-5, atol=1e-6)
+    want = float(BCE(y[:, None], 2.0 * logits))
+    np.testing.assert_allclose(m.evaluate(x, y, batch_size=N, verbose=0), want, rtol=1e-5)

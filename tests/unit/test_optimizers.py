@@ -8,6 +8,9 @@ slots) is compared with
       same per-step unique ids and summed gradients.
 Group Adam and Group Adagrad follow TFPlus's kernels (see csrc/kv_optim.c); they are
 also checked against TensorFlow in the settings where they reduce to Adam and FTRL.
+Row-wise Adagrad follows FBGEMM's EXACT_ROWWISE_ADAGRAD: its published rule in float64,
+its CPU kernel's float32 operation order bit for bit, and FBGEMM itself, bit for bit,
+where the peers bench's TorchRec venv (with fbgemm_gpu) is present.
 Keras 3's variants (Adagrad with epsilon inside the sqrt, Ftrl's beta) are checked
 against Keras 3's own optimizers, and learning rates that change between steps
 (KvTable.set_learning_rate, schedules) against the numpy rules with the same rates.
@@ -208,6 +211,18 @@ class NumpyRef:
                              o.l21_regularization_strength,
                              acc**p / lr + 2 * o.l2_regularization_strength)
         s["accum"] = acc
+
+
+    def rowwiseadagrad(self, s, g, t):
+        # FBGEMM EXACT_ROWWISE_ADAGRAD (fbgemm_gpu codegen/genscript/optimizers.py,
+        # rowwise_adagrad): one accumulator per row fed the mean of g'^2 over the row.
+        o, w = self.o, s["w"]
+        wd, mode = o.weight_decay, o.weight_decay_mode
+        gp = g + wd * w if mode == "l2" else g
+        s["accum"] += np.mean(gp * gp, axis=1, keepdims=True)
+        m = self.lr / (np.sqrt(s["accum"]) + o.epsilon)
+        c = 1 - m * wd if mode == "l2" else (1 - self.lr * wd if mode == "decoupled" else 1.0)
+        s["w"] = c * w - m * g
 
 
 def group_lasso(linear, l1, l21, denom):
@@ -591,6 +606,188 @@ def test_group_adam_global_step_first_update_quirk():
     np.testing.assert_allclose(results[False], -lin / (sq + 0.1), rtol=1e-5)
 
 
+# ---- Row-wise Adagrad (FBGEMM's EXACT_ROWWISE_ADAGRAD) -------------------------------
+
+ROWWISE_CASES = {
+    "rowwise": opt.RowWiseAdagrad(0.1),
+    "rowwise_acc_eps": opt.RowWiseAdagrad(0.05, initial_accumulator_value=0.1, epsilon=1e-3),
+    "rowwise_l2": opt.RowWiseAdagrad(0.1, weight_decay=0.05, weight_decay_mode="l2"),
+    "rowwise_decoupled": opt.RowWiseAdagrad(0.2, initial_accumulator_value=0.01,
+                                            weight_decay=0.1, weight_decay_mode="decoupled"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROWWISE_CASES))
+def test_rowwise_adagrad_matches_numpy_rule(case):
+    o = ROWWISE_CASES[case]
+    keys = make_keys(60)
+    w0 = np.random.default_rng(61).uniform(-0.5, 0.5, (N_KEYS, DIM)).astype(np.float32)
+    state, _ = run_vs_numpy(o, keys, w0, make_batches(62, keys))
+    assert state["accum"].shape == (N_KEYS, 1)          # one float per row
+
+
+def fbgemm_cpu_rowwise(o, w, accum, g, lr):
+    """FBGEMM's CPU kernel for row-wise Adagrad (the JIT GenerateSparseAdaGrad(rowwise)
+    that fbgemm_gpu runs for float tables; rowwise_sparse_adagrad_ref states it), on the
+    rows of w, in float32 and its operation order: element d's square into partial sum
+    d mod 8, the 8 sums reduced pairwise, divided by D, added to the accumulator; then
+    m = lr / (sqrt(accum) + eps) and w + g * (-m); and fbgemm_gpu's weight-decay modes
+    (correction * w - g * m). Returns (w, accum)."""
+    f = np.float32
+    w, accum, g = w.astype(f), accum.astype(f).reshape(-1), g.astype(f)
+    wd, lr, eps = f(o.weight_decay), f(lr), f(o.epsilon)
+    part = np.zeros((8, w.shape[0]), f)
+    for d in range(w.shape[1]):
+        gd = g[:, d] + wd * w[:, d] if o.weight_decay_mode == "l2" else g[:, d]
+        part[d % 8] = part[d % 8] + gd * gd
+    sumsq = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) +
+                                                          (part[6] + part[7]))
+    accum = accum + sumsq / f(w.shape[1])
+    m = lr / (np.sqrt(accum) + eps)
+    if o.weight_decay_mode == "l2":
+        w = (f(1.0) - m * wd)[:, None] * w - g * m[:, None]
+    elif o.weight_decay_mode == "decoupled":
+        w = (f(1.0) - lr * wd) * w - g * m[:, None]
+    else:
+        w = w + g * (-m)[:, None]
+    return w, accum[:, None]
+
+
+@pytest.mark.parametrize("case", sorted(ROWWISE_CASES))
+@pytest.mark.parametrize("dim", [1, 7, 16, 64])
+def test_rowwise_adagrad_is_fbgemms_cpu_arithmetic_bit_for_bit(case, dim):
+    o = ROWWISE_CASES[case]
+    keys = make_keys(63)
+    w0 = np.random.default_rng(64).uniform(-0.5, 0.5, (N_KEYS, dim)).astype(np.float32)
+    w, accum = w0.copy(), np.full((N_KEYS, 1), np.float32(o.initial_accumulator_value))
+    with new_table(o, w0, keys) as t:
+        for step, bkeys, grads in make_batches(65, keys, dim=dim):
+            t.apply_gradients(bkeys, grads, step=step)
+            rows, g = summed(keys, bkeys, grads, np.float32)
+            w[rows], accum[rows] = fbgemm_cpu_rowwise(o, w[rows], accum[rows], g,
+                                                      o.learning_rate_at(0))
+            got = snapshot(t, keys, o)
+            np.testing.assert_array_equal(got["w"], w, err_msg=f"step {step}")
+            np.testing.assert_array_equal(got["accum"], accum, err_msg=f"step {step}")
+
+
+def test_rowwise_adagrad_keeps_one_float_per_row():
+    # 4 bytes of optimizer state per row against Adagrad's 4 * dim: a row in the arena
+    # is 4 * (dim - 1) bytes smaller
+    keys = np.arange(100, dtype=np.int64)
+    for dim in (1, 16, 128):
+        w0 = np.zeros((100, dim), np.float32)
+        with new_table(opt.RowWiseAdagrad(0.1), w0, keys) as r, \
+                new_table(opt.Adagrad(0.1), w0, keys) as a:
+            assert (r.slot_floats, a.slot_floats) == (1, dim)
+            assert a.stats().row_bytes - r.stats().row_bytes == 4 * (dim - 1)
+
+
+def test_rowwise_adagrad_with_dim_one_is_adagrad():
+    keys = make_keys(66)
+    w0 = np.random.default_rng(67).uniform(-0.5, 0.5, (N_KEYS, 1)).astype(np.float32)
+    batches = make_batches(68, keys, dim=1)
+    r, _ = run_vs_numpy(opt.RowWiseAdagrad(0.1, initial_accumulator_value=0.1, epsilon=1e-7),
+                        keys, w0, batches)
+    a, _ = run_vs_numpy(opt.Adagrad(0.1), keys, w0, batches)
+    np.testing.assert_array_equal(r["accum"], a["accum"])
+    np.testing.assert_allclose(r["w"], a["w"], rtol=1e-6)
+
+
+def test_rowwise_adagrad_moves_a_row_with_one_step_size():
+    # Adagrad scales each float by its own history; row-wise by the row's: a row whose
+    # first float always gets 10x the gradient of the others moves every float by the
+    # same multiple of its gradient.
+    keys = np.array([1], np.int64)
+    g = np.array([[10.0, 1.0, 1.0, 1.0]], np.float32)
+    for o, same in ((opt.RowWiseAdagrad(0.1), True), (opt.Adagrad(0.1), False)):
+        with new_table(o, np.zeros((1, 4), np.float32), keys) as t:
+            t.apply_gradients(keys, g, step=1)
+            ratio = t.find(keys)[0] / -g[0]
+        assert np.allclose(ratio, ratio[0], rtol=1e-6) == same, (o, ratio)
+
+
+def test_rowwise_adagrad_is_refused_for_dense_slices():
+    # SSP/ASP's dense slices are cut where the ranks split the dense vector: one
+    # accumulator per "row" there would change the rule with the world size
+    from kvcoll.exchange import dense
+
+    w = np.zeros((1, 8), np.float32)
+    for call in (lambda o: dense.slot_floats(o, 8), lambda o: dense.init_slots(o, 8),
+                 lambda o: dense.apply_rows(o, w, np.zeros((1, 1), np.float32), w, 1)):
+        with pytest.raises(errors.InvalidArgumentError, match="RowWiseAdagrad.*dense"):
+            call(opt.RowWiseAdagrad(0.1))
+    np.testing.assert_array_equal(w, 0)
+
+
+def _fbgemm_python():
+    """The peers bench's TorchRec venv's Python (it has fbgemm_gpu), if it is built."""
+    path = os.path.join(os.path.dirname(__file__), "..", "..", ".venv-peers", "torchrec",
+                        "bin", "python")
+    return path if os.path.exists(path) else None
+
+
+_FBGEMM_SCRIPT = r"""
+import json, sys
+import numpy as np, torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType as OptimType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen, WeightDecayMode)
+a = json.load(sys.stdin)
+w0, steps = np.array(a["w0"], np.float32), a["steps"]
+mode = {"none": WeightDecayMode.NONE, "l2": WeightDecayMode.L2,
+        "decoupled": WeightDecayMode.DECOUPLE}[a["mode"]]
+emb = SplitTableBatchedEmbeddingBagsCodegen(
+    [(w0.shape[0], w0.shape[1], EmbeddingLocation.HOST, ComputeDevice.CPU)],
+    optimizer=OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=a["lr"], eps=a["eps"],
+    weight_decay=a["wd"], weight_decay_mode=mode)
+emb.split_embedding_weights()[0].data.copy_(torch.from_numpy(w0))
+emb.split_optimizer_states()[0][0].fill_(a["acc0"])
+for rows, g in steps:
+    idx = torch.tensor(rows, dtype=torch.int64)
+    out = emb(idx, torch.arange(len(rows) + 1, dtype=torch.int64))
+    out.backward(torch.tensor(g, dtype=torch.float32))
+print(json.dumps({"w": emb.split_embedding_weights()[0].tolist(),
+                  "accum": emb.split_optimizer_states()[0][0].tolist()}))
+"""
+
+
+@pytest.mark.skipif(_fbgemm_python() is None,
+                    reason="FBGEMM runs in the peers bench's TorchRec venv (.venv-peers/"
+                           "torchrec: python -m bench peers builds it)")
+@pytest.mark.parametrize("case", ["rowwise", "rowwise_acc_eps"])
+def test_rowwise_adagrad_is_fbgemm_bit_for_bit(case):
+    """The same rows, gradients and steps through FBGEMM's own CPU kernel
+    (fbgemm_gpu's SplitTableBatchedEmbeddingBagsCodegen, EXACT_ROWWISE_ADAGRAD, float
+    weights on the host: what TorchRec runs on CPU), one distinct id per bag so that
+    each row gets its summed gradient once a step, as kvcoll's tables do: the same bits.
+    Without weight decay only: fbgemm_gpu's CPU path hands that kernel a weight decay
+    of 0, whatever the mode (in 1.8.0, L2 and DECOUPLE give the rows of NONE there)."""
+    import json
+    import subprocess
+
+    o = ROWWISE_CASES[case]
+    keys = make_keys(69)
+    w0 = np.random.default_rng(70).uniform(-0.5, 0.5, (N_KEYS, DIM)).astype(np.float32)
+    steps = []
+    with new_table(o, w0, keys) as t:
+        for step, bkeys, grads in make_batches(71, keys):
+            t.apply_gradients(bkeys, grads, step=step)
+            rows, g = summed(keys, bkeys, grads, np.float32)
+            steps.append((rows.tolist(), g.tolist()))
+        got = snapshot(t, keys, o)
+    args = {"w0": w0.tolist(), "steps": steps, "lr": o.learning_rate, "eps": o.epsilon,
+            "wd": o.weight_decay, "mode": o.weight_decay_mode,
+            "acc0": o.initial_accumulator_value}
+    proc = subprocess.run([_fbgemm_python(), "-c", _FBGEMM_SCRIPT], input=json.dumps(args),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = json.loads(proc.stdout.strip().splitlines()[-1])
+    np.testing.assert_array_equal(got["w"], np.array(want["w"], np.float32))
+    np.testing.assert_array_equal(got["accum"][:, 0], np.array(want["accum"], np.float32))
+
+
 # ---- property test: random hyperparameters against the numpy rules ----------------
 
 
@@ -610,6 +807,9 @@ def _optimizers():
         st.builds(opt.GroupAdam, lr, st.floats(0.0, 0.1), decay, st.floats(0.5, 0.999),
                   st.floats(1e-8, 1e-3), reg, reg, st.just(0.0), st.booleans()),
         st.builds(opt.GroupAdagrad, lr, power, acc, reg, reg, st.just(0.0), reg),
+        st.builds(opt.RowWiseAdagrad, lr, acc, st.floats(0.0, 1e-3), reg,
+                  st.sampled_from(["l2", "decoupled"])),
+        st.builds(opt.RowWiseAdagrad, lr, acc, st.floats(0.0, 1e-3)),
     )
 
 
@@ -633,7 +833,7 @@ def test_property_random_hyperparameters(o, dim, seed, log_scale):
 # ---- initial slots and validation -------------------------------------------------
 
 ALL_DEFAULTS = [opt.SGD(0.1), opt.Adagrad(0.1), opt.Adam(0.1), opt.Ftrl(0.1),
-                opt.GroupAdam(0.1), opt.GroupAdagrad(0.1)]
+                opt.GroupAdam(0.1), opt.GroupAdagrad(0.1), opt.RowWiseAdagrad(0.1)]
 
 
 @pytest.mark.parametrize("o", ALL_DEFAULTS, ids=lambda o: type(o).__name__)
@@ -644,7 +844,7 @@ def test_defaults_are_accepted_and_slots_start_at_initial_state(o):
         s = snapshot(t, keys, o)
     assert_state(s, NumpyRef(o, w0).s, "initial", rtol=1e-7, atol=0)
     assert o._c_fields()["kind"] in ("sgd", "adagrad", "adam", "ftrl", "group_adam",
-                                     "group_adagrad")
+                                     "group_adagrad", "rowwise_adagrad")
 
 
 def test_keras_and_tfplus_defaults():
@@ -654,6 +854,8 @@ def test_keras_and_tfplus_defaults():
     assert opt.Ftrl(0.1) == opt.Ftrl(0.1, -0.5, 0.1, 0.0, 0.0, 0.0, 0.0)
     assert opt.GroupAdam(0.1) == opt.GroupAdam(0.1, 0.0, 0.9, 0.999, 1e-8, 0.0, 0.0, 0.0)
     assert opt.GroupAdagrad(0.1) == opt.GroupAdagrad(0.1, -0.5, 0.1, 0.0, 0.0, 0.0, 0.0)
+    # FBGEMM's: accumulators from 0, eps 1e-8, no weight decay (what TorchRec passes)
+    assert opt.RowWiseAdagrad(0.1) == opt.RowWiseAdagrad(0.1, 0.0, 1e-8, 0.0, "none")
     with pytest.raises(dataclasses.FrozenInstanceError):
         opt.Adam(0.1).learning_rate = 1.0
 
@@ -699,6 +901,14 @@ BAD = [
      "l21_regularization_strength"),
     (opt.GroupAdagrad, {"learning_rate": 0.1, "l2_shrinkage_regularization_strength": -1},
      "l2_shrinkage_regularization_strength"),
+    (opt.RowWiseAdagrad, {"learning_rate": 0.0}, "learning_rate"),
+    (opt.RowWiseAdagrad, {"learning_rate": 0.1, "epsilon": -1e-8}, "epsilon"),
+    (opt.RowWiseAdagrad, {"learning_rate": 0.1, "initial_accumulator_value": -1.0},
+     "initial_accumulator_value"),
+    (opt.RowWiseAdagrad, {"learning_rate": 0.1, "weight_decay": -0.1}, "weight_decay"),
+    (opt.RowWiseAdagrad, {"learning_rate": 0.1, "weight_decay_mode": "L2"},
+     "weight_decay_mode"),
+    (opt.RowWiseAdagrad, {"learning_rate": 0.1, "weight_decay": 0.1}, "weight_decay_mode"),
 ]
 
 
@@ -735,6 +945,8 @@ SCHEDULED_CASES = {
                                 l21_regularization_strength=0.1),
     "group_adagrad": opt.GroupAdagrad(rate_of, l1_regularization_strength=0.01,
                                       l21_regularization_strength=0.05),
+    "rowwise_adagrad_decoupled": opt.RowWiseAdagrad(rate_of, weight_decay=0.1,
+                                                    weight_decay_mode="decoupled"),
 }
 
 

@@ -340,3 +340,57 @@ def test_evaluate_and_predict_change_no_table():
     assert more and out.shape == (2,)
     assert loop.predict(END) == (False, None)
     same(before[:2], snapshot(loop, ex)[:2])     # the metric state is the evaluation's
+
+
+def test_pipeline_reads_in_a_helper_thread_and_stages_only_when_asked():
+    import threading
+
+    loop, ex = make(prefetch=True)
+    names = []
+
+    def batches():
+        for b in data(6):
+            names.append(threading.current_thread().name)
+            yield b
+
+    it = batches()
+    loop.train_next(it)                           # read here, the next one staged
+    assert loop._staged is not None and loop._staged.thread is None   # joined
+    loop.train_next(it, stage=False)              # the pass's last step: nothing staged
+    assert loop._staged is None
+    assert names == [threading.current_thread().name, "kvcoll-prefetch"]
+
+
+def test_a_stop_asked_after_the_next_vote_went_out_gives_up_that_step():
+    """With prefetch the next step's vote is sent during this step; a stop asked after
+    it (a callback) rides the next step's allreduce: that step is abandoned (its new
+    rows removed, nothing applied) and the loop stops, as the vote would have."""
+    ref, ref_ex = make()
+    loop, ex = make(prefetch=True)
+    batches = data(6)
+    for b in batches[:3]:
+        ref.train(b)
+    it = iter([(ids + 40 * k, y) for k, (ids, y) in enumerate(batches)])  # new rows
+    for _ in range(3):
+        loop.train_next(it)
+    loop.stop_asked = True
+    assert loop.train_next(it) is None and loop.stop_asked
+    assert loop._staged is None and ex.log[-1] == ("abandon", 4)
+    assert ex.step == 3 and loop.consumed == 3 and loop.local_steps == 3
+    shifted = {k: v for k, v in ex.table.items()}
+    assert len(shifted) == len({int(i) + 40 * k for k, (ids, _) in enumerate(batches[:3])
+                                for i in ids})
+
+
+def test_a_helper_failure_other_than_data_is_raised_on_the_main_thread():
+    loop, ex = make(prefetch=True)
+    it = iter(data(4))
+    real = ex.send_ids
+    loop.train_next(it)                           # staged with the real send_ids
+    ex.send_ids = lambda *a, **k: (_ for _ in ()).throw(errors.CommError("lost rank 1"))
+    with pytest.raises(errors.CommError, match="lost rank 1"):
+        loop.train_next(it)                       # step 2 ran; its staging failed
+    assert ex.step == 2
+    ex.send_ids = real
+    loop.abandon()
+    assert loop.train_next(it) is not None and ex.step == 3
