@@ -35,7 +35,8 @@ What it measures (issue 31), each part interleaved with what it is compared to:
 
 The machine is shared: each part notes how busy the rest of the machine was (CPU
 cores' worth of other processes, from /proc). Writes bench/results/online.json,
-online.md and online.png.
+online.md and online.png (and online-latencies.json, every request's latency: not
+committed).
 """
 
 from __future__ import annotations
@@ -735,6 +736,17 @@ def run(args) -> None:
         shutil.rmtree(root, ignore_errors=True)
     res["machine"] = common.machine_info()
     md = markdown(res)
+    # every request's latency (megabytes) goes to a file of its own, not committed
+    # (.gitignore): online.json keeps the numbers of the tables and the machine
+    raw = [{"window": r["window"], "phase": r.get("phase"), "api": r["api"],
+            "batch": r["batch"], "deltas": r["deltas"],
+            "latencies_ms": r.pop("latencies_ms")}
+           for r in res.get("serving", {}).get("load", {}).get("records", [])
+           if "latencies_ms" in r]
+    if raw:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "online-latencies.json"), "w") as f:
+            json.dump(raw, f)
     jpath, mpath = common.write_results(out_dir, "online", res, md)
     _plot(res, os.path.join(out_dir, "online.png"))
     print(md)
