@@ -1,7 +1,8 @@
 """python -m bench [--quick] [--out DIR]                  every benchmark but the opt-in ones
 python -m bench BENCHMARK [--quick] [--out DIR] [flags]  one, with its own flags
 
-Opt-in (run only when named): peers, which builds a venv per peer framework first.
+Opt-in (run only when named): peers, which builds a venv per peer framework first;
+online, which runs training jobs and servers for about 20 minutes.
 
 --quick runs small sizes in seconds and, unless --out is given, writes its results to a
 temporary directory rather than bench/results/. `python -m bench BENCHMARK -h` lists a
@@ -12,13 +13,14 @@ import argparse
 import sys
 
 from . import (async_bench, checkpoint_bench, data_bench, fit_bench, lifecycle_bench,
-               peers_bench, soak_bench, table_bench, threads_bench, train_bench)
+               online_bench, peers_bench, soak_bench, table_bench, threads_bench,
+               train_bench)
 
 BENCHMARKS = {"table": table_bench, "train": train_bench, "fit": fit_bench,
               "checkpoint": checkpoint_bench, "async": async_bench,
               "lifecycle": lifecycle_bench, "soak": soak_bench, "data": data_bench,
-              "peers": peers_bench, "threads": threads_bench}
-OPT_IN = {"peers"}
+              "peers": peers_bench, "threads": threads_bench, "online": online_bench}
+OPT_IN = {"peers", "online"}
 
 
 def _common(p: argparse.ArgumentParser, default=None) -> None:

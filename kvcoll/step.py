@@ -29,7 +29,8 @@ Three seams for what changes the loop:
   looked up only after this step's update, so results are those of the unpipelined
   loop. The helper is joined before the step returns, so nothing runs between steps
   (callbacks, checkpoints see a quiet loop). The data position a checkpoint records is
-  `consumed`: elements whose step committed, never the prefetched one. A stop asked
+  `consumed`: elements whose step committed (and the empty ones read while every rank
+  waited for data, which move no position), never the prefetched one. A stop asked
   after the next step's vote was sent rides that step's push allreduce: the step is
   abandoned on every rank (nothing applied) and the loop stops, as if the vote had
   carried it. `train_next(it, stage=False)` stages nothing: for the last step of a pass
@@ -292,6 +293,8 @@ class Loop:
                 self._raise_batch_error(agreement, err, self.step + 1)
             if agreement.stopped:
                 self.stop_asked = True
+            if agreement.idle and element is not END:
+                self.consumed += 1   # an empty batch read while waiting: done with, like a step's
             return IDLE if agreement.idle else None
         self._inflight = pull
         if "wait" in self.timings:

@@ -307,11 +307,13 @@ class Publish(keras.callbacks.Callback):
     `keep_bases` bases and the deltas after them are kept. The first version of a run
     is a base. `publish_at_end` publishes once more when training ends.
 
-    every_seconds is turned into steps at each publish (rank 0 measures the step time
-    since the last one and every rank gets the next step to publish at), so the ranks
-    agree without a collective per step. In SSP/ASP the ranks step at their own pace:
-    a due publish happens at the epoch's end (with an unbounded stream, an epoch is
-    steps_per_epoch steps). `published` holds a PublishInfo per version."""
+    every_seconds is wall time: after each step rank 0 looks at its clock and one
+    8-byte broadcast tells every rank whether to publish after this step (BSP), so the
+    cadence holds when the pace of the steps changes, as it does on a stream that
+    catches up with its backlog and then waits for data. In SSP/ASP the ranks step at
+    their own pace: a due publish (by each rank's clock) happens at the epoch's end
+    (with an unbounded stream, an epoch is steps_per_epoch steps). `published` holds a
+    PublishInfo per version."""
 
     def __init__(self, directory, every_seconds: float | None = None,
                  every_n_steps: int | None = None, base_every: int = 10,
@@ -331,8 +333,7 @@ class Publish(keras.callbacks.Callback):
         self.reader_ttl = float(reader_ttl)
         self.published = []      # PublishInfo of every version, in order
         self._publisher = None
-        self._next = None        # the step at which every_seconds is due next
-        self._since = None       # (time, step) of the last publish
+        self._last = None        # time.monotonic() of the last publish (every_seconds)
         self._due = False        # SSP/ASP: a publish owed at the next epoch end
 
     def _engine(self):
@@ -351,12 +352,17 @@ class Publish(keras.callbacks.Callback):
             self._publisher.set_owners(owners)
         return self._publisher
 
-    def _is_due(self, step: int) -> bool:
-        if self.every_n_steps and step % self.every_n_steps == 0:
+    def _is_due(self, eng) -> bool:
+        if self.every_n_steps and eng.step % self.every_n_steps == 0:
             return True
-        if self.every_seconds is not None:
-            return self._next is None or step >= self._next
-        return False
+        if self.every_seconds is None:
+            return False
+        due = self._last is None or time.monotonic() - self._last >= self.every_seconds
+        if not eng.synchronous:  # this rank's clock; the epoch's end agrees (on_epoch_end)
+            return due
+        # BSP: rank 0's clock decides for every rank, after the same step
+        flag = np.array([int(due) if eng.comm.rank == 0 else 0], np.int64)
+        return bool(eng.comm.bcast(flag, op="publish:due")[0])
 
     def publish(self):
         """Publish a version now (a collective: every rank calls it)."""
@@ -366,31 +372,16 @@ class Publish(keras.callbacks.Callback):
         with eng.comm.deadline("io"):
             info = pub.publish(self.directory, eng.step)
             self.published.append(info)
-            if self.every_seconds is not None:
-                nxt = None
-                if eng.comm.rank == 0:
-                    now = time.monotonic()
-                    if self._since is not None and eng.step > self._since[1]:
-                        per_step = (now - self._since[0]) / (eng.step - self._since[1])
-                        ahead = max(1, int(round(self.every_seconds / max(per_step, 1e-6))))
-                    else:
-                        ahead = 1
-                    self._since = (now, eng.step)
-                    nxt = str(eng.step + ahead).encode()
-                self._next = int(eng.comm.bcast_bytes(nxt, op="publish:next"))
+        self._last = time.monotonic()
         self.on_publish(info)
         return info
 
     def on_publish(self, info) -> None:
         """Called after every publish with its PublishInfo (override to log it)."""
 
-    def on_train_batch_begin(self, batch, logs=None):
-        if self._since is None:  # where the first step time is measured from
-            self._since = (time.monotonic(), self._engine().step)
-
     def on_train_batch_end(self, batch, logs=None):
         eng = self._engine()
-        if not self._is_due(eng.step):
+        if not self._is_due(eng):
             return
         if eng.synchronous:
             self.publish()

@@ -83,6 +83,8 @@ class _Run:
         self.position = None        # train: the kvcoll data source whose position is saved
         self.resume = None          # train: a restored progress, applied at the next epoch
         self.skip = 0               # train: elements to pass over (a resume without position)
+        self.first_epoch = True     # train: the next epoch is fit's first
+        self.steps_given = False    # train: fit was given steps_per_epoch
         self.keras_skipped = 0      # train: steps Keras itself leaves out of this epoch
                                     # (Keras 2 starts a resumed epoch at its saved step)
 
@@ -181,6 +183,7 @@ class _Kvcoll:
         eng = engine_of(self)
         run = _run(self)
         run.begin["train"], run.ended["train"] = True, False
+        run.first_epoch, run.steps_given = True, steps_per_epoch is not None
         val = {"data": validation_data, "split": validation_split}
 
         def local():
@@ -830,14 +833,21 @@ class _EpochHooks(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         run = _run(self.model)
-        run.ended["train"] = False
+        ran_out, run.ended["train"] = run.ended["train"], False
+        first, run.first_epoch = run.first_epoch, False
         run.epoch, run.steps, run.keras_skipped = epoch, 0, 0
         if run.resume is not None:
             _resume_data(self.model, run, epoch)
-        if run.source["train"] is not None:
-            run.source["train"].new_pass()
+        src = run.source["train"]
+        if src is not None:
+            src.new_pass()
+        # The data's pass goes on across epochs when Keras keeps its iterator (the user
+        # gave steps_per_epoch and the data did not run out) or kvcoll reads a one-shot
+        # iterator: then `consumed` goes on counting too, so that a checkpoint's data
+        # position is the one after every step of the pass, not of the epoch alone.
+        goes_on = src._one_shot if src is not None else run.steps_given
         eng = engine_of(self.model)
-        if eng.loop is not None:
+        if eng.loop is not None and (first or ran_out or not goes_on):
             eng.loop.new_pass()
 
     def on_world_change(self, old_size, new_size):

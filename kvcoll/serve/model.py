@@ -59,6 +59,40 @@ class DenseSlot:
         self.fn = self.loaded.signatures["serving_default"]
         self.variables = list(self.loaded.dense)
         self.pins = 0
+        self.call = self._flat_call()
+
+    def _flat_call(self):
+        """How a request calls the graph (args: name -> tensor; returns name -> tensor):
+        with its flat arguments (the signature's _call_flat, in its `inputs` order),
+        which skips TensorFlow binding the keyword arguments to the signature on every
+        call (0.08 ms of a 0.45 ms batch of 256 with 3 tables); used only when it gives
+        exactly what the keyword call gives on a probe batch, else the keyword call."""
+        import tensorflow as tf
+
+        fn = self.fn
+
+        def keywords(args):
+            return fn(**args)
+
+        try:
+            specs = fn.structured_input_signature[1]
+            captured = fn.captured_inputs
+            order = [t.name.split(":")[0] for t in fn.inputs[:len(fn.inputs) - len(captured)]]
+            if sorted(order) != sorted(specs):
+                return keywords
+
+            def flat(args):
+                return fn._call_flat([args[k] for k in order], captured)
+
+            probe = {k: tf.zeros([1 if d is None else d for d in s.shape], s.dtype)
+                     for k, s in specs.items()}
+            a, b = keywords(probe), flat(probe)
+            if not isinstance(b, dict) or set(a) != set(b) or \
+                    any(not np.array_equal(a[k].numpy(), b[k].numpy()) for k in a):
+                return keywords
+            return flat
+        except Exception:  # noqa: BLE001 - another TensorFlow: the keyword call
+            return keywords
 
     def assign(self, weights: list) -> None:
         if len(weights) != len(self.variables):
@@ -335,7 +369,7 @@ class ServedModel:
                 if overlay is not None:
                     overlay.restore(t["name"], k, rows)
                 args[t["graph_arg"]] = tf.constant(rows)
-            out = ver.dense.fn(**args)
+            out = ver.dense.call(args)
             return {k: v.numpy() for k, v in out.items()}, ver.number
         finally:
             self._unpin(ver)

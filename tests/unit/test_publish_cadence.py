@@ -1,0 +1,55 @@
+"""kv.callbacks.Publish(every_seconds=S) keeps its cadence in wall time when the pace of
+the steps changes, as it does on a stream: a burst of fast steps (a backlog read), then
+slow ones (the job waits for data). A version is published within about S seconds of
+the previous one whatever the pace, not after the number of steps the burst's pace
+predicted (the defect: after a burst the next publish waited for a hundred slow steps).
+"""
+
+import os
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import kvcoll as kv  # noqa: E402
+from kvcoll.comm import Comm  # noqa: E402
+from kvcoll.keras import engine_of  # noqa: E402
+
+keras = tf.keras
+
+EVERY, FAST, SLOW, SLOW_S = 0.6, 40, 12, 0.25
+
+
+class Timed(kv.callbacks.Publish):
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.times = []
+
+    def on_publish(self, info):
+        self.times.append((time.monotonic(), info.step))
+
+
+def batches(g):
+    """FAST batches at once, then SLOW ones SLOW_S apart (a stream that caught up)."""
+    for i in range(FAST + SLOW):
+        if i >= FAST:
+            time.sleep(SLOW_S)
+        yield ({"id": g.integers(0, 1000, 32)}, (g.random(32) < 0.5).astype(np.float32))
+
+
+def test_every_seconds_holds_when_the_pace_of_steps_changes(tmp_path):
+    keras.utils.set_random_seed(0)
+    ids = keras.Input(shape=(), dtype="int64", name="id")
+    model = kv.Model({"id": ids}, keras.layers.Dense(1)(kv.Embedding("t", 4)(ids)))
+    engine_of(model, comm=Comm.local())
+    model.compile(optimizer=kv.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                  loss=keras.losses.BinaryCrossentropy(from_logits=True))
+    cb = Timed(str(tmp_path / "pub"), every_seconds=EVERY, publish_at_end=False)
+    model.fit(batches(np.random.default_rng(1)), epochs=1, verbose=0, callbacks=[cb])
+    slow = [t for t, step in cb.times if step > FAST]
+    # the slow phase lasts SLOW * SLOW_S = 3 s: a version about every EVERY seconds
+    assert len(slow) >= 3, cb.times
+    gaps = np.diff([t for t, _ in cb.times])
+    assert gaps.max() <= EVERY + 2 * SLOW_S, (gaps, cb.times)
