@@ -364,11 +364,8 @@ def replan_source(data, rank: int, world: int, consumed: int) -> bool:
     position = source.position_at(consumed)
     source.rank, source.world = rank, world
     source.resume(dict(position, rank=rank, world=world))
-    if source is not data and hasattr(data, "_it"):   # the wrapper's pass: a new one
-        close = getattr(data._it, "close", None)
-        if close is not None:
-            close()
-        data._it = iter(source)
+    if source is not data and hasattr(data, "restart"):   # the wrapper's pass: a new one
+        data.restart()
     return True
 
 

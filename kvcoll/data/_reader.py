@@ -261,6 +261,12 @@ class FitBatches:
     def __next__(self):
         return self._features(next(self._it))
 
+    def restart(self) -> None:
+        """Continue from where the source stands now (after a resume or a replan of its
+        position): the pass under way, and what it read ahead, is dropped."""
+        self.close()
+        self._it = iter(self._kvcoll_source)
+
     def close(self) -> None:
         close = getattr(getattr(self, "_it", None), "close", None)
         if close is not None:

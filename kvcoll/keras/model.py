@@ -608,6 +608,9 @@ def _resume_data(model, run, epoch: int) -> None:
     run.keras_skipped = step if _compat.KERAS_MAJOR < 3 else 0
     if resume.get("position") is not None and run.position is not None:
         run.position.resume(resume["position"])
+        data = run.source["train"].data if run.source["train"] is not None else None
+        if data is not run.position and hasattr(data, "restart"):
+            data.restart()   # a one-pass wrapper (fit_batches()) began its pass before
     elif step:
         run.skip = step
     eng = engine_of(model)

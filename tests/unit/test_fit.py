@@ -370,3 +370,40 @@ def test_own_test_step_and_predict_step_run_with_the_rows():
                                rtol=1e-5, atol=1e-6)
     want = float(BCE(y[:, None], 2.0 * logits))
     np.testing.assert_allclose(m.evaluate(x, y, batch_size=N, verbose=0), want, rtol=1e-5)
+
+
+def test_a_resumed_fit_batches_pass_continues_after_the_saved_step(tmp_path):
+    """fit_batches() begins its pass when it is made: a resume that positions the source
+    must restart that pass, or the resumed fit trains every batch again (found by
+    ./dev bench elastic: a relaunch restored step 200 of 600 and ran 600 more)."""
+    from kvcoll.data import SyntheticCTR
+
+    synth = SyntheticCTR(num_categorical=2, num_numeric=2, vocab=50, seed=3)
+
+    def make():
+        keras.utils.set_random_seed(2)
+        ins = {f"C{i}": keras.Input(shape=(), dtype="int64", name=f"C{i}") for i in (1, 2)}
+        ins["numeric"] = keras.Input(shape=(2,), dtype="float32", name="numeric")
+        h = keras.layers.Concatenate()([kv.Embedding(f"C{i}", DIM)(ins[f"C{i}"])
+                                        for i in (1, 2)] + [ins["numeric"]])
+        m = kv.Model(ins, keras.layers.Dense(1)(h))
+        engine_of(m, comm=Comm.local())
+        m.compile(optimizer=kv.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                                    sparse=kv.optimizers.SGD(0.1)), loss=BCE)
+        return m
+
+    class StopAfter4(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 3:
+                self.model.stop_training = True
+
+    first = make()
+    first.fit(synth.batches(32, 0, 1, num_steps=10).fit_batches(), epochs=1, verbose=0,
+              callbacks=[kv.callbacks.Checkpoint(tmp_path / "ck", every_n_steps=1),
+                         StopAfter4()])
+    assert engine_of(first).step == 4
+    again = make()
+    again.fit(synth.batches(32, 0, 1, num_steps=10).fit_batches(), epochs=1, verbose=0,
+              callbacks=[kv.callbacks.Checkpoint(tmp_path / "ck", every_n_steps=100,
+                                                 restore=True)])
+    assert engine_of(again).step == 10      # the 6 batches left, not 10 more
