@@ -1,0 +1,443 @@
+"""Elastic training: a lost rank or host on three network-namespace hosts, timed.
+
+    python -m bench elastic            # opt-in (a training job per event): ~10 minutes
+    python -m bench elastic --quick    # a smoke test: fewer steps, kill and fresh only
+
+Three "hosts" (tests/launch/netns.py: network namespaces joined by veth links, Open MPI
+over TCP between them), one rank each, `launch/kvcollrun --elastic --min-np 2`; the
+job (bench/elastic_job.py) trains the DeepFM demo (examples/models.py) through
+model.fit on SyntheticCTR's global batches, BSP, with kv.callbacks.Checkpoint saving a
+delta every 10 steps and a full checkpoint every 100, restoring at start. Each event in
+its own job, rank 2 (on kvhost3) lost once it has trained --kill-at steps:
+
+- kill: SIGKILL of the rank (its host stays up): the survivors continue in memory;
+- stop: SIGSTOP of the rank (a silent process, found by the heartbeat), in memory;
+- link: host 3's link goes down (`ip link set eth0 down` in its namespace): the
+  survivors recover in memory, then Open MPI's runtime ends the job (it lost the host's
+  daemon) and kvcollrun relaunches it on the two hosts left, from the latest
+  checkpoint;
+- relaunch: SIGKILL of the rank in a job without in-memory recovery (the job drops its
+  engine's elastic session, as a non-elastic or SSP engine has none): the job ends and
+  kvcollrun relaunches it on the two hosts left from the latest checkpoint (the
+  torchrun-style recovery, for comparison);
+- fresh: a fresh 2-rank run on hosts 1 and 2 (same launcher, same model, same global
+  batch), once before the events and once after: the baseline of the throughput after
+  the shrink.
+
+Measured, per event: the time from the fault (the bench's own clock when it sent the
+signal or cut the link) to the first step applied afterwards on the survivors (every
+rank writes a timeline of its steps; the namespaces share this kernel's clock), and,
+for a relaunch, to the first step of the relaunched job; the event's own timings as
+kvcoll recorded them (kvcoll.elastic.events(): seconds from the loss as the survivors
+saw it); rows reverted (the lost shard's rows since its last save, refilled from the
+chain); the rows the lost rank held; the steps redone after a relaunch; samples/s of
+the survivors after the shrink (from the 5th step after the first one, to the end)
+against the fresh 2-rank runs over the same steps. The other processes' load (busy
+cores, measured before each job while the bench idles) is recorded with each job.
+
+Writes bench/results/elastic.json, elastic.md and (when matplotlib is installed)
+elastic.png: samples/s over time with the events marked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from . import common
+
+TARGETS = {"kill": 5.0, "stop": 10.0, "link": 30.0}   # seconds, fault -> training again
+THROUGHPUT_TARGET = 0.95
+SKIP_AFTER = 5       # steps after the first step after a loss before the rate is taken
+WARMUP = 10          # steps of a fresh run not timed (tracing, first allocations)
+EVENTS = ("kill", "stop", "link", "relaunch")
+
+
+def add_arguments(p) -> None:
+    g = p.add_argument_group("elastic")
+    g.add_argument("--elastic-steps", type=int, default=300, help="steps per job")
+    g.add_argument("--elastic-kill-at", type=int, default=105,
+                   help="rank 2 is lost once it has applied this step")
+    g.add_argument("--elastic-batch", type=int, default=4096, help="global batch")
+    g.add_argument("--elastic-vocab", type=int, default=1_000_000, help="ids per field")
+    g.add_argument("--elastic-events", default=",".join(EVENTS),
+                   help=f"which events (comma-separated of {', '.join(EVENTS)})")
+    g.add_argument("--elastic-timeout", type=float, default=600,
+                   help="seconds a job may take before it is killed")
+
+
+# -- one job -------------------------------------------------------------------------------
+
+class Job:
+    """kvcollrun --elastic on the hosts; its output lines with their arrival times."""
+
+    def __init__(self, hosts, which: list[int], job_args: list, flags: list):
+        mpi = hosts.mpi_args(hosts.hostfile_for(which, slots=[1] * len(which)))
+        cmd = [str(common.ROOT + "/launch/kvcollrun"), "--elastic", *map(str, flags), *mpi,
+               sys.executable, os.path.join(common.ROOT, "bench", "elastic_job.py"),
+               *map(str, job_args)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, cwd=common.ROOT, start_new_session=True,
+                                     env=hosts.env({"KVCOLLRUN_KILL_AFTER": "5"}))
+        self.lines: list = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append((time.time(), line.rstrip("\n")))
+
+    def end(self, timeout: float) -> int | None:
+        """The exit code, or None when the job was killed after `timeout` seconds."""
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return None
+        self._reader.join(timeout=5)
+        return code
+
+    def kill(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+
+def read_timeline(path: str) -> list[dict]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip().endswith("}")]
+    except FileNotFoundError:
+        return []
+
+
+def wait_for_step(path: str, step: int, job: Job, timeout: float) -> dict | None:
+    """Rank 2's timeline line of `step` (or later), None if the job ended or timed out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and job.proc.poll() is None:
+        for rec in read_timeline(path):
+            if rec["step"] >= step:
+                return rec
+        time.sleep(0.02)
+    return None
+
+
+def run_job(hosts, kind: str, tmp: str, args, steps: int) -> dict:
+    """One job of `kind` (fresh, or an event in EVENTS): its record."""
+    d = os.path.join(tmp, kind)
+    os.makedirs(d, exist_ok=True)
+    timeline, out = os.path.join(d, "timeline"), os.path.join(d, "out.json")
+    job_args = ["--steps", steps, "--batch", args.batch, "--vocab", args.vocab,
+                "--ckpt", os.path.join(d, "ck"), "--timeline", timeline, "--out", out]
+    if kind == "relaunch":
+        job_args.append("--no-in-memory")
+    flags = ["--min-np", 2, "--cooldown", 600, "--elastic-timeout", 0]
+    which = [0, 1] if kind == "fresh" else [0, 1, 2]
+    others = common.busy_cores(2.0)
+    rec = {"kind": kind, "world": len(which), "steps": steps, "global_batch": args.batch,
+           "vocab_per_field": args.vocab, "others_busy_cores": round(others, 2)}
+    print(f"[elastic] {kind}: {len(which)} host(s), {steps} steps; others busy "
+          f"{others:.2f} cores", flush=True)
+    job = Job(hosts, which, job_args, flags)
+    t_fault = None
+    try:
+        if kind != "fresh":
+            at = wait_for_step(timeline + ".rank2", args.kill_at, job, args.timeout)
+            if at is None:
+                rec["error"] = f"rank 2 never reached step {args.kill_at}"
+            else:
+                victim = hosts.ranks(2, "elastic_job.py")
+                if len(victim) != 1:
+                    rec["error"] = f"not one rank process on kvhost3: {victim}"
+                else:
+                    t_fault = time.time()
+                    if kind == "stop":
+                        os.kill(victim[0], signal.SIGSTOP)
+                    elif kind == "link":
+                        hosts.link_down(2)
+                    else:
+                        os.kill(victim[0], signal.SIGKILL)
+                    rec["fault_after_step"] = at["step"]
+        code = job.end(args.timeout)
+    finally:
+        job.kill()
+        hosts.link_up(2)
+        for i in range(3):
+            hosts.kill_all(i)
+    rec["exit_code"] = code
+    text = job.text()
+    if code != 0:
+        rec.setdefault("error", f"exit code {code}: " + " | ".join(text.splitlines()[-6:])[:600])
+    rec.update(analyse(kind, timeline, out, text, t_fault, args.batch, steps))
+    with open(os.path.join(d, "output.txt"), "w", encoding="utf-8") as f:
+        f.write(text)
+    rec["output_tail"] = text.splitlines()[-15:]
+    print(f"[elastic] {kind}: " + json.dumps({k: v for k, v in rec.items()
+                                              if k not in ("output_tail", "samples")}),
+          flush=True)
+    return rec
+
+
+# -- what a job's files say ----------------------------------------------------------------
+
+def rate(tl: list[dict], batch: int, first: int, last: int | None = None) -> float | None:
+    """Samples/s over steps (first, last] of one launch's timeline (rank 0's)."""
+    pts = [r for r in tl if r["step"] >= first and (last is None or r["step"] <= last)]
+    if len(pts) < 3:
+        return None
+    return (pts[-1]["step"] - pts[0]["step"]) * batch / (pts[-1]["t"] - pts[0]["t"])
+
+
+def samples_over_time(tl: list[dict], batch: int, t0: float, window: int = 10) -> list:
+    """[seconds since t0, samples/s over the last `window` steps] per step of rank 0."""
+    out = []
+    for i in range(window, len(tl)):
+        a, b = tl[i - window], tl[i]
+        if b["launch"] == a["launch"] and b["t"] > a["t"]:
+            out.append([round(b["t"] - t0, 3),
+                        round((b["step"] - a["step"]) * batch / (b["t"] - a["t"]), 1)])
+    return out
+
+
+def analyse(kind, timeline, out, text, t_fault, batch, steps) -> dict:
+    tl = read_timeline(timeline + ".rank0")
+    res: dict = {}
+    if not tl:
+        return res
+    t0 = tl[0]["t"]
+    res["samples"] = samples_over_time(tl, batch, t0)
+    res["last_step"] = tl[-1]["step"]
+    try:
+        with open(out, encoding="utf-8") as f:
+            got = json.load(f)
+        res["events"], res["world_changes"] = got["events"], got["seen"]
+    except (OSError, ValueError):
+        pass
+    m = re.findall(r"restored (ckpt-\S+?) at step (\d+) on (\d+) rank", text)
+    if m:
+        res["restored"] = [{"checkpoint": c, "step": int(s), "ranks": int(n)} for c, s, n in m]
+    res["relaunched"] = bool(re.search(r"kvcollrun: lost .*relaunching on", text))
+    if kind == "fresh":
+        res["samples_per_sec"] = rate(tl, batch, WARMUP)
+        return res
+    if t_fault is None:
+        return res
+    res["fault_at_s"] = round(t_fault - t0, 3)
+    lost = [r for r in read_timeline(timeline + ".rank2") if r["t"] <= t_fault]
+    if lost:
+        res["lost_rank_rows"] = lost[-1]["rows"]
+        res["lost_rank_last_step"] = lost[-1]["step"]
+    before = [r for r in tl if r["t"] <= t_fault]
+    after = [r for r in tl if r["t"] > t_fault and r["world"] == 2]
+    if before:
+        res["rate_before"] = rate(before, batch, WARMUP)
+    launch0 = before[-1]["launch"] if before else 1
+    mem = [r for r in after if r["launch"] == launch0]
+    rel = [r for r in after if r["launch"] > launch0]
+    if mem:   # the survivors went on in memory
+        res["in_memory_first_step_s"] = round(mem[0]["t"] - t_fault, 3)
+        res["in_memory_first_step"] = mem[0]["step"]
+        res["rate_after"] = rate(mem, batch, mem[0]["step"] + SKIP_AFTER)
+        res["rate_window"] = [mem[0]["step"] + SKIP_AFTER, mem[-1]["step"]]
+    if rel:   # ... and/or a relaunch trained again
+        res["relaunch_first_step_s"] = round(rel[0]["t"] - t_fault, 3)
+        res["relaunch_first_step"] = rel[0]["step"]
+        res["steps_redone"] = (before[-1]["step"] if before else 0) - rel[0]["step"] + 1
+        if not mem:
+            res["rate_after"] = rate(rel, batch, rel[0]["step"] + SKIP_AFTER)
+            res["rate_window"] = [rel[0]["step"] + SKIP_AFTER, rel[-1]["step"]]
+    times = [x for x in (res.get("in_memory_first_step_s"), res.get("relaunch_first_step_s"))
+             if x is not None]
+    if times:   # training for good on the survivors: the relaunch's when there was one
+        res["recovery_s"] = res.get("relaunch_first_step_s") or res["in_memory_first_step_s"]
+    return res
+
+
+# -- the report ----------------------------------------------------------------------------
+
+def _f(x, fmt="{:.2f}", none="-"):
+    return none if x is None else fmt.format(x)
+
+
+def summary(records: list[dict]) -> dict:
+    fresh = [r["samples_per_sec"] for r in records
+             if r["kind"] == "fresh" and r.get("samples_per_sec")]
+    base = statistics.median(fresh) if fresh else None
+    out = {"fresh_2_rank_samples_per_sec": fresh, "baseline": base, "events": {}}
+    for r in records:
+        if r["kind"] == "fresh":
+            continue
+        ev = (r.get("events") or [{}])[0]
+        target = TARGETS.get(r["kind"])
+        rec_s = r.get("recovery_s")
+        ratio = r["rate_after"] / base if base and r.get("rate_after") else None
+        out["events"][r["kind"]] = {
+            "recovery_s": rec_s, "target_s": target,
+            "met": None if target is None or rec_s is None else rec_s <= target,
+            "in_memory_first_step_s": r.get("in_memory_first_step_s"),
+            "relaunch_first_step_s": r.get("relaunch_first_step_s"),
+            "event": ev, "rows_reverted": ev.get("rows_reverted"),
+            "lost_rank_rows": r.get("lost_rank_rows"), "steps_redone": r.get("steps_redone"),
+            "throughput_ratio": ratio,
+            "throughput_met": None if ratio is None else ratio >= THROUGHPUT_TARGET,
+            "error": r.get("error")}
+    return out
+
+
+def markdown(records: list[dict], machine: dict, command: str, png: str | None) -> str:
+    s = summary(records)
+    first = records[0] if records else {}
+    lines = [
+        "# Elastic training: a lost rank or host, timed",
+        "",
+        f"`{command}`. Three network-namespace hosts (tests/launch/netns.py, Open MPI over "
+        f"TCP), one rank each, `launch/kvcollrun --elastic --min-np 2`; the DeepFM demo "
+        f"through model.fit (bench/elastic_job.py), BSP, global batch "
+        f"{first.get('global_batch', '?')}, {first.get('steps', '?')} steps, 8 fields of "
+        f"{first.get('vocab_per_field', 0):,} ids, kv.callbacks.Checkpoint: a delta every 10 "
+        f"steps, a full checkpoint every 100. Rank 2 (kvhost3) lost after its step "
+        f"{first.get('fault_after_step', records[1].get('fault_after_step', '?') if len(records) > 1 else '?')}"
+        f". Each event in its own job. Machine: {machine.get('cpu', '?')}, "
+        f"{machine.get('cores', '?')} cores, shared: 3 ranks on "
+        f"{machine.get('cores', '?')} cores, and other processes' load as listed "
+        f"(busy cores measured before each job).",
+        "",
+        "Recovery: the bench's clock from the fault (signal sent, link cut) to the first "
+        "step applied afterwards on the survivors (rank 0's timeline). For a relaunch, to "
+        "the first step of the relaunched job.",
+        "",
+        "| event | others busy (cores) | fault -> first step in memory (s) | fault -> first "
+        "step after relaunch (s) | target | met | kvcoll's timings: detect / agree / shrink / "
+        "refill / first step (s from the loss) | rows the lost rank held | rows reverted | "
+        "steps redone |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    names = {"kill": "SIGKILL, in memory", "stop": "SIGSTOP, in memory",
+             "link": "link down (host lost)", "relaunch": "SIGKILL, relaunch fallback"}
+    byk = {r["kind"]: r for r in records}
+    for kind, e in s["events"].items():
+        ev = e["event"]
+        timings = " / ".join(_f(ev.get(k), "{:.3f}") for k in (
+            "detect_s", "agree_s", "shrink_s", "refill_s", "first_step_after_s")) if ev else "-"
+        met = "-" if e["met"] is None else ("met" if e["met"] else "NOT met")
+        if e["error"]:
+            met += f" (error: {e['error'][:120]})"
+        lines.append(
+            f"| {names.get(kind, kind)} | {byk[kind].get('others_busy_cores', '?')} | "
+            f"{_f(e['in_memory_first_step_s'])} | {_f(e['relaunch_first_step_s'])} | "
+            f"{'<= %g s' % e['target_s'] if e['target_s'] else 'comparison'} | {met} | "
+            f"{timings} | {_f(e['lost_rank_rows'], '{:,}')} | "
+            f"{_f(e['rows_reverted'], '{:,}')} | {_f(e['steps_redone'], '{:,}')} |")
+    fresh = [r for r in records if r["kind"] == "fresh"]
+    lines += [
+        "",
+        "## Throughput after the shrink",
+        "",
+        f"Samples/s of the 2 survivors from the {SKIP_AFTER}th step after the first step "
+        f"after the loss to the end, against fresh 2-rank runs on hosts 1 and 2 (same "
+        f"launcher, model and global batch; steps {WARMUP} to the end), "
+        f"{len(fresh)} of them in this bench run (before and after the events). "
+        f"Target >= {THROUGHPUT_TARGET:.0%}.",
+        "",
+        "| run | others busy (cores) | samples/s | / fresh 2-rank (median) | target | met |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in fresh:
+        lines.append(f"| fresh 2-rank | {r.get('others_busy_cores', '?')} | "
+                     f"{_f(r.get('samples_per_sec'), '{:,.0f}')} | - | - | - |")
+    for kind, e in s["events"].items():
+        r = byk[kind]
+        met = "-" if e["throughput_met"] is None else (
+            "met" if e["throughput_met"] else "NOT met")
+        lines.append(f"| after: {names.get(kind, kind)} (steps {r.get('rate_window', '?')}) | "
+                     f"{r.get('others_busy_cores', '?')} | "
+                     f"{_f(r.get('rate_after'), '{:,.0f}')} | "
+                     f"{_f(e['throughput_ratio'], '{:.1%}')} | >= 95% | {met} |")
+    lines += ["", "3-rank samples/s before the fault, for reference: " + ", ".join(
+        f"{k} {_f(byk[k].get('rate_before'), '{:,.0f}')}" for k in s["events"]) + "."]
+    if png:
+        lines += ["", f"![samples/s over time, events marked]({os.path.basename(png)})"]
+    else:
+        lines += ["", "(No plot: matplotlib is not installed in .venv.)"]
+    lines += ["", "Not measured: recovery time against the rows the lost shard held at 1M and "
+              "10M rows (the rows the lost rank held in these runs are in the table)."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(records: list[dict], path: str) -> str | None:
+    """samples/s over time, one panel per job, the fault marked; None without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    runs = [r for r in records if r.get("samples")]
+    fig, axes = plt.subplots(len(runs), 1, figsize=(8, 2.2 * len(runs)), squeeze=False)
+    for ax, r in zip(axes[:, 0], runs):
+        xs, ys = zip(*r["samples"])
+        ax.plot(xs, ys, ".", ms=2)
+        if r.get("fault_at_s") is not None:
+            ax.axvline(r["fault_at_s"], color="r", label="fault")
+            if r.get("recovery_s") is not None:
+                ax.axvline(r["fault_at_s"] + r["recovery_s"], color="g", label="training again")
+            ax.legend(loc="lower right", fontsize=7)
+        ax.set_title(r["kind"], fontsize=9)
+        ax.set_ylabel("samples/s")
+    axes[-1, 0].set_xlabel("seconds since the first step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    return path
+
+
+# -- the whole run -------------------------------------------------------------------------
+
+def run(args) -> None:
+    sys.path.insert(0, os.path.join(common.ROOT, "tests", "launch"))
+    import netns
+
+    quick = args.quick
+    args.batch, args.vocab = args.elastic_batch, args.elastic_vocab
+    args.timeout = args.elastic_timeout
+    steps = 60 if quick else args.elastic_steps
+    args.kill_at = 25 if quick else args.elastic_kill_at
+    kinds = ["kill"] if quick else [k for k in args.elastic_events.split(",") if k]
+    bad = [k for k in kinds if k not in EVENTS]
+    if bad:
+        raise SystemExit(f"--elastic-events: unknown {bad}; choose from {', '.join(EVENTS)}")
+    out_dir = args.out or (tempfile.mkdtemp() if quick else common.RESULTS)
+    reason = netns.Hosts.unavailable()
+    if reason:
+        raise SystemExit(f"[elastic] cannot make the test hosts: {reason}")
+    command = "./dev bench elastic" + (" --quick" if quick else "")
+    records = []
+    with tempfile.TemporaryDirectory() as tmp:
+        hosts = netns.Hosts.create(3, os.path.join(tmp, "hosts"))
+        try:
+            records.append(run_job(hosts, "fresh", tmp + "/a", args, steps))
+            for kind in kinds:
+                records.append(run_job(hosts, kind, tmp, args, steps))
+            if not quick:
+                records.append(run_job(hosts, "fresh", tmp + "/b", args, steps))
+        finally:
+            hosts.close()
+    os.makedirs(out_dir, exist_ok=True)
+    png = plot(records, os.path.join(out_dir, "elastic.png"))
+    for r in records:
+        r["summary"] = None
+    s = summary(records)
+    records.append({"kind": "summary", **s})
+    common.publish(out_dir, "elastic", records,
+                   lambda m: markdown([r for r in records if r["kind"] != "summary"], m,
+                                      command, png))

@@ -1,0 +1,102 @@
+"""The training job of bench/elastic_bench.py: the DeepFM demo (examples/models.py)
+through model.fit on SyntheticCTR's global batches (each rank its part of the world it
+is in), BSP, kv.callbacks.Checkpoint saving incrementally and restoring at start (so a
+relaunch resumes from the latest checkpoint).
+
+Every rank appends one JSON line per step applied to `<--timeline>.rank<R>` (R its rank
+at the time): {"t": wall-clock time, "step", "world", "launch" (kvcollrun's launch
+number), "rows" (the rows this rank's tables hold)}, flushed at once, so the bench can
+time a fault against the first step trained after it, across relaunches, and knows the
+rows the lost rank held. At the end, rank 0 writes
+--out: the elastic events (kvcoll.elastic.events()), the world changes the callbacks
+saw, the last step.
+
+--no-in-memory: a job without in-memory recovery (the relaunch fallback, for
+comparison): after its first step the engine's elastic session is dropped
+(engine.elastic = None, the state of a non-elastic or SSP engine), so a lost peer ends
+the job with PeerLostError and kvcollrun relaunches it on the hosts left.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "examples"))
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from models import build_deepfm  # noqa: E402
+
+import kvcoll as kv  # noqa: E402
+from kvcoll import elastic  # noqa: E402
+from kvcoll.data import SyntheticCTR  # noqa: E402
+
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(1)
+
+
+class Timeline(keras.callbacks.Callback):
+    """A line per step applied (flushed at once: the job may be killed)."""
+
+    def __init__(self, path: str, no_in_memory: bool):
+        super().__init__()
+        self.path, self.no_in_memory = path, no_in_memory
+        self.launch = int(os.environ.get("KVCOLLRUN_LAUNCH", "1"))
+        self.files = {}
+
+    def on_train_batch_end(self, batch, logs=None):
+        eng = kv.keras.engine_of(self.model)
+        if self.no_in_memory:
+            eng.elastic = None
+        r = kv.rank()   # (a survivor's rank can change with the world)
+        if r not in self.files:
+            self.files[r] = open(f"{self.path}.rank{r}", "a", buffering=1, encoding="utf-8")
+        self.files[r].write(json.dumps({
+            "t": time.time(), "step": eng.step, "world": kv.size(), "launch": self.launch,
+            "rows": sum(len(t) for t in eng.tables.values())}) + "\n")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--batch", type=int, default=4096, help="global batch")
+    p.add_argument("--fields", type=int, default=8)
+    p.add_argument("--dim", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=1_000_000, help="ids per field")
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--full-every", type=int, default=100)
+    p.add_argument("--incremental-every", type=int, default=10)
+    p.add_argument("--timeline", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--no-in-memory", action="store_true")
+    args = p.parse_args()
+    kv.init()
+    data = SyntheticCTR(num_categorical=args.fields, num_numeric=4, vocab=args.vocab, seed=3)
+    source = data.batches(args.batch, kv.rank(), kv.size(), num_steps=args.steps)
+    keras.utils.set_random_seed(1)
+    model = kv.distribute(build_deepfm(
+        args.fields, 4, args.dim,
+        lambda f, w: kv.Embedding(f, w, initializer=("normal", 0, 0.05), seed=int(f[1:]))))
+    model.compile(optimizer=kv.DistributedOptimizer(keras.optimizers.Adam(1e-3),
+                                                    sparse=kv.optimizers.Adagrad(0.05)),
+                  loss=keras.losses.BinaryCrossentropy(from_logits=True))
+    seen = []
+    model.fit(source.fit_batches(), epochs=1, verbose=0, callbacks=[
+        kv.callbacks.Checkpoint(args.ckpt, every_n_steps=args.full_every,
+                                incremental_every=args.incremental_every, restore=True),
+        kv.callbacks.WorldChange(lambda old, new: seen.append([old, new])),
+        Timeline(args.timeline, args.no_in_memory)])
+    eng = kv.keras.engine_of(model)
+    print(f"bench rank {kv.rank()} of {kv.size()} done at step {eng.step}", flush=True)
+    if kv.rank() == 0:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump({"events": elastic.events(), "seen": seen, "step": eng.step}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
