@@ -63,8 +63,8 @@ EVENTS = ("kill", "stop", "link", "relaunch")
 
 def add_arguments(p) -> None:
     g = p.add_argument_group("elastic")
-    g.add_argument("--elastic-steps", type=int, default=300, help="steps per job")
-    g.add_argument("--elastic-kill-at", type=int, default=105,
+    g.add_argument("--elastic-steps", type=int, default=600, help="steps per job")
+    g.add_argument("--elastic-kill-at", type=int, default=205,
                    help="rank 2 is lost once it has applied this step")
     g.add_argument("--elastic-batch", type=int, default=4096, help="global batch")
     g.add_argument("--elastic-vocab", type=int, default=1_000_000, help="ids per field")
@@ -142,11 +142,14 @@ def run_job(hosts, kind: str, tmp: str, args, steps: int) -> dict:
                 "--ckpt", os.path.join(d, "ck"), "--timeline", timeline, "--out", out]
     if kind == "relaunch":
         job_args.append("--no-in-memory")
+    if kind != "fresh":
+        job_args += ["--dirty-from", args.kill_at]
     flags = ["--min-np", 2, "--cooldown", 600, "--elastic-timeout", 0]
     which = [0, 1] if kind == "fresh" else [0, 1, 2]
     others = common.busy_cores(2.0)
     rec = {"kind": kind, "world": len(which), "steps": steps, "global_batch": args.batch,
-           "vocab_per_field": args.vocab, "others_busy_cores": round(others, 2)}
+           "vocab_per_field": args.vocab, "kill_at": args.kill_at,
+           "others_busy_cores": round(others, 2)}
     print(f"[elastic] {kind}: {len(which)} host(s), {steps} steps; others busy "
           f"{others:.2f} cores", flush=True)
     job = Job(hosts, which, job_args, flags)
@@ -238,6 +241,7 @@ def analyse(kind, timeline, out, text, t_fault, batch, steps) -> dict:
     if lost:
         res["lost_rank_rows"] = lost[-1]["rows"]
         res["lost_rank_last_step"] = lost[-1]["step"]
+        res["lost_rank_rows_changed_since_save"] = lost[-1].get("dirty")
     before = [r for r in tl if r["t"] <= t_fault]
     after = [r for r in tl if r["t"] > t_fault and r["world"] == 2]
     if before:
@@ -288,7 +292,9 @@ def summary(records: list[dict]) -> dict:
             "in_memory_first_step_s": r.get("in_memory_first_step_s"),
             "relaunch_first_step_s": r.get("relaunch_first_step_s"),
             "event": ev, "rows_reverted": ev.get("rows_reverted"),
-            "lost_rank_rows": r.get("lost_rank_rows"), "steps_redone": r.get("steps_redone"),
+            "lost_rank_rows": r.get("lost_rank_rows"),
+            "rows_changed_since_save": r.get("lost_rank_rows_changed_since_save"),
+            "steps_redone": r.get("steps_redone"),
             "throughput_ratio": ratio,
             "throughput_met": None if ratio is None else ratio >= THROUGHPUT_TARGET,
             "error": r.get("error")}
@@ -306,9 +312,8 @@ def markdown(records: list[dict], machine: dict, command: str, png: str | None) 
         f"through model.fit (bench/elastic_job.py), BSP, global batch "
         f"{first.get('global_batch', '?')}, {first.get('steps', '?')} steps, 8 fields of "
         f"{first.get('vocab_per_field', 0):,} ids, kv.callbacks.Checkpoint: a delta every 10 "
-        f"steps, a full checkpoint every 100. Rank 2 (kvhost3) lost after its step "
-        f"{first.get('fault_after_step', records[1].get('fault_after_step', '?') if len(records) > 1 else '?')}"
-        f". Each event in its own job. Machine: {machine.get('cpu', '?')}, "
+        f"steps, a full checkpoint every 100. Rank 2 (kvhost3) lost once it had applied "
+        f"step {first.get('kill_at', '?')}. Each event in its own job. Machine: {machine.get('cpu', '?')}, "
         f"{machine.get('cores', '?')} cores, shared: 3 ranks on "
         f"{machine.get('cores', '?')} cores, and other processes' load as listed "
         f"(busy cores measured before each job).",
@@ -317,11 +322,17 @@ def markdown(records: list[dict], machine: dict, command: str, png: str | None) 
         "step applied afterwards on the survivors (rank 0's timeline). For a relaunch, to "
         "the first step of the relaunched job.",
         "",
+        "Rows: what the lost rank held when it was lost; of them, the rows it had created "
+        "or changed since its last save (its dirty rows: the work the loss reverts); "
+        "kvcoll's `rows_reverted` (the rows the survivors refilled from the chain: the "
+        "lost shard as of its last save, changed or not). Steps redone: after a relaunch, "
+        "the steps trained again (the survivors' work since the last save is redone too).",
+        "",
         "| event | others busy (cores) | fault -> first step in memory (s) | fault -> first "
         "step after relaunch (s) | target | met | kvcoll's timings: detect / agree / shrink / "
-        "refill / first step (s from the loss) | rows the lost rank held | rows reverted | "
-        "steps redone |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "refill / first step (s from the loss) | rows the lost rank held | changed since "
+        "its last save | rows_reverted (refilled) | steps redone |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     names = {"kill": "SIGKILL, in memory", "stop": "SIGSTOP, in memory",
              "link": "link down (host lost)", "relaunch": "SIGKILL, relaunch fallback"}
@@ -338,6 +349,7 @@ def markdown(records: list[dict], machine: dict, command: str, png: str | None) 
             f"{_f(e['in_memory_first_step_s'])} | {_f(e['relaunch_first_step_s'])} | "
             f"{'<= %g s' % e['target_s'] if e['target_s'] else 'comparison'} | {met} | "
             f"{timings} | {_f(e['lost_rank_rows'], '{:,}')} | "
+            f"{_f(e['rows_changed_since_save'], '{:,}')} | "
             f"{_f(e['rows_reverted'], '{:,}')} | {_f(e['steps_redone'], '{:,}')} |")
     fresh = [r for r in records if r["kind"] == "fresh"]
     lines += [

@@ -7,7 +7,8 @@ Every rank appends one JSON line per step applied to `<--timeline>.rank<R>` (R i
 at the time): {"t": wall-clock time, "step", "world", "launch" (kvcollrun's launch
 number), "rows" (the rows this rank's tables hold)}, flushed at once, so the bench can
 time a fault against the first step trained after it, across relaunches, and knows the
-rows the lost rank held. At the end, rank 0 writes
+rows the lost rank held; from step --dirty-from on (5 steps), rank 2 adds "dirty": its
+rows created or changed since its last save (the work a loss of it reverts). At the end, rank 0 writes
 --out: the elastic events (kvcoll.elastic.events()), the world changes the callbacks
 saw, the last step.
 
@@ -42,9 +43,9 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 class Timeline(keras.callbacks.Callback):
     """A line per step applied (flushed at once: the job may be killed)."""
 
-    def __init__(self, path: str, no_in_memory: bool):
+    def __init__(self, path: str, no_in_memory: bool, dirty_from: int):
         super().__init__()
-        self.path, self.no_in_memory = path, no_in_memory
+        self.path, self.no_in_memory, self.dirty_from = path, no_in_memory, dirty_from
         self.launch = int(os.environ.get("KVCOLLRUN_LAUNCH", "1"))
         self.files = {}
 
@@ -55,9 +56,12 @@ class Timeline(keras.callbacks.Callback):
         r = kv.rank()   # (a survivor's rank can change with the world)
         if r not in self.files:
             self.files[r] = open(f"{self.path}.rank{r}", "a", buffering=1, encoding="utf-8")
-        self.files[r].write(json.dumps({
-            "t": time.time(), "step": eng.step, "world": kv.size(), "launch": self.launch,
-            "rows": sum(len(t) for t in eng.tables.values())}) + "\n")
+        rec = {"t": time.time(), "step": eng.step, "world": kv.size(), "launch": self.launch,
+               "rows": sum(len(t) for t in eng.tables.values())}
+        if r == 2 and 0 < self.dirty_from <= eng.step < self.dirty_from + 5:
+            rec["dirty"] = sum(len(t.export(dirty_only=True)["keys"])
+                               for t in eng.tables.values())
+        self.files[r].write(json.dumps(rec) + "\n")
 
 
 def main():
@@ -73,6 +77,7 @@ def main():
     p.add_argument("--timeline", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--no-in-memory", action="store_true")
+    p.add_argument("--dirty-from", type=int, default=0)
     args = p.parse_args()
     kv.init()
     data = SyntheticCTR(num_categorical=args.fields, num_numeric=4, vocab=args.vocab, seed=3)
@@ -89,7 +94,7 @@ def main():
         kv.callbacks.Checkpoint(args.ckpt, every_n_steps=args.full_every,
                                 incremental_every=args.incremental_every, restore=True),
         kv.callbacks.WorldChange(lambda old, new: seen.append([old, new])),
-        Timeline(args.timeline, args.no_in_memory)])
+        Timeline(args.timeline, args.no_in_memory, args.dirty_from)])
     eng = kv.keras.engine_of(model)
     print(f"bench rank {kv.rank()} of {kv.size()} done at step {eng.step}", flush=True)
     if kv.rank() == 0:
