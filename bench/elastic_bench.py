@@ -20,6 +20,9 @@ its own job, rank 2 (on kvhost3) lost once it has trained --kill-at steps:
   engine's elastic session, as a non-elastic or SSP engine has none): the job ends and
   kvcollrun relaunches it on the two hosts left from the latest checkpoint (the
   torchrun-style recovery, for comparison);
+- kill1m, kill10m: the kill, in a job (80 steps, lost after step 25) whose ranks each
+  create 1M (10M) more rows at step 1 (bench/elastic_job.py --prefill), saved at step
+  10: the recovery against the rows the lost rank held;
 - fresh: a fresh 2-rank run on hosts 1 and 2 (same launcher, same model, same global
   batch), once before the events and once after: the baseline of the throughput after
   the shrink.
@@ -54,11 +57,14 @@ import time
 
 from . import common
 
-TARGETS = {"kill": 5.0, "stop": 10.0, "link": 30.0}   # seconds, fault -> training again
+TARGETS = {"kill": 5.0, "stop": 10.0, "link": 30.0,     # seconds, fault -> training again
+           "kill1m": 5.0, "kill10m": 5.0}
+PREFILL = {"kill1m": 1_000_000, "kill10m": 10_000_000}   # rows each rank creates at step 1
+PREFILL_STEPS, PREFILL_KILL_AT = 80, 25
 THROUGHPUT_TARGET = 0.95
 SKIP_AFTER = 5       # steps after the first step after a loss before the rate is taken
 WARMUP = 10          # steps of a fresh run not timed (tracing, first allocations)
-EVENTS = ("kill", "stop", "link", "relaunch")
+EVENTS = ("kill", "stop", "link", "relaunch", "kill1m", "kill10m")
 
 
 def add_arguments(p) -> None:
@@ -135,6 +141,9 @@ def wait_for_step(path: str, step: int, job: Job, timeout: float) -> dict | None
 
 def run_job(hosts, kind: str, tmp: str, args, steps: int) -> dict:
     """One job of `kind` (fresh, or an event in EVENTS): its record."""
+    kill_at = args.kill_at
+    if kind in PREFILL:
+        steps, kill_at = min(steps, PREFILL_STEPS), min(kill_at, PREFILL_KILL_AT)
     d = os.path.join(tmp, kind)
     os.makedirs(d, exist_ok=True)
     timeline, out = os.path.join(d, "timeline"), os.path.join(d, "out.json")
@@ -143,12 +152,15 @@ def run_job(hosts, kind: str, tmp: str, args, steps: int) -> dict:
     if kind == "relaunch":
         job_args.append("--no-in-memory")
     if kind != "fresh":
-        job_args += ["--dirty-from", args.kill_at]
+        job_args += ["--dirty-from", kill_at]
+    if kind in PREFILL:
+        job_args += ["--prefill", PREFILL[kind]]
     flags = ["--min-np", 2, "--cooldown", 600, "--elastic-timeout", 0]
     which = [0, 1] if kind == "fresh" else [0, 1, 2]
     others = common.busy_cores(2.0)
     rec = {"kind": kind, "world": len(which), "steps": steps, "global_batch": args.batch,
-           "vocab_per_field": args.vocab, "kill_at": args.kill_at,
+           "vocab_per_field": args.vocab, "kill_at": kill_at,
+           "prefill_rows_per_rank": PREFILL.get(kind, 0),
            "others_busy_cores": round(others, 2)}
     print(f"[elastic] {kind}: {len(which)} host(s), {steps} steps; others busy "
           f"{others:.2f} cores", flush=True)
@@ -156,9 +168,9 @@ def run_job(hosts, kind: str, tmp: str, args, steps: int) -> dict:
     t_fault = None
     try:
         if kind != "fresh":
-            at = wait_for_step(timeline + ".rank2", args.kill_at, job, args.timeout)
+            at = wait_for_step(timeline + ".rank2", kill_at, job, args.timeout)
             if at is None:
-                rec["error"] = f"rank 2 never reached step {args.kill_at}"
+                rec["error"] = f"rank 2 never reached step {kill_at}"
             else:
                 victim = hosts.ranks(2, "elastic_job.py")
                 if len(victim) != 1:
@@ -169,7 +181,7 @@ def run_job(hosts, kind: str, tmp: str, args, steps: int) -> dict:
                         os.kill(victim[0], signal.SIGSTOP)
                     elif kind == "link":
                         hosts.link_down(2)
-                    else:
+                    else:   # kill, relaunch, kill1m, kill10m
                         os.kill(victim[0], signal.SIGKILL)
                     rec["fault_after_step"] = at["step"]
         code = job.end(args.timeout)
@@ -335,7 +347,9 @@ def markdown(records: list[dict], machine: dict, command: str, png: str | None) 
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     names = {"kill": "SIGKILL, in memory", "stop": "SIGSTOP, in memory",
-             "link": "link down (host lost)", "relaunch": "SIGKILL, relaunch fallback"}
+             "link": "link down (host lost)", "relaunch": "SIGKILL, relaunch fallback",
+             "kill1m": "SIGKILL, in memory, +1M rows/rank", "kill10m":
+             "SIGKILL, in memory, +10M rows/rank"}
     byk = {r["kind"]: r for r in records}
     for kind, e in s["events"].items():
         ev = e["event"]
@@ -370,6 +384,8 @@ def markdown(records: list[dict], machine: dict, command: str, png: str | None) 
                      f"{_f(r.get('samples_per_sec'), '{:,.0f}')} | - | - | - |")
     for kind, e in s["events"].items():
         r = byk[kind]
+        if kind in PREFILL:   # (a short job with more rows: not this comparison)
+            continue
         met = "-" if e["throughput_met"] is None else (
             "met" if e["throughput_met"] else "NOT met")
         lines.append(f"| after: {names.get(kind, kind)} (steps {r.get('rate_window', '?')}) | "
@@ -382,8 +398,14 @@ def markdown(records: list[dict], machine: dict, command: str, png: str | None) 
         lines += ["", f"![samples/s over time, events marked]({os.path.basename(png)})"]
     else:
         lines += ["", "(No plot: matplotlib is not installed in .venv.)"]
-    lines += ["", "Not measured: recovery time against the rows the lost shard held at 1M and "
-              "10M rows (the rows the lost rank held in these runs are in the table)."]
+    if not any(k in s["events"] for k in PREFILL):
+        lines += ["", "Not measured here: recovery time against the rows the lost shard held "
+                  "at 1M and 10M rows (--elastic-events kill1m,kill10m)."]
+    else:
+        lines += ["", f"+1M/+10M rows: the job ({PREFILL_STEPS} steps) has each rank create "
+                  "that many more rows at step 1 (saved at step 10), and the rank is lost "
+                  f"after step {PREFILL_KILL_AT}: the refill reads the lost shard's rows "
+                  "from the chain; its time is kvcoll's refill_s less shrink_s."]
     return "\n".join(lines) + "\n"
 
 
@@ -424,7 +446,9 @@ def run(args) -> None:
     args.timeout = args.elastic_timeout
     steps = 60 if quick else args.elastic_steps
     args.kill_at = 25 if quick else args.elastic_kill_at
-    kinds = ["kill"] if quick else [k for k in args.elastic_events.split(",") if k]
+    kinds = [k for k in args.elastic_events.split(",") if k]
+    if quick and args.elastic_events == ",".join(EVENTS):   # (unless named)
+        kinds = ["kill"]
     bad = [k for k in kinds if k not in EVENTS]
     if bad:
         raise SystemExit(f"--elastic-events: unknown {bad}; choose from {', '.join(EVENTS)}")

@@ -12,6 +12,11 @@ rows created or changed since its last save (the work a loss of it reverts). At 
 --out: the elastic events (kvcoll.elastic.events()), the world changes the callbacks
 saw, the last step.
 
+--prefill N: after the first step, every rank creates N rows of its own (keys far from
+the data's ids, N / fields in each field's table, at their initial values), so that a
+lost shard holds N rows and more: what a recovery costs against the rows the lost rank
+held. The next save writes them.
+
 --no-in-memory: a job without in-memory recovery (the relaunch fallback, for
 comparison): after its first step the engine's elastic session is dropped
 (engine.elastic = None, the state of a non-elastic or SSP engine), so a lost peer ends
@@ -29,12 +34,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "examples"))
 
 import keras  # noqa: E402
+import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from models import build_deepfm  # noqa: E402
 
 import kvcoll as kv  # noqa: E402
 from kvcoll import elastic  # noqa: E402
 from kvcoll.data import SyntheticCTR  # noqa: E402
+from kvcoll.routing import OwnerMap, bucket_of  # noqa: E402
 
 tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -43,9 +50,10 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 class Timeline(keras.callbacks.Callback):
     """A line per step applied (flushed at once: the job may be killed)."""
 
-    def __init__(self, path: str, no_in_memory: bool, dirty_from: int):
+    def __init__(self, path: str, no_in_memory: bool, dirty_from: int, prefill: int = 0):
         super().__init__()
         self.path, self.no_in_memory, self.dirty_from = path, no_in_memory, dirty_from
+        self.prefill = prefill
         self.launch = int(os.environ.get("KVCOLLRUN_LAUNCH", "1"))
         self.files = {}
 
@@ -53,6 +61,8 @@ class Timeline(keras.callbacks.Callback):
         eng = kv.keras.engine_of(self.model)
         if self.no_in_memory:
             eng.elastic = None
+        if self.prefill and eng.step == 1 and kv.size() == 3:
+            prefill(eng.tables, self.prefill, eng.step)
         r = kv.rank()   # (a survivor's rank can change with the world)
         if r not in self.files:
             self.files[r] = open(f"{self.path}.rank{r}", "a", buffering=1, encoding="utf-8")
@@ -62,6 +72,20 @@ class Timeline(keras.callbacks.Callback):
             rec["dirty"] = sum(len(t.export(dirty_only=True)["keys"])
                                for t in eng.tables.values())
         self.files[r].write(json.dumps(rec) + "\n")
+
+
+def prefill(tables: dict, n: int, step: int) -> None:
+    """n rows of this rank's own (the even map's buckets) over the tables, in chunks."""
+    owners = OwnerMap.even(kv.size()).array
+    rng = np.random.default_rng(1000 + kv.rank())
+    per = -(-n // len(tables))
+    for t in tables.values():
+        made = 0
+        while made < per:
+            keys = rng.integers(1 << 40, 1 << 62, size=1 << 20, dtype=np.int64)
+            keys = keys[owners[bucket_of(keys)] == kv.rank()][:per - made]
+            t.find_or_create(keys, step=step)
+            made += keys.size
 
 
 def main():
@@ -78,6 +102,7 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--no-in-memory", action="store_true")
     p.add_argument("--dirty-from", type=int, default=0)
+    p.add_argument("--prefill", type=int, default=0)
     args = p.parse_args()
     kv.init()
     data = SyntheticCTR(num_categorical=args.fields, num_numeric=4, vocab=args.vocab, seed=3)
@@ -94,7 +119,8 @@ def main():
         kv.callbacks.Checkpoint(args.ckpt, every_n_steps=args.full_every,
                                 incremental_every=args.incremental_every, restore=True),
         kv.callbacks.WorldChange(lambda old, new: seen.append([old, new])),
-        Timeline(args.timeline, args.no_in_memory, args.dirty_from)])
+        Timeline(args.timeline, args.no_in_memory, args.dirty_from,
+                 args.prefill)])
     eng = kv.keras.engine_of(model)
     print(f"bench rank {kv.rank()} of {kv.size()} done at step {eng.step}", flush=True)
     if kv.rank() == 0:
