@@ -8,8 +8,8 @@ at the time): {"t": wall-clock time, "step", "world", "launch" (kvcollrun's laun
 number), "rows" (the rows this rank's tables hold)}, flushed at once, so the bench can
 time a fault against the first step trained after it, across relaunches, and knows the
 rows the lost rank held; from step --dirty-from on (5 steps), rank 2 adds "dirty": its
-rows created or changed since its last save (the work a loss of it reverts). At the end, rank 0 writes
---out: the elastic events (kvcoll.elastic.events()), the world changes the callbacks
+rows created or changed since its last save (the work a loss of it reverts). At the
+end, rank 0 writes --out: the elastic events (kvcoll.elastic.events()), the world changes the callbacks
 saw, the last step.
 
 --prefill N: after the first step, every rank creates N rows of its own (keys far from

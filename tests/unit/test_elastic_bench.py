@@ -46,20 +46,25 @@ def test_a_relaunch_counts_the_steps_redone(tmp_path):
 
 
 def test_the_report_says_met_and_not_met():
-    fresh = [{"kind": "fresh", "samples_per_sec": s, "others_busy_cores": 1.0}
-             for s in (100.0, 120.0)]
-    kill = {"kind": "kill", "recovery_s": 4.0, "in_memory_first_step_s": 4.0, "rate_after": 105.0,
-            "events": [{"detect_s": 0.1, "rows_reverted": 9}], "global_batch": BATCH,
-            "steps": 60, "kill_at": 30}
+    # fresh runs: 100,000 samples/s to step 30, then 80,000 (a); 125,000 throughout (b)
+    ta = [i * 0.01 for i in range(30)] + [0.29 + i * 0.0125 for i in range(1, 31)]
+    fresh = [{"kind": "fresh", "samples_per_sec": 1.0, "others_busy_cores": 1.0,
+              "step_times": {"first": 1, "t": t}} for t in (ta, [i * 0.008 for i in range(60)])]
+    kill = {"kind": "kill", "recovery_s": 4.0, "in_memory_first_step_s": 4.0,
+            "rate_after": 98_000.0, "rate_window": [36, 60], "global_batch": BATCH,
+            "events": [{"detect_s": 0.1, "rows_reverted": 9}], "steps": 60, "kill_at": 30}
     stop = {"kind": "stop", "recovery_s": 11.0, "in_memory_first_step_s": 11.0,
-            "rate_after": 90.0, "events": [{}]}
+            "rate_after": 90_000.0, "rate_window": [36, 60], "global_batch": BATCH,
+            "events": [{}]}
     s = eb.summary([fresh[0], kill, stop, fresh[1]])
-    assert s["baseline"] == 110.0
-    assert s["events"]["kill"]["met"] and s["events"]["kill"]["throughput_met"]   # 95% of 110
+    k = s["events"]["kill"]     # over steps 36-60 the fresh runs did 80,000 and 125,000
+    assert [round(x) for x in k["fresh_same_steps"]] == [80_000, 125_000]
+    assert abs(k["throughput_ratio"] - 98_000 / 102_500) < 1e-9
+    assert k["met"] and k["throughput_met"]
     assert not s["events"]["stop"]["met"] and not s["events"]["stop"]["throughput_met"]
     md = eb.markdown([fresh[0], kill, stop, fresh[1]], {"cpu": "X", "cores": 2}, "cmd", None)
     row = next(line for line in md.splitlines() if line.startswith("| SIGKILL, in memory |"))
     assert "| <= 5 s | met |" in row and "| 9 |" in row
     row = next(line for line in md.splitlines() if line.startswith("| SIGSTOP"))
     assert "| <= 10 s | NOT met |" in row
-    assert "95.5%" in md and "81.8%" in md and "No plot" in md
+    assert "95.6%" in md and "87.8%" in md and "No plot" in md
