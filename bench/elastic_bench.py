@@ -78,6 +78,8 @@ def add_arguments(p) -> None:
                    help=f"which events (comma-separated of {', '.join(EVENTS)})")
     g.add_argument("--elastic-timeout", type=float, default=600,
                    help="seconds a job may take before it is killed")
+    g.add_argument("--elastic-logs", default=None,
+                   help="a directory to keep each job's whole output in (<kind>.txt)")
 
 
 # -- one job -------------------------------------------------------------------------------
@@ -195,9 +197,11 @@ def run_job(hosts, kind: str, tmp: str, args, steps: int) -> dict:
     if code != 0:
         rec.setdefault("error", f"exit code {code}: " + " | ".join(text.splitlines()[-6:])[:600])
     rec.update(analyse(kind, timeline, out, text, t_fault, args.batch, steps))
-    with open(os.path.join(d, "output.txt"), "w", encoding="utf-8") as f:
-        f.write(text)
-    rec["output_tail"] = text.splitlines()[-15:]
+    if args.elastic_logs:
+        os.makedirs(args.elastic_logs, exist_ok=True)
+        with open(os.path.join(args.elastic_logs, f"{kind}.txt"), "w", encoding="utf-8") as f:
+            f.write(text)
+    rec["output_tail"] = text.splitlines()[-(300 if "error" in rec else 15):]
     print(f"[elastic] {kind}: " + json.dumps({k: v for k, v in rec.items()
                                               if k not in ("output_tail", "samples")}),
           flush=True)

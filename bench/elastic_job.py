@@ -9,8 +9,9 @@ number), "rows" (the rows this rank's tables hold)}, flushed at once, so the ben
 time a fault against the first step trained after it, across relaunches, and knows the
 rows the lost rank held; from step --dirty-from on (5 steps), rank 2 adds "dirty": its
 rows created or changed since its last save (the work a loss of it reverts). At the
-end, rank 0 writes --out: the elastic events (kvcoll.elastic.events()), the world changes the callbacks
-saw, the last step.
+end, rank 0 writes --out: the elastic events (kvcoll.elastic.events()), the world
+changes the callbacks saw, the last step. SIGUSR1 dumps every thread's Python stack to
+stderr (faulthandler), to see where a rank waits.
 
 --prefill N: after the first step, every rank creates N rows of its own (keys far from
 the data's ids, N / fields in each field's table, at their initial values), so that a
@@ -24,8 +25,10 @@ the job with PeerLostError and kvcollrun relaunches it on the hosts left.
 """
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 
@@ -104,6 +107,7 @@ def main():
     p.add_argument("--dirty-from", type=int, default=0)
     p.add_argument("--prefill", type=int, default=0)
     args = p.parse_args()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     kv.init()
     data = SyntheticCTR(num_categorical=args.fields, num_numeric=4, vocab=args.vocab, seed=3)
     source = data.batches(args.batch, kv.rank(), kv.size(), num_steps=args.steps)
