@@ -421,6 +421,9 @@ def markdown(records: list[dict], machine: dict, command: str, png: str | None) 
                      f" | {_f(e['throughput_ratio'], '{:.1%}')} | >= 95% | {met} |")
     lines += ["", "3-rank samples/s before the fault, for reference: " + ", ".join(
         f"{k} {_f(byk[k].get('rate_before'), '{:,.0f}')}" for k in s["events"]) + "."]
+    notes = observations(records)
+    if notes:
+        lines += ["", "## Observations (from this run's records)", ""] + [f"- {n}" for n in notes]
     if png:
         lines += ["", f"![samples/s over time, events marked]({os.path.basename(png)})"]
     else:
@@ -434,6 +437,34 @@ def markdown(records: list[dict], machine: dict, command: str, png: str | None) 
                   f"after step {PREFILL_KILL_AT}: the refill reads the lost shard's rows "
                   "from the chain; its time is kvcoll's refill_s less shrink_s."]
     return "\n".join(lines) + "\n"
+
+
+def observations(records: list[dict]) -> list[str]:
+    """What the records show beyond the table: slow agreements, events kvcoll recorded
+    with no rank lost, jobs that trained past their steps, no in-memory step before a
+    relaunch."""
+    out = []
+    for r in records:
+        k = r["kind"]
+        for ev in r.get("events") or []:
+            d, a = ev.get("detect_s"), ev.get("agree_s")
+            if d is not None and a is not None and a - d > 5:
+                out.append(f"{k}: the survivors' agreement completed {a - d:.1f} s after they "
+                           f"detected the loss (detect {d:.2f} s, agree {a:.2f} s): the "
+                           "recovery waited for it.")
+            if ev.get("kind") == "lost" and not ev.get("ranks"):
+                out.append(f"{k}: kvcoll recorded a `lost` event with no rank lost "
+                           f"(world {ev.get('world')}, step {ev.get('step')}, rows_reverted "
+                           f"{ev.get('rows_reverted')}) in the last launch.")
+        if r.get("last_step") and r.get("steps") and r["last_step"] > r["steps"]:
+            out.append(f"{k}: the job trained to step {r['last_step']} of {r['steps']}: after "
+                       f"the relaunch restored step {(r.get('restored') or [{}])[0].get('step')}"
+                       ", fit ran a whole pass of the data source again.")
+        if k == "link" and r.get("relaunch_first_step_s") is not None and \
+                r.get("in_memory_first_step_s") is None:
+            out.append("link: no step ran in memory on the survivors before the runtime ended "
+                       "the job; the relaunch carried on.")
+    return out
 
 
 def plot(records: list[dict], path: str) -> str | None:
