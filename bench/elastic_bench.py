@@ -78,6 +78,9 @@ def add_arguments(p) -> None:
                    help=f"which events (comma-separated of {', '.join(EVENTS)})")
     g.add_argument("--elastic-timeout", type=float, default=600,
                    help="seconds a job may take before it is killed")
+    g.add_argument("--elastic-pairs", type=int, default=3,
+                   help="kill / fresh pairs in all (the first kill is the event's own): "
+                        "the throughput after the shrink, repeated")
     g.add_argument("--elastic-logs", default=None,
                    help="a directory to keep each job's whole output in (<kind>.txt)")
 
@@ -243,9 +246,9 @@ def analyse(kind, timeline, out, text, t_fault, batch, steps) -> dict:
         res["events"], res["world_changes"] = got["events"], got["seen"]
     except (OSError, ValueError):
         pass
-    m = re.findall(r"restored (ckpt-\S+?) at step (\d+) on (\d+) rank", text)
+    m = re.findall(r"Checkpoint: restored (ckpt-\d+)\S* from \S+ \(step (\d+)", text)
     if m:
-        res["restored"] = [{"checkpoint": c, "step": int(s), "ranks": int(n)} for c, s, n in m]
+        res["restored"] = [{"checkpoint": c, "step": int(s)} for c, s in m]
     res["relaunched"] = bool(re.search(r"kvcollrun: lost .*relaunching on", text))
     if kind == "fresh":
         res["samples_per_sec"] = rate(tl, batch, WARMUP)
@@ -303,25 +306,34 @@ def window_rate(fresh: dict, window, batch: int) -> float | None:
     return (b - a) * batch / (st["t"][b] - st["t"][a])
 
 
+def label(records: list[dict], i: int) -> str:
+    """A job's name in the report: its kind, and "#n" for the n-th job of a kind."""
+    n = sum(1 for r in records[:i + 1] if r["kind"] == records[i]["kind"])
+    return records[i]["kind"] + (f" #{n}" if n > 1 else "")
+
+
 def summary(records: list[dict]) -> dict:
     """The baseline and, per event, its numbers against the targets. The throughput
     after the shrink is compared with the fresh runs' rate over the same steps (the
     tables grow as a run goes on, so later steps cost more)."""
-    fresh_runs = [r for r in records if r["kind"] == "fresh"]
-    fresh = [r["samples_per_sec"] for r in fresh_runs if r.get("samples_per_sec")]
+    fresh = [r["samples_per_sec"] for r in records
+             if r["kind"] == "fresh" and r.get("samples_per_sec")]
     out = {"fresh_2_rank_samples_per_sec": fresh, "events": {}}
-    for r in records:
+    for i, r in enumerate(records):
         if r["kind"] in ("fresh", "summary"):
             continue
         ev = (r.get("events") or [{}])[0]
         target = TARGETS.get(r["kind"])
         rec_s = r.get("recovery_s")
+        # the baseline: the fresh runs next to this job, the last before and the first after
+        near = [f for f in records[i::-1] if f["kind"] == "fresh"][:1] + \
+            [f for f in records[i:] if f["kind"] == "fresh"][:1]
         same = [x for x in (window_rate(f, r.get("rate_window"), r.get("global_batch", 0))
-                            for f in fresh_runs) if x]
+                            for f in near) if x]
         base = statistics.median(same) if same else None
         ratio = r["rate_after"] / base if base and r.get("rate_after") else None
-        out["events"][r["kind"]] = {
-            "recovery_s": rec_s, "target_s": target,
+        out["events"][label(records, i)] = {
+            "kind": r["kind"], "recovery_s": rec_s, "target_s": target,
             "met": None if target is None or rec_s is None else rec_s <= target,
             "in_memory_first_step_s": r.get("in_memory_first_step_s"),
             "relaunch_first_step_s": r.get("relaunch_first_step_s"),
@@ -373,7 +385,11 @@ def markdown(records: list[dict], machine: dict, command: str, png: str | None) 
              "link": "link down (host lost)", "relaunch": "SIGKILL, relaunch fallback",
              "kill1m": "SIGKILL, in memory, +1M rows/rank", "kill10m":
              "SIGKILL, in memory, +10M rows/rank"}
-    byk = {r["kind"]: r for r in records}
+    byk = {label(records, i): r for i, r in enumerate(records)}
+
+    def name(lab):   # "kill #2" -> "SIGKILL, in memory #2"
+        kind, _, n = lab.partition(" ")
+        return names.get(kind, kind) + (f" {n}" if n else "")
     for kind, e in s["events"].items():
         ev = e["event"]
         timings = " / ".join(_f(ev.get(k), "{:.3f}") for k in (
@@ -382,7 +398,7 @@ def markdown(records: list[dict], machine: dict, command: str, png: str | None) 
         if e["error"]:
             met += f" (error: {e['error'][:120]})"
         lines.append(
-            f"| {names.get(kind, kind)} | {byk[kind].get('others_busy_cores', '?')} | "
+            f"| {name(kind)} | {byk[kind].get('others_busy_cores', '?')} | "
             f"{_f(e['in_memory_first_step_s'])} | {_f(e['relaunch_first_step_s'])} | "
             f"{'<= %g s' % e['target_s'] if e['target_s'] else 'comparison'} | {met} | "
             f"{timings} | {_f(e['lost_rank_rows'], '{:,}')} | "
@@ -397,7 +413,8 @@ def markdown(records: list[dict], machine: dict, command: str, png: str | None) 
         f"after the loss to the end, against fresh 2-rank runs on hosts 1 and 2 (same "
         f"launcher, model and global batch) over the same steps (the tables grow as a run "
         f"goes on, so later steps cost more): {len(fresh)} fresh runs in this bench run, "
-        f"before and after the events; the ratio is to their median. "
+        f"interleaved with the events; each event's ratio is to the mean of the fresh runs "
+        f"right before and right after it (the machine's other load changes in between). "
         f"Target >= {THROUGHPUT_TARGET:.0%}.",
         "",
         "| run | others busy (cores) | samples/s | fresh 2-rank, same steps | ratio | "
@@ -410,11 +427,11 @@ def markdown(records: list[dict], machine: dict, command: str, png: str | None) 
                      f"{_f(r.get('samples_per_sec'), '{:,.0f}')} | - | - | - | - |")
     for kind, e in s["events"].items():
         r = byk[kind]
-        if kind in PREFILL:   # (a short job with more rows: not this comparison)
+        if e["kind"] in PREFILL:   # (a short job with more rows: not this comparison)
             continue
         met = "-" if e["throughput_met"] is None else (
             "met" if e["throughput_met"] else "NOT met")
-        lines.append(f"| after: {names.get(kind, kind)} (steps {r.get('rate_window', '?')}) | "
+        lines.append(f"| after: {name(kind)} (steps {r.get('rate_window', '?')}) | "
                      f"{r.get('others_busy_cores', '?')} | "
                      f"{_f(r.get('rate_after'), '{:,.0f}')} | "
                      + (", ".join(f"{x:,.0f}" for x in e["fresh_same_steps"]) or "-") +
@@ -428,7 +445,7 @@ def markdown(records: list[dict], machine: dict, command: str, png: str | None) 
         lines += ["", f"![samples/s over time, events marked]({os.path.basename(png)})"]
     else:
         lines += ["", "(No plot: matplotlib is not installed in .venv.)"]
-    if not any(k in s["events"] for k in PREFILL):
+    if not any(e["kind"] in PREFILL for e in s["events"].values()):
         lines += ["", "Not measured here: recovery time against the rows the lost shard held "
                   "at 1M and 10M rows (--elastic-events kill1m,kill10m)."]
     else:
@@ -524,6 +541,9 @@ def run(args) -> None:
                 records.append(run_job(hosts, kind, tmp, args, steps))
             if not quick:
                 records.append(run_job(hosts, "fresh", tmp + "/b", args, steps))
+                for n in range(2, args.elastic_pairs + 1 if "kill" in kinds else 0):
+                    records.append(run_job(hosts, "kill", f"{tmp}/k{n}", args, steps))
+                    records.append(run_job(hosts, "fresh", f"{tmp}/f{n}", args, steps))
         finally:
             hosts.close()
     os.makedirs(out_dir, exist_ok=True)

@@ -38,10 +38,11 @@ def test_a_relaunch_counts_the_steps_redone(tmp_path):
     # lost after step 30; relaunched from the step-20 checkpoint: step 21 at t=120
     write(tl.with_suffix(".rank0"), steps(1, 30, 100.1, 0.1, 3) +
           steps(21, 60, 120.0, 0.05, 2, launch=2))
-    text = "restored ckpt-0000000020 at step 20 on 2 rank(s)\nkvcollrun: lost x: relaunching on 2"
+    text = ("kv.callbacks.Checkpoint: restored ckpt-0000000020 from /x/ck (step 20; a full "
+            "checkpoint) in 0.5s\nkvcollrun: lost host(s) h3: relaunching on 2 rank(s)")
     res = eb.analyse("relaunch", str(tl), str(tmp_path / "none.json"), text, 103.05, BATCH, 60)
     assert abs(res["recovery_s"] - 16.95) < 1e-9 and res["steps_redone"] == 10
-    assert res["restored"] == [{"checkpoint": "ckpt-0000000020", "step": 20, "ranks": 2}]
+    assert res["restored"] == [{"checkpoint": "ckpt-0000000020", "step": 20}]
     assert res["relaunched"] and "in_memory_first_step_s" not in res
 
 
@@ -68,3 +69,17 @@ def test_the_report_says_met_and_not_met():
     row = next(line for line in md.splitlines() if line.startswith("| SIGSTOP"))
     assert "| <= 10 s | NOT met |" in row
     assert "95.6%" in md and "87.8%" in md and "No plot" in md
+
+
+def test_a_repeated_event_is_compared_with_the_fresh_runs_beside_it():
+    def fresh(dt):
+        return {"kind": "fresh", "step_times": {"first": 1, "t": [i * dt for i in range(60)]}}
+    kill = {"kind": "kill", "rate_after": 90_000.0, "rate_window": [36, 60],
+            "global_batch": BATCH, "events": [{}]}
+    recs = [fresh(0.01), dict(kill), fresh(0.01), dict(kill), fresh(0.0125)]
+    s = eb.summary(recs)
+    assert list(s["events"]) == ["kill", "kill #2"]
+    assert abs(s["events"]["kill"]["throughput_ratio"] - 0.9) < 1e-9         # 100,000
+    assert abs(s["events"]["kill #2"]["throughput_ratio"] - 1.0) < 1e-9      # 100k and 80k
+    md = eb.markdown(recs, {}, "cmd", None)
+    assert "| after: SIGKILL, in memory #2 (steps [36, 60]) |" in md
