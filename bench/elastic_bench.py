@@ -436,6 +436,13 @@ def markdown(records: list[dict], machine: dict, command: str, png: str | None) 
                      f"{_f(r.get('rate_after'), '{:,.0f}')} | "
                      + (", ".join(f"{x:,.0f}" for x in e["fresh_same_steps"]) or "-") +
                      f" | {_f(e['throughput_ratio'], '{:.1%}')} | >= 95% | {met} |")
+    kills = [e["throughput_ratio"] for e in s["events"].values()
+             if e["kind"] == "kill" and e["throughput_ratio"] is not None]
+    if len(kills) > 1:
+        med = statistics.median(kills)
+        lines += ["", f"The {len(kills)} SIGKILL runs: median {med:.1%} of the fresh runs beside "
+                  f"them (range {min(kills):.1%} to {max(kills):.1%}): "
+                  f"{'met' if med >= THROUGHPUT_TARGET else 'NOT met'} on the median."]
     lines += ["", "3-rank samples/s before the fault, for reference: " + ", ".join(
         f"{k} {_f(byk[k].get('rate_before'), '{:,.0f}')}" for k in s["events"]) + "."]
     notes = observations(records)
@@ -474,9 +481,11 @@ def observations(records: list[dict]) -> list[str]:
                            f"(world {ev.get('world')}, step {ev.get('step')}, rows_reverted "
                            f"{ev.get('rows_reverted')}) in the last launch.")
         if r.get("last_step") and r.get("steps") and r["last_step"] > r["steps"]:
-            out.append(f"{k}: the job trained to step {r['last_step']} of {r['steps']}: after "
-                       f"the relaunch restored step {(r.get('restored') or [{}])[0].get('step')}"
-                       ", fit ran a whole pass of the data source again.")
+            at = (r.get("restored") or [{}])[0].get("step")
+            out.append(f"{k}: the job trained to step {r['last_step']} of {r['steps']}: the "
+                       f"relaunch restored step {at}, then fit ran "
+                       f"{r['last_step'] - (at or 0)} more steps (the data source's whole "
+                       "pass, not the steps left).")
         if k == "link" and r.get("relaunch_first_step_s") is not None and \
                 r.get("in_memory_first_step_s") is None:
             out.append("link: no step ran in memory on the survivors before the runtime ended "
