@@ -2,7 +2,8 @@
 python -m bench BENCHMARK [--quick] [--out DIR] [flags]  one, with its own flags
 
 Opt-in (run only when named): peers, which builds a venv per peer framework first;
-online, which runs training jobs and servers for about 20 minutes.
+online, which runs training jobs and servers for about 20 minutes; elastic, which makes
+network-namespace hosts (root) and runs a training job per event (about 10 minutes).
 
 --quick runs small sizes in seconds and, unless --out is given, writes its results to a
 temporary directory rather than bench/results/. `python -m bench BENCHMARK -h` lists a
@@ -12,15 +13,16 @@ benchmark's flags. A benchmark is a module with add_arguments(parser) and run(ar
 import argparse
 import sys
 
-from . import (async_bench, checkpoint_bench, data_bench, fit_bench, lifecycle_bench,
-               online_bench, peers_bench, soak_bench, table_bench, threads_bench,
+from . import (async_bench, checkpoint_bench, data_bench, elastic_bench, fit_bench,
+               lifecycle_bench, online_bench, peers_bench, soak_bench, table_bench, threads_bench,
                train_bench)
 
 BENCHMARKS = {"table": table_bench, "train": train_bench, "fit": fit_bench,
               "checkpoint": checkpoint_bench, "async": async_bench,
               "lifecycle": lifecycle_bench, "soak": soak_bench, "data": data_bench,
-              "peers": peers_bench, "threads": threads_bench, "online": online_bench}
-OPT_IN = {"peers", "online"}
+              "peers": peers_bench, "threads": threads_bench, "online": online_bench,
+              "elastic": elastic_bench}
+OPT_IN = {"peers", "online", "elastic"}
 
 
 def _common(p: argparse.ArgumentParser, default=None) -> None:
