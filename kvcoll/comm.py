@@ -568,9 +568,20 @@ class Comm:
                 before = _run_paused  # read by waiting() just now
                 _poll_until(req.Test, self.timeout,
                             lambda: self._timed_out(op, peer, paused() - before), spin=SPIN,
-                            idle=self.answer_liveness)
+                            idle=self._idle_elastic if self.elastic else self.answer_liveness)
         except _mpi().Exception as exc:
             raise self.lost(exc, op, since) from None
+
+    def _idle_elastic(self) -> None:
+        """While an elastic run waits: a peer that revoked the communicator ends the wait
+        with MPI_ERR_REVOKED. (Revoke does not always complete a pending nonblocking
+        collective: a survivor of a stopped rank stayed in the step's gradient exchange
+        until its deadline while the others waited for it in the agreement.)"""
+        self.answer_liveness()
+        comm = self._comm
+        if comm is not None and comm.Is_revoked():
+            MPI = _mpi()
+            raise MPI.Exception(MPI.ERR_REVOKED)
 
     def _timed_out(self, op: str, peer: int | None, own_pause: float = 0.0) -> str:
         head = (f"rank {self.rank}/{self.size}: {op}{_at(self.step)} did not complete within "

@@ -1,7 +1,8 @@
 """An elastic Keras job for tests/launch/test_elastic.py: a small kv.Model trained with
 model.fit on SyntheticCTR's global batches (each rank its part, for the world it is in),
 kv.callbacks.Checkpoint saving incrementally, and a kv.callbacks.WorldChange that says
-what it saw. --kill-rank R --kill-at S: rank R kills itself (SIGKILL) at step S.
+what it saw. --kill-rank R --kill-at S: rank R kills itself (SIGKILL) at step S
+(--signal STOP: stops itself, SIGSTOP, as a frozen process).
 
 Rank 0 writes --out: the History, the elastic events and the world changes it saw.
 """
@@ -38,14 +39,14 @@ def build():
 
 
 class Killer(keras.callbacks.Callback):
-    def __init__(self, rank, at):
+    def __init__(self, rank, at, sig=signal.SIGKILL):
         super().__init__()
-        self.rank, self.at = rank, at
+        self.rank, self.at, self.sig = rank, at, sig
 
     def on_train_batch_end(self, batch, logs=None):
         eng = kv.keras.engine_of(self.model)
         if kv.rank() == self.rank and eng.step == self.at and kv.size() == 3:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), self.sig)
 
 
 def main():
@@ -55,6 +56,7 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--kill-at", type=int, default=0)
+    p.add_argument("--signal", choices=("KILL", "STOP"), default="KILL")
     args, _ = p.parse_known_args()
     kv.init()
     data = SyntheticCTR(num_categorical=FIELDS, num_numeric=2, vocab=5000, seed=2)
@@ -67,7 +69,7 @@ def main():
     history = model.fit(source.fit_batches(), epochs=1, verbose=0, callbacks=[
         kv.callbacks.Checkpoint(args.ckpt, every_n_steps=20, incremental_every=5),
         kv.callbacks.WorldChange(lambda old, new: seen.append([old, new])),
-        Killer(args.kill_rank, args.kill_at)])
+        Killer(args.kill_rank, args.kill_at, getattr(signal, "SIG" + args.signal))])
     eng = kv.keras.engine_of(model)
     print(f"rank {kv.rank()} of {kv.size()} done at step {eng.step}, world changes {seen}",
           flush=True)

@@ -283,11 +283,17 @@ def lose_a_rank(hosts, tmp_path, cleanup, fault: str, delay: float, at: int = 30
                                [fresh[k] for k in sorted(fresh)], rtol=1e-5)
 
 
-def test_keras_fit_survives_a_killed_rank(tmp_path):
+@pytest.mark.parametrize("sig", ["KILL", "STOP"])
+def test_keras_fit_survives_a_killed_rank(tmp_path, sig):
+    """A rank of model.fit killed, or stopped. (The stall ./dev bench elastic found with
+    a stopped rank, a survivor left in the step's gradient exchange on the revoked
+    communicator until its 120 s deadline, needs the bench's larger exchanges: this
+    size passes without its fix, Comm._idle_elastic; the bench measures it.)"""
     out_json = tmp_path / "out.json"
     code, out = mpirun(3, [ROOT / "tests" / "launch" / "elastic_keras_job.py",
                            "--ckpt", tmp_path / "ck", "--out", out_json, "--steps", 60,
-                           "--kill-rank", 2, "--kill-at", 23], 400, "elastic fit",
+                           "--kill-rank", 2, "--kill-at", 23, "--signal", sig], 400,
+                       "elastic fit",
                        launcher=[ROOT / "launch" / "kvcollrun", "--elastic", "--min-np", 2])
     assert code == 0, out[-6000:]
     got = json.loads(out_json.read_text())
@@ -295,7 +301,7 @@ def test_keras_fit_survives_a_killed_rank(tmp_path):
     assert re.search(r"rank 1 of 2 done at step 60, world changes \[\[3, 2\]\]", out)
     (ev,) = got["events"]
     assert ev["step"] == 23 and ev["ranks"] == [2] and ev["checkpoint"] == "ckpt-0000000020"
-    assert ev["rows_reverted"] > 0 and ev["first_step_after_s"] < 5, ev
+    assert ev["rows_reverted"] > 0 and ev["first_step_after_s"] < (5 if sig == "KILL" else 10), ev
     assert "kvcoll: rank 2 (host " in out and "rows reverted to step 20" in out
     assert got["history"]["auc"][-1] > 0.5, got
 
