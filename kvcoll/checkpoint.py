@@ -617,6 +617,26 @@ class Checkpointer:
 
     # -- restore ---------------------------------------------------------------------
 
+    def _load_everywhere(self, directory, checkpoint, buffer_bytes, only, op, what):
+        """Load (and verify) the checkpoint on every rank, a collective: every rank
+        raises the first rank's error (naming it) if any rank cannot, before anything
+        changes ("nothing was <what>")."""
+        comm = self.comm
+        err, loaded = None, None
+        try:
+            loaded = self._load(directory, checkpoint, buffer_bytes, only=only)
+        except CheckpointError as exc:
+            err = f"rank {comm.rank}: {exc}"
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            err = f"rank {comm.rank}: {directory}: unreadable checkpoint " \
+                  f"({type(exc).__name__}: {exc})"
+        errors = [e for e in comm.allgather_json(err, op) if e]
+        if errors:
+            if loaded is not None:
+                loaded.close()
+            raise CheckpointError(errors[0] + f"; nothing was {what}")
+        return loaded
+
     def refill(self, directory, buckets, *, checkpoint: str | None = None,
                buffer_bytes: int | None = None) -> RestoreInfo:
         """Restore only the rows of `buckets` (a bool mask over the owner map's buckets,
@@ -646,19 +666,8 @@ class Checkpointer:
         buffer_bytes = self.restore_buffer if buffer_bytes is None \
             else _checked_buffer(buffer_bytes)
         directory = os.path.abspath(os.fspath(directory))
-        err, loaded = None, None
-        try:
-            loaded = self._load(directory, checkpoint, buffer_bytes, only=only)
-        except CheckpointError as exc:
-            err = f"rank {comm.rank}: {exc}"
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            err = f"rank {comm.rank}: {directory}: unreadable checkpoint " \
-                  f"({type(exc).__name__}: {exc})"
-        errors = [e for e in comm.allgather_json(err, "checkpoint:refill:verify") if e]
-        if errors:
-            if loaded is not None:
-                loaded.close()
-            raise CheckpointError(errors[0] + "; nothing was refilled")
+        loaded = self._load_everywhere(directory, checkpoint, buffer_bytes, only,
+                                       "checkpoint:refill:verify", "refilled")
         before = sum(len(t) for t in self.tables.values())
         err = None
         try:
@@ -699,19 +708,8 @@ class Checkpointer:
         buffer_bytes = self.restore_buffer if buffer_bytes is None \
             else _checked_buffer(buffer_bytes)
         directory = os.path.abspath(os.fspath(directory))
-        err, loaded = None, None
-        try:
-            loaded = self._load(directory, checkpoint, buffer_bytes)
-        except CheckpointError as exc:
-            err = f"rank {comm.rank}: {exc}"
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            err = f"rank {comm.rank}: {directory}: unreadable checkpoint " \
-                  f"({type(exc).__name__}: {exc})"
-        errors = [e for e in comm.allgather_json(err, "checkpoint:verify") if e]
-        if errors:
-            if loaded is not None:
-                loaded.close()
-            raise CheckpointError(errors[0] + "; nothing was restored")
+        loaded = self._load_everywhere(directory, checkpoint, buffer_bytes, None,
+                                       "checkpoint:verify", "restored")
         # Verified everywhere: now change things, the dense model first (it can be rolled
         # back), and agree on every part, so no rank is left half-restored.
         self._parent = None
