@@ -60,6 +60,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -426,8 +427,6 @@ class Grower:
         self._thread.start()
 
     def _watch(self) -> None:
-        import signal
-
         while not self._done.wait(self.o.discovery_interval):
             if self.outcome.starts < self.n or self.dog.proc.poll() is not None:
                 continue
@@ -481,14 +480,16 @@ def kill_lost(procs, agent: list, say):
 
     def run():
         for host, pid in procs:
-            cmd = ["kill", "-9", str(int(pid))]
-            if not _is_here(host):
-                cmd = [*agent, host, *cmd]
             try:
-                done = subprocess.run(cmd, capture_output=True, text=True,
-                                      timeout=REACH_TIMEOUT, check=False)
-                if done.returncode == 0:
-                    say(f"killed the lost process {pid} on {host}")
+                if _is_here(host):   # (no `kill` binary needed: a minimal system has none)
+                    os.kill(int(pid), signal.SIGKILL)
+                else:                # (ssh runs it in the remote shell: its builtin)
+                    done = subprocess.run([*agent, host, "kill", "-9", str(int(pid))],
+                                          capture_output=True, text=True,
+                                          timeout=REACH_TIMEOUT, check=False)
+                    if done.returncode != 0:
+                        continue
+                say(f"killed the lost process {pid} on {host}")
             except (OSError, subprocess.TimeoutExpired):
                 pass
     t = threading.Thread(target=run, name="kvcollrun-kill-lost", daemon=True)

@@ -1,5 +1,5 @@
 """The elastic fault trials at full strength (`./dev faults`; skipped otherwise, unless
-KVCOLL_TEST_ELASTIC_FAULTS=1):
+KVCOLL_TEST_FAULTS=1):
 
 - no false alarm: multi-rank test modules of tests/mpi/ (Keras BSP training, fit,
   checkpoints: tracing, computing, writing and reading files) pass on 3 ranks under
@@ -28,9 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 TRIALS = int(os.environ.get("KVCOLL_TEST_ELASTIC_TRIALS", "6"))
 SEED = int(os.environ.get("KVCOLL_TEST_ELASTIC_SEED", "30"))
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    not os.environ.get("KVCOLL_TEST_ELASTIC_FAULTS"),
-    reason="the elastic fault trials run in ./dev faults (KVCOLL_TEST_ELASTIC_FAULTS=1)")]
+pytestmark = [pytest.mark.slow, pytest.mark.faults]   # (./dev faults runs them)
 
 
 # (test_keras_bsp's step-by-step test counts a step's collectives: an elastic step has

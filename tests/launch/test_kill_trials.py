@@ -16,11 +16,10 @@ must have had kills inside it, and at least half of all kills must have landed i
 their phase (else the test would not test them). The numbers (trials per phase, kills inside, seconds per trial) are printed.
 
 Each trial is a new 2-rank job that imports TensorFlow on both ranks: about 6 CPU-seconds,
-5-10 s on the shared 2-core VM. ./dev test runs 5 trials of each phase (about 2 min:
-124 s, 19 of the 20 kills inside their phase); KVCOLL_TEST_KILL_TRIALS=20 runs 20 of each,
-as issue 18 asks (80 trials passed here in 13.7 min with the machine loaded by others).
-CI runs 15 more of each with another seed (`./dev faults`: KVCOLL_TEST_KILL_TRIALS=15,
-KVCOLL_TEST_KILL_SEED=18), so 20 per phase in all, at other moments.
+5-10 s on the shared 2-core VM. `./dev faults` (CI runs it) runs 15 trials of each phase
+(KVCOLL_TEST_KILL_TRIALS=15, KVCOLL_TEST_KILL_SEED=18); `./dev test` skips them (its 5 of
+each, 101 s, did not fit its 20-minute budget). KVCOLL_TEST_KILL_TRIALS=20 runs the 20 of
+each that issue 18 asked for (13.7 min on the shared 2-core VM).
 """
 
 import os
@@ -43,7 +42,7 @@ SEED = int(os.environ.get("KVCOLL_TEST_KILL_SEED", "2026"))     # the moments an
 PHASES = ("train", "save", "export", "restore")
 NO_HANG = 10.0      # seconds from the kill to the end of the job
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.faults]     # (./dev faults runs them)
 
 
 def job(world: int, args: list, timeout: float = 240) -> tuple[int, str, float]:

@@ -172,6 +172,26 @@ def test_the_processes_the_survivors_went_on_without_are_killed(tmp_path):
                                                        ["c", "kill", "-9", "77"]], killed
 
 
+def test_a_lost_process_on_this_host_is_killed_without_a_kill_binary(tmp_path):
+    # (a minimal Debian has no /bin/kill: kvcollrun once ran it, failed in silence, and
+    # a stopped rank on the launching host outlived the job, so mpirun never exited)
+    sys.path.insert(0, str(KVCOLLRUN.parent))
+    import socket
+
+    from supervisor import kill_lost
+
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    said = []
+    path = os.environ["PATH"]
+    os.environ["PATH"] = str(tmp_path)          # no kill, no anything
+    try:
+        kill_lost([(socket.gethostname(), victim.pid)], ["false"], said.append).join(10)
+    finally:
+        os.environ["PATH"] = path
+    assert victim.wait(timeout=10) == -9
+    assert said == [f"killed the lost process {victim.pid} on {socket.gethostname()}"]
+
+
 LOST_C = ('[1,0]<stderr>: kvcoll-elastic {"event": "lost", "mode": "relaunch", '
           '"ranks": [2], "hosts": ["c"]}')
 DAEMON_LOST_B = ("prterun has lost communication with a remote daemon.\n"
