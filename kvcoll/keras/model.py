@@ -40,8 +40,6 @@ over ranks, and the rows' on their owners) and is refused with the reason.
 
 from __future__ import annotations
 
-import collections.abc
-import math
 import signal
 import threading
 import warnings
@@ -53,7 +51,7 @@ import tensorflow as tf
 from .. import runtime
 from ..errors import InvalidArgumentError
 from ..step import END, IDLE, DataFailure, Loop
-from . import _compat
+from . import _compat, feed
 from ._compat import keras
 from .engine import engine_of, find_engine
 from .feed import split_validation, with_class_weight
@@ -189,21 +187,21 @@ class _Kvcoll:
         def local():
             nonlocal x, y, sample_weight, class_weight
             _check_compiled(self, "fit")
-            if class_weight and not _is_source(x):   # arrays: weights checked here
+            if class_weight and not feed.is_source(x):   # arrays: weights checked here
                 x, y, sample_weight = with_class_weight((x, y, sample_weight), class_weight)
                 class_weight = None
-            if val["split"] and val["data"] is None and not _is_source(x):
+            if val["split"] and val["data"] is None and not feed.is_source(x):
                 (x, y, sample_weight), val["data"] = split_validation(
                     x, y, sample_weight, val["split"])
                 val["split"] = 0.0
-            return _local_data(run, "train", x, y, sample_weight, batch_size, class_weight,
+            return feed.local_data(run, "train", x, y, sample_weight, batch_size, class_weight,
                                steps_per_epoch)
 
         run.position = _position_source(x)
-        mine, known = _agreed(eng, "fit:batches", local)
+        mine, known = feed.agreed(eng, "fit:batches", local)
         if not eng.synchronous:   # SSP/ASP: each rank runs its own steps to its epoch's end
             known = mine
-        x, y, sample_weight, class_weight, steps_per_epoch = _keras_data(
+        x, y, sample_weight, class_weight, steps_per_epoch = feed.keras_data(
             run, "train", mine, known, x, y, sample_weight, batch_size, shuffle,
             class_weight, steps_per_epoch)
         validation_data, validation_split = val["data"], val["split"]
@@ -211,9 +209,9 @@ class _Kvcoll:
             vbatch, vsteps = kwargs.get("validation_batch_size") or batch_size, \
                 kwargs.get("validation_steps")
             vx, vy, vsw = _unpack_validation(validation_data)
-            vmine, vknown = _agreed(eng, "fit:validation_batches", lambda: _local_data(
+            vmine, vknown = feed.agreed(eng, "fit:validation_batches", lambda: feed.local_data(
                 run, "test", vx, vy, vsw, vbatch, None, vsteps))
-            vx, vy, vsw, _, vsteps = _keras_data(run, "test", vmine, vknown, vx, vy, vsw,
+            vx, vy, vsw, _, vsteps = feed.keras_data(run, "test", vmine, vknown, vx, vy, vsw,
                                                  vbatch, False, None, vsteps)
             validation_data = tuple(p for p in (vx, vy, vsw) if p is not None) \
                 if vy is not None else vx
@@ -266,10 +264,10 @@ class _Kvcoll:
         else:
             def local():
                 _check_compiled(self, "evaluate")
-                return _local_data(run, "test", x, y, sample_weight, batch_size, None, steps)
+                return feed.local_data(run, "test", x, y, sample_weight, batch_size, None, steps)
 
-            mine, shared = _agreed(eng, "evaluate:batches", local)
-            x, y, sample_weight, _, steps = _keras_data(
+            mine, shared = feed.agreed(eng, "evaluate:batches", local)
+            x, y, sample_weight, _, steps = feed.keras_data(
                 run, "test", mine, shared, x, y, sample_weight, batch_size, False, None, steps)
         if not isinstance(callbacks, keras.callbacks.CallbackList):
             callbacks = _rank_callbacks(eng, callbacks)
@@ -291,11 +289,11 @@ class _Kvcoll:
         run.outputs_given = False
         out = None
         with _joined_on_failure(eng, run, "predict"):
-            local = _local_batches(x, batch_size, steps)
-            if _is_python_source(x):
-                run.source["predict"] = _Source(x, steps)
-                x, local = _stand_in(None), None
-            x = _keras_arrays(x)
+            local = feed.local_batches(x, batch_size, steps)
+            if feed.is_python_source(x):
+                run.source["predict"] = feed.Source(x, steps)
+                x, local = feed.stand_in(None), None
+            x = feed.keras_arrays(x)
             if local != 0:   # (Keras 2 refuses data with no batch: this rank joins after)
                 out = super().predict(x, batch_size=batch_size,
                                       verbose=_verbose(eng, verbose), steps=steps,
@@ -621,180 +619,11 @@ def _resume_data(model, run, epoch: int) -> None:
               "is short", flush=True)
 
 
-# -- agreeing on the data -----------------------------------------------------------------
-
-def _is_source(x) -> bool:
-    """A data set that yields its own batches (tf.data, a generator, a PyDataset)."""
-    if x is None or isinstance(x, (np.ndarray, tf.Tensor, tf.RaggedTensor, dict, list,
-                                   tuple, str, bytes)):
-        return False
-    return True
-
-
-def _is_python_source(x) -> bool:
-    """A source kvcoll reads itself: any iterable or iterator of batches, a generator, a
-    PyDataset / Sequence, a kvcoll reader; not arrays and not a tf.data.Dataset."""
-    return _is_source(x) and not isinstance(x, tf.data.Dataset)
-
-
-class _Source:
-    """A Python source of batches (see _is_python_source), read by the step functions
-    themselves: Keras never converts its batches to tf.data (whose fixed signature
-    refuses ids whose count varies, and which peeks at batches on one rank alone)."""
-
-    def __init__(self, data, steps=None):
-        self.data = data
-        self._it = None
-        self._indexed = not isinstance(data, collections.abc.Iterable) and \
-            hasattr(data, "__getitem__") and hasattr(data, "__len__")
-        self._one_shot = isinstance(data, collections.abc.Iterator)
-
-    @property
-    def length(self) -> int | None:
-        try:
-            return None if self._one_shot else len(self.data)
-        except TypeError:
-            return None
-
-    def new_pass(self) -> None:
-        """An epoch begins: a new pass over the data (a one-shot iterator goes on)."""
-        if self._one_shot:
-            self._it = self._it or self.data
-            return
-        if self._indexed and self._it is not None and hasattr(self.data, "on_epoch_end"):
-            self.data.on_epoch_end()
-        self._it = (self.data[i] for i in range(len(self.data))) if self._indexed \
-            else iter(self.data)
-
-    def iterator(self):
-        if self._it is None:
-            self.new_pass()
-        return self._it
-
-
-def _stand_in(count: int | None) -> tf.data.Dataset:
-    """What Keras iterates in place of a Python source: step numbers, `count` of them,
-    or of unknown length (the step functions end the pass)."""
-    if count is not None:
-        return tf.data.Dataset.range(count)
-    return tf.data.Dataset.range(1).repeat().filter(lambda i: tf.constant(True))
-
-
-def _local_batches(x, batch_size, steps) -> int | None:
-    """This rank's number of batches, None if unknown (generators, streams)."""
-    count = None
-    if isinstance(x, tf.data.Dataset):
-        c = int(x.cardinality().numpy())
-        count = c if c >= 0 else None
-    elif _is_python_source(x):
-        count = _Source(x).length
-    elif x is not None:
-        n = _num_samples(x)
-        count = math.ceil(n / (batch_size or 32)) if n is not None else None
-    if steps is not None:
-        count = int(steps) if count is None else min(int(steps), count)
-    return count
-
-
-def _num_samples(x) -> int | None:
-    for leaf in tf.nest.flatten(x, expand_composites=False):
-        if isinstance(leaf, tf.RaggedTensor):
-            return int(leaf.nrows())
-        shape = getattr(leaf, "shape", None)
-        if shape is not None and len(shape):
-            return int(shape[0])
-    return None
-
-
-def _agreed(eng, op: str, local):
-    """Run local(), this rank's part of a set-up (it may fail, e.g. on bad arguments),
-    which returns its number of batches (None: unknown), and agree with every rank (a
-    collective): a failure on any rank raises on every rank. Returns (this rank's count,
-    the count every rank shares or None)."""
-    try:
-        mine, err = local(), None
-    except Exception as exc:  # noqa: BLE001 - every rank must learn of it
-        mine, err = None, exc
-    got = eng.comm.allgather(np.array([-1 if mine is None else mine, int(err is not None)],
-                                      np.int64), op=op)
-    if got[:, 1].any():
-        texts = eng.comm.allgather_json(None if err is None else
-                                        f"{type(err).__name__}: {err}", op + ":errors")
-        if err is not None:
-            raise err
-        bad = [r for r, t in enumerate(texts) if t]
-        raise InvalidArgumentError(f"rank(s) {bad} could not set up {op}: {texts[bad[0]]}")
-    counts = got[:, 0]
-    shared = int(counts[0]) if (counts >= 0).all() and (counts == counts[0]).all() else None
-    return mine, shared
-
-
-def _keras_arrays(x):
-    """Arrays as Keras' array adapter takes them: string ids (numpy str, bytes or object
-    arrays) as tf.string tensors, and (values, row_splits) pairs of multi-hot ids as
-    tf.RaggedTensor (one row per sample)."""
-    if x is None or _is_source(x):
-        return x
-
-    def leaf(v):
-        if isinstance(v, tuple) and len(v) == 2 and all(
-                isinstance(a, (np.ndarray, tf.Tensor)) and len(a.shape) == 1 for a in v):
-            return tf.RaggedTensor.from_row_splits(v[0], np.asarray(v[1], np.int64))
-        if isinstance(v, np.ndarray) and v.dtype.kind in "USO":
-            return tf.constant(v.astype(object) if v.dtype.kind == "U" else v, tf.string)
-        return v
-
-    if isinstance(x, dict):
-        return {k: leaf(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [leaf(v) for v in x]
-    if isinstance(x, tuple):
-        return tuple(leaf(v) for v in x)
-    return leaf(x)
-
-
 def _check_compiled(model, what: str) -> None:
     if not _compat.is_compiled(model) or (what == "fit" and model.optimizer is None):
         raise InvalidArgumentError(
             f"call model.compile(optimizer=kv.DistributedOptimizer(...), loss=...) before "
             f"model.{what}()")
-
-
-def _local_data(run, kind, x, y, sw, batch_size, class_weight, steps) -> int | None:
-    """This rank's part of agreeing on a pass's data: a Python source becomes the step
-    functions' own (run.source); returns its number of batches (None: unknown)."""
-    if _is_python_source(x):
-        if y is not None or sw is not None or class_weight:
-            raise InvalidArgumentError(
-                f"y, sample_weight and class_weight must be None when x is a "
-                f"{type(x).__name__} (it yields (x, y[, sample_weight]) itself)")
-        run.source[kind] = _Source(x, steps)
-    else:
-        run.source[kind] = None
-    return _local_batches(x, batch_size, steps)
-
-
-def _keras_data(run, kind, mine, shared, x, y, sw, batch_size, shuffle, class_weight, steps):
-    """The data as Keras gets it, once the counts are agreed: a stand-in for a Python
-    source; data of unknown length when the ranks' counts differ or one is unknown (so
-    the step functions end the pass when every rank's data has). Returns (x, y, sw,
-    class_weight, steps)."""
-    if run.source[kind] is not None:
-        return _stand_in(shared), None, None, None, shared
-    x = _keras_arrays(x)
-    if shared is not None or mine is None:
-        return x, y, sw, class_weight, steps
-    # Keras would stop at this rank's own count: data of unknown length instead
-    if isinstance(x, tf.data.Dataset):
-        return x.filter(lambda *a: tf.constant(True)), y, sw, class_weight, None
-    if class_weight:
-        x, y, sw = with_class_weight((x, y, sw), class_weight)
-    parts = tuple(p for p in (x, y, sw) if p is not None)
-    ds = tf.data.Dataset.from_tensor_slices(parts if len(parts) > 1 else parts[0])
-    if shuffle:
-        ds = ds.shuffle(max(1, _num_samples(x) or 1), reshuffle_each_iteration=True)
-    ds = ds.batch(batch_size or 32).filter(lambda *a: tf.constant(True))
-    return ds, None, None, None, None
 
 
 class _joined_on_failure:
