@@ -59,8 +59,13 @@ def init(argv: list[str] | None = None, **settings) -> Config:
     ids.configure(cfg.id_hash)
     if cfg.elastic_min_np:  # (kvcoll.elastic) MPI_Finalize may hang after a lost peer
         skip_finalize()
-    comm = Comm(timeout=cfg.comm_timeout, timeouts=cfg.timeouts,
-                elastic=cfg.elastic_min_np > 0)
+    try:
+        comm = Comm(timeout=cfg.comm_timeout, timeouts=cfg.timeouts,
+                    elastic=cfg.elastic_min_np > 0)
+    except CommError as exc:     # a peer lost or not started before anything began:
+        if cfg.elastic_min_np:   # the elastic launcher starts the job again
+            announce({"event": "start_failed", "error": str(exc)})
+        raise
     _state.update(config=cfg)
     replace_comm(comm)
     atexit.register(_at_exit)

@@ -34,7 +34,8 @@ itself outside the survivors' majority). Some failures end the whole job anyway 
 a lost host takes every rank with it in Open MPI 5.0; a failure outside a training
 step): then kvcollrun relaunches the job on the hosts that are left, which restores the
 latest checkpoint (kv.callbacks.Checkpoint(restore=True)) resharded onto the new world,
-and says so. Hosts that lost a rank are held out for --cooldown seconds (default 60),
+and says so. So does a launch whose kv.init failed on a peer lost or missing before
+anything began (kvcoll tells it: a `start_failed` event). Hosts that lost a rank are held out for --cooldown seconds (default 60),
 not for the rest of the job. It stops relaunching after --max-relaunches (default 10),
 when fewer than --min-np slots are left for --elastic-timeout seconds (default 60),
 when a rank failed with an ordinary error (a bug does not go away by relaunching), or
@@ -336,6 +337,7 @@ class Outcome:
     kills: list = dataclasses.field(default_factory=list)
     exits: int = 0          # ranks that said they ended normally (kvcoll's atexit)
     starts: int = 0         # ranks that said they started (kv.init)
+    start_failed: str | None = None  # kv.init failed on a lost or missing peer (first)
     stopped: int = 0        # ranks that ended because they were asked to stop (SIGUSR2)
     crashed: bool = False   # a rank crashed or called MPI_Abort
     fenced: int = 0         # ranks that exited outside the survivors' majority
@@ -365,6 +367,8 @@ class Outcome:
                 self.stopped += bool(ev.get("preempted"))
             if ev.get("event") == "start":
                 self.starts += 1
+            if ev.get("event") == "start_failed" and self.start_failed is None:
+                self.start_failed = str(ev.get("error") or "kv.init failed")
             if ev.get("event") == "fenced":
                 self.fenced += 1
             return
@@ -580,7 +584,9 @@ def run(argv: list, *, command, watchdog, say, takes_one, takes_two, kill_after:
         if outcome.below_min:
             say(f"the job stopped below --min-np {o.min_np}: {outcome.below_min}")
             return code or 1
-        retry = launches > 1 and outcome.starts < n    # a relaunch that did not come up
+        # a relaunch that did not come up; or any launch whose kv.init failed on a peer
+        # lost or missing before anything began (never an error of the program's own)
+        retry = outcome.starts < n and (launches > 1 or outcome.start_failed is not None)
         if not outcome.lost and not retry:
             say("the job failed without losing a rank or host"
                 + (f" (a rank raised {outcome.bug})" if outcome.bug else "")
@@ -613,7 +619,9 @@ def run(argv: list, *, command, watchdog, say, takes_one, takes_two, kill_after:
                 f"{o.elastic_timeout:g}s (--elastic-timeout): giving up")
             return code or 1
         why = f"lost {_describe_lost(outcome)}" if outcome.lost else \
-            f"the relaunch did not come up ({outcome.starts} of {n} rank(s) started)"
+            f"the {'relaunch' if launches > 1 else 'job'} did not come up ({outcome.starts} " \
+            f"of {n} rank(s) started" + (f"; kv.init: {outcome.start_failed}"
+                                         if outcome.start_failed else "") + ")"
         say(f"{why}: relaunching on {n} rank(s) ({_describe(hosts)}) from the latest "
             f"checkpoint (relaunch {failures} of at most {o.max_relaunches})")
         time.sleep(RELAUNCH_PAUSE)

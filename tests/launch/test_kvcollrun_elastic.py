@@ -216,6 +216,22 @@ def test_a_lost_host_is_relaunched_on_the_hosts_left(tmp_path):
     assert "the job recovered and finished (3 launch(es))" in out
 
 
+def test_a_job_whose_start_failed_on_a_peer_is_launched_again(tmp_path):
+    # (CI once saw kv.init's first collective fail under kvcollrun --elastic: a peer was
+    # taken for lost before anything had begun; nothing is lost by starting again)
+    failed = ('[1,2]<stderr>: kvcoll-elastic {"event": "start_failed", "error": "rank 2/3: '
+              'dup (a new communicator: every rank must create it) failed: MPI_ERR_INTERN"}')
+    start = '[1,0]<stderr>: kvcoll-elastic {"event": "start", "rank": 0}'
+    plan = [{"print": [failed], "code": 1},
+            {"print": [start, '[1,0]<stderr>: kvcoll-elastic {"event": "exit", "rank": 0}']}]
+    code, out, runs = launch(tmp_path, ["-H", "a:1,b:1,c:1", "true"], plan)
+    assert code == 0 and len(runs) == 2, out
+    assert [value(r["argv"], "-np") for r in runs] == ["3", "3"]
+    assert "the job did not come up (0 of 3 rank(s) started; kv.init: rank 2/3: dup (a new " \
+           "communicator: every rank must create it) failed: MPI_ERR_INTERN): relaunching " \
+           "on 3 rank(s)" in out, out
+
+
 def test_below_min_np_or_an_ordinary_error_is_not_relaunched(tmp_path):
     said = ('[1,1]<stderr>: kvcoll-elastic {"event": "below_min_np", "reason": "rank 2 '
             '(host c) lost at step 40: 2 rank(s) left, fewer than --min-np 3", "hosts": '

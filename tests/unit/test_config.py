@@ -97,3 +97,25 @@ def test_comm_deadlines_by_kind_and_the_thread_level_check():
     with pytest.raises(CommError, match="MPI_THREAD_MULTIPLE.*MPI_THREAD_SERIALIZED"):
         c.require_threads("SSP/ASP")
     c.free()
+
+
+@pytest.mark.parametrize("elastic", [True, False])
+def test_an_elastic_start_that_fails_on_a_peer_tells_the_launcher(monkeypatch, capsys, elastic):
+    """kv.init under kvcollrun --elastic: when its first collective fails on a peer lost
+    or missing, the launcher is told (it starts the job again); otherwise nothing."""
+    from kvcoll import CommError, runtime
+
+    def failing(**_):
+        raise CommError("rank 2/3: dup (a new communicator: every rank must create it) "
+                        "failed: MPI_ERR_INTERN")
+
+    monkeypatch.setattr(runtime, "Comm", failing)
+    monkeypatch.setattr(runtime, "skip_finalize", lambda: None)
+    monkeypatch.setattr(runtime, "_state", {})
+    if elastic:
+        monkeypatch.setenv("KVCOLL_ELASTIC_MIN_NP", "2")
+    with pytest.raises(CommError, match="MPI_ERR_INTERN"):
+        runtime.init(argv=[])
+    err = capsys.readouterr().err
+    assert ('kvcoll-elastic {"error": "rank 2/3: dup (a new communicator: every rank must '
+            'create it) failed: MPI_ERR_INTERN", "event": "start_failed"}' in err) == elastic
