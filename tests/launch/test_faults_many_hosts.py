@@ -34,7 +34,7 @@ T = 3.0             # KVCOLL_COMM_TIMEOUT: a step's exchanges
 KILL_AFTER = 5.0    # KVCOLLRUN_KILL_AFTER
 JOB = ROOT / "tests" / "launch" / "fault_job.py"
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.faults]   # (./dev faults runs them)
 
 
 @pytest.fixture(scope="module")
