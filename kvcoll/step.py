@@ -314,6 +314,7 @@ class Loop:
                 compute.set_dense_values(pull.dense)
             weight = n / agreement.total_samples if ex.synchronous else 1.0 / self.comm.size
             try:
+                _check_rows(pull)
                 grads = compute.train(batch, pull, weight)
                 agreement.report(OK if grads.finite else NONFINITE)
             except Exception as exc:  # noqa: BLE001 - every rank must learn of it
@@ -429,6 +430,7 @@ class Loop:
         state, fail = self.compute.state(), None
         if batch is not None and batch.n:
             try:
+                _check_rows(pull)
                 state = self.compute.evaluate(batch, pull)
             except Exception as exc:  # noqa: BLE001 - every rank must learn of it
                 fail = exc
@@ -462,6 +464,7 @@ class Loop:
         if batch is None:
             return True, None
         try:
+            _check_rows(pull)
             return True, self.compute.predict(batch, pull)
         except Exception as exc:  # noqa: BLE001 - every rank learns of it at the next step
             self._pending = exc
@@ -582,6 +585,14 @@ class Loop:
         raise errors.NonFiniteError(
             f"step {step}: the loss or a gradient is NaN/Inf on rank(s) {bad}{reason}; no "
             "update was applied (check the inputs for NaN/Inf, or lower the learning rate)")
+
+
+def _check_rows(pull) -> None:
+    """Raise the error of rows that arrived unusable (a value that overflowed a 16-bit
+    wire, kvcoll.exchange.wire), inside the compute's try: every rank learns of it."""
+    check = getattr(pull, "check", None)
+    if check is not None:
+        check()
 
 
 class _Staged:
