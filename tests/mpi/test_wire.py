@@ -1,0 +1,318 @@
+"""fp16/bf16 rows and row gradients on the wire, at any world size (TF-free).
+
+- BSP, exactly: every rank's rows are a one-table reference's rows rounded to the wire;
+  each owner sums the rounded gradients of every rank in rank order, in float32, and
+  applies them with the table's optimizer: its rows equal the reference's bit for bit,
+  and stay float32 (not wire values);
+- the bytes each rank sends: ids 8 bytes each, rows and gradients 2 bytes a value
+  instead of 4 (exactly half of fp32's for the same batches), nothing for its own share;
+- training through the step loop (BSP, SSP, ASP) with a numpy model: fp16 and bf16
+  end within TOLERANCE of the fp32 run (loss and every row), and the tables hold
+  float32 values;
+- a row or a gradient beyond fp16's range refuses the step on every rank with the
+  error naming the table and the key, and no table changes anywhere.
+"""
+
+import numpy as np
+import pytest
+
+from kvcoll import KvTable, NonFiniteError, optimizers
+from kvcoll.config import StepMode
+from kvcoll.exchange import OK, Agreement, BspExchange, make_exchange
+from kvcoll.exchange.bsp import group_key
+from kvcoll.exchange.wire import Wire
+from kvcoll.routing import OwnerMap, owner_of
+from kvcoll.step import Grads, Loop
+
+DIMS = {"a": 8, "b": 3}
+STEPS = 5
+# How far a 16-bit run ends from the fp32 run in test_training_matches_fp32 (40 steps of
+# a logistic model on rows of magnitude ~0.1-1; measured at 1, 2 and 3 ranks: fp16
+# <= 4e-4 on rows, bf16 <= 4e-3): a wire's rounding step is 2^-11 (fp16) and 2^-8
+# (bf16) of a value, and training does not amplify it.
+TOLERANCE = {"fp16": {"rows": 2e-3, "loss": 2e-3}, "bf16": {"rows": 2e-2, "loss": 1e-2}}
+
+
+def make_tables(opt="adagrad"):
+    make = {"adagrad": lambda: optimizers.Adagrad(0.2), "sgd": lambda: optimizers.SGD(0.5)}
+    return {n: KvTable(d, name=n, seed=7, initializer=("uniform", -1.5, 1.5),
+                       optimizer=make[opt]()) for n, d in DIMS.items()}
+
+
+def batch_of(rank, step):
+    rng = np.random.default_rng([3, rank, step])
+    return {"a": rng.integers(0, 80, 60).astype(np.int64),
+            "b": rng.integers(-20, 20, 25).astype(np.int64)}
+
+
+def grad_of(rank, uniq, dim):
+    """A fixed gradient per (rank, id), with values across fp16's precision."""
+    base = (np.asarray(uniq, np.float64)[:, None] * 0.0137 + rank * 0.11
+            + np.arange(dim)[None] * 0.031)
+    return (np.sin(base) * 0.3).astype(np.float32)
+
+
+def rounded(x, wire):
+    out = np.ascontiguousarray(x, np.float32).copy()
+    wire.round(out)
+    return out
+
+
+def export_sorted(t):
+    e = t.export()
+    order = np.argsort(e["keys"])
+    return {k: v[order] for k, v in e.items()}
+
+
+@pytest.mark.parametrize("wire_dtype", ["fp16", "bf16"])
+def test_bsp_rows_and_sums_at_the_wire_width(comm, wire_dtype):
+    world, me = comm.size, comm.rank
+    wire = Wire(wire_dtype)
+    dist, ref = make_tables(), make_tables()
+    owners = OwnerMap.even(world)
+    ex = BspExchange(comm, dist, wire_dtype=wire_dtype)
+    for step in range(1, STEPS + 1):
+        pull = ex.pull(batch_of(me, step))
+        for n, p in pull.items():   # the reference's rows (before this step), rounded
+            np.testing.assert_array_equal(
+                p.rows, rounded(ref[n].find_or_create(p.uniq, step=step), wire), err_msg=n)
+        ex.push(pull, {n: grad_of(me, p.uniq, DIMS[n]) for n, p in pull.items()}).commit()
+        for n in DIMS:   # each id's rounded gradients summed in rank order, in float32
+            sums = {}
+            for r in range(world):
+                u = np.unique(batch_of(r, step)[n])
+                for k, g in zip(u, rounded(grad_of(r, u, DIMS[n]), wire)):
+                    sums[int(k)] = g if int(k) not in sums else sums[int(k)] + g
+            keys = np.array(sorted(sums), np.int64)
+            ref[n].find_or_create(keys, step=step)
+            ref[n].apply_gradients(keys, np.stack([sums[int(k)] for k in keys]), step=step)
+    for n, t in dist.items():
+        got = export_sorted(t)
+        assert (owner_of(got["keys"], owners) == me).all()
+        want = ref[n].find(got["keys"])
+        np.testing.assert_array_equal(got["values"], want, err_msg=n)
+        assert got["values"].dtype == np.float32
+        if got["values"].size:   # float32 values, most of them no wire value
+            assert (rounded(got["values"], wire) != got["values"]).mean() > 0.5
+    for t in [*dist.values(), *ref.values()]:
+        t.close()
+
+
+def test_bytes_on_the_wire_are_halved(comm):
+    world, me = comm.size, comm.rank
+    owners = OwnerMap.even(world)
+    sent = {}
+    for wire_dtype in ("fp32", "fp16", "bf16"):
+        tabs = make_tables("sgd")
+        ex = BspExchange(comm, tabs, wire_dtype=wire_dtype)
+        for step in range(1, STEPS + 1):
+            pull = ex.pull(batch_of(me, step))
+            ex.push(pull, {n: grad_of(me, p.uniq, DIMS[n]) for n, p in pull.items()}).commit()
+        sent[wire_dtype] = dict(ex.wire_bytes)
+        for t in tabs.values():
+            t.close()
+    # what the batches say: ids and gradients to the other owners, rows to the others
+    ids = rows = grads = 0
+    for step in range(1, STEPS + 1):
+        for n, d in DIMS.items():
+            mine = np.unique(batch_of(me, step)[n])
+            away = int((owner_of(mine, owners) != me).sum())
+            ids += 8 * away
+            grads += 4 * d * away
+            for r in range(world):
+                if r != me:
+                    theirs = np.unique(batch_of(r, step)[n])
+                    rows += 4 * d * int((owner_of(theirs, owners) == me).sum())
+    assert sent["fp32"] == {"ids": ids, "rows": rows, "grads": grads}
+    for w in ("fp16", "bf16"):
+        assert sent[w] == {"ids": ids, "rows": rows // 2, "grads": grads // 2}
+    if world > 1:
+        assert ids > 0 and rows > 0 and grads > 0
+
+
+class Logistic:
+    """p = sigmoid(sum over tables of the id's row . w_t) with fixed w_t: row gradients
+    only (no dense part), written out in numpy."""
+
+    n_dense, dense_slots = 0, 0
+
+    def __init__(self):
+        self.w = {n: np.linspace(-1, 1, d).astype(np.float32) for n, d in DIMS.items()}
+        self._state = np.zeros(2, np.float32)
+
+    def prepare(self, element, x_only=False):
+        ids, y = element
+
+        class B:
+            pass
+        b = B()
+        b.ids, b.y, b.n = ids, y, len(y)
+        return b
+
+    def ids(self, batch):
+        return dict(batch.ids) if batch is not None else \
+            {n: np.zeros(0, np.int64) for n in DIMS}
+
+    def _logit(self, batch, pull):
+        z = np.zeros(batch.n, np.float32)
+        for n in DIMS:
+            z += pull.rows[group_key(DIMS[n])][pull.pos[n]] @ self.w[n]
+        return 1 / (1 + np.exp(-z))
+
+    def train(self, batch, pull, weight):
+        p = self._logit(batch, pull)
+        loss = float(-np.mean(batch.y * np.log(p) + (1 - batch.y) * np.log(1 - p)))
+        d = ((p - batch.y) / batch.n * weight).astype(np.float32)
+        rows = {g: np.zeros_like(m) for g, m in pull.rows.items()}
+        for n in DIMS:
+            np.add.at(rows[group_key(DIMS[n])], pull.pos[n], d[:, None] * self.w[n][None])
+        state = self._state + np.array([loss * batch.n, batch.n], np.float32)
+        return Grads(loss * weight, None, rows, state, bool(np.isfinite(loss)))
+
+    def zero_grads(self, pull):
+        return Grads(0.0, None, {g: np.zeros_like(m) for g, m in pull.rows.items()},
+                     self._state)
+
+    def evaluate(self, batch, pull):
+        p = self._logit(batch, pull)
+        loss = float(-np.mean(batch.y * np.log(p) + (1 - batch.y) * np.log(1 - p)))
+        return self._state + np.array([loss * batch.n, batch.n], np.float32)
+
+    def predict(self, batch, pull):
+        return self._logit(batch, pull)
+
+    def state(self):
+        return self._state
+
+    def set_state(self, state):
+        self._state = np.asarray(state, np.float32)
+
+    def apply(self, dense_sum, state, step):
+        return self.logs(state)
+
+    def logs(self, state):
+        return {"loss": float(state[0] / max(state[1], 1))}
+
+    def rates(self, step):
+        return None, None
+
+    def dense_values(self):
+        return np.zeros(0, np.float32), None, 0
+
+    def set_dense_values(self, flat, state=None, updates=None):
+        pass
+
+    def explain(self, batch):
+        return None
+
+
+def element(rank, step):
+    ids = batch_of(rank, step)
+    ids = {"a": ids["a"][:24], "b": ids["b"][:24]}
+    y = ((ids["a"] % 3 == 0) ^ (ids["b"] > 5)).astype(np.float32)
+    return ids, y
+
+
+MODES = {"bsp": StepMode("bsp"), "ssp": StepMode("ssp", 1), "asp": StepMode("asp")}
+
+
+def train(comm, mode, wire_dtype, steps=40):
+    """The loss over every rank's held-out batches after `steps` steps, and every
+    table's (keys, values) on this rank."""
+    tabs = make_tables()
+    loop = Loop(make_exchange(comm, tabs, MODES[mode], wire_dtype=wire_dtype), Logistic())
+    for step in range(1, steps + 1):
+        loop.train(element(comm.rank, step))
+    loop.finish()
+    loop.compute.set_state(np.zeros(2, np.float32))
+    for step in range(1000, 1004):     # evaluation reads rows at the wire's width too
+        logs = loop.evaluate(element(comm.rank, step))
+    out = {n: export_sorted(t) for n, t in tabs.items()}
+    loop.close()
+    for t in tabs.values():
+        t.close()
+    return logs["loss"], out
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_training_matches_fp32(comm, mode):
+    loss32, rows32 = train(comm, mode, "fp32")
+    for wire_dtype, tol in TOLERANCE.items():
+        loss, rows = train(comm, mode, wire_dtype)
+        assert abs(loss - loss32) <= tol["loss"], (wire_dtype, loss, loss32)
+        for n in DIMS:
+            np.testing.assert_array_equal(rows[n]["keys"], rows32[n]["keys"])
+            diff = np.abs(rows[n]["values"] - rows32[n]["values"]).max(initial=0)
+            assert diff <= tol["rows"], (wire_dtype, n, diff)
+            assert rows[n]["values"].dtype == np.float32
+            if rows[n]["values"].size:
+                wire = Wire(wire_dtype)
+                assert (rounded(rows[n]["values"], wire) != rows[n]["values"]).mean() > 0.5
+        if comm.rank == 0:
+            diffs = {n: np.abs(rows[n]["values"] - rows32[n]["values"]).max(initial=0)
+                     for n in DIMS}
+            print(f"{mode} {wire_dtype}: loss {loss:.6f} vs fp32 {loss32:.6f}; rows max diff "
+                  + ", ".join(f"{n} {d:.2e}" for n, d in diffs.items()))
+
+
+def test_a_gradient_beyond_fp16_is_refused_on_every_rank(comm):
+    world, me = comm.size, comm.rank
+    tabs = make_tables()
+    ex = BspExchange(comm, tabs, wire_dtype="fp16")
+    before = {n: export_sorted(t) for n, t in tabs.items()}
+    agreement = Agreement(5)
+    pull = ex.pull({"a": np.array([5, 6, 7]), "b": np.array([1])}, agreement)
+    grads = {n: grad_of(me, p.uniq, DIMS[n]) for n, p in pull.items()}
+    last = world - 1
+    if me == last:
+        grads["a"][list(pull["a"].uniq).index(6), 2] = 2e5
+    agreement.report(OK)
+    pushed = ex.push(pull, grads, None, np.zeros(1, np.float32), agreement)
+    pushed.reduced()
+    assert agreement.outcome_failed == [last]
+    if me == last:
+        assert "table 'a', key 6: a value of its row gradient is 200000, beyond fp16" in \
+            str(agreement.outcome_error)
+    ex.abandon(pushed)
+    for n, t in tabs.items():
+        after = export_sorted(t)
+        for k in before[n]:
+            np.testing.assert_array_equal(before[n][k], after[k], err_msg=(n, k))
+    for t in tabs.values():
+        t.close()
+
+
+@pytest.mark.parametrize("mode", ["bsp", "ssp"])
+def test_a_row_beyond_fp16_fails_the_step_on_every_rank(comm, mode):
+    world, me = comm.size, comm.rank
+    tabs = make_tables()
+    key = 33                           # owned by some rank, read by the last one only
+    owner = int(owner_of(np.array([key]), OwnerMap.even(world))[0])
+    if me == owner:
+        tabs["a"].find_or_create(np.array([key]), step=0)
+        tabs["a"].update(np.array([key]), np.full((1, DIMS["a"]), -9e4, np.float32))
+    before = {n: export_sorted(t) for n, t in tabs.items()}
+    mode = MODES[mode] if mode == "bsp" else StepMode("ssp", 0)
+    loop = Loop(make_exchange(comm, tabs, mode, wire_dtype="fp16"), Logistic())
+    ids, y = element(me, 1)
+    ids["a"] = ids["a"] % 30                   # keys below 30: all fit
+    if me == world - 1:
+        ids["a"][3] = key
+    if mode.name == "bsp":                     # every rank raises (the agreed error)
+        with pytest.raises(NonFiniteError, match=f"table 'a', key {key}: a value of its row"):
+            loop.train((ids, y))
+        for n, t in tabs.items():
+            after = export_sorted(t)
+            for k in before[n]:
+                np.testing.assert_array_equal(before[n][k], after[k], err_msg=(n, k))
+    elif me == world - 1:                      # SSP: the rank that read it
+        with pytest.raises(NonFiniteError, match=f"table 'a', key {key}: a value of its row"):
+            loop.train((ids, y))
+        assert loop.step == 0
+    else:
+        loop.train((ids, y))
+    if mode.name != "bsp":
+        loop.finish()
+    loop.close()
+    for t in tabs.values():
+        t.close()
