@@ -420,6 +420,9 @@ class SspExchange:
         already sent to lower ranks are theirs to apply or refuse), and the run cannot
         go on (see _apply)."""
         world = self._world
+        if agreement is not None and agreement.outcome != OK:   # nothing is sent
+            agreement.settle_outcome(agreement.outcome_codes(world, self._rank))
+            return Posted(None, pull, 0)
         last = pull if pull is not None and pull is self._last else None
         step = pull.step if pull is not None else self.step
         if last is None:
@@ -432,7 +435,7 @@ class SspExchange:
             counts, payload = last.counts, last.payload_of(grads)
         wire = self.wire
         packed, bad = wire.pack(payload)
-        if bad >= 0 and (agreement is None or agreement.outcome == OK):
+        if bad >= 0:    # refused like a failed compute: nothing of it is sent
             name, key = last.where(bad)
             exc = wire.overflow_error(f"table {name!r}, key {key}: a value of its row gradient",
                                       float(payload[bad]), step)
