@@ -10,13 +10,17 @@
   end within TOLERANCE of the fp32 run (loss and every row), and the tables hold
   float32 values;
 - a row or a gradient beyond fp16's range refuses the step on every rank with the
-  error naming the table and the key, and no table changes anywhere.
+  error naming the table and the key, and no table changes anywhere (SSP: the rank
+  that read the row refuses its own step, at once);
+- (SSP/ASP) a rank whose own step fails raises its error at once: the loop used to
+  gather every rank's error text with a collective the other ranks, stepping on their
+  own, never joined (it ended at the step deadline with a CommTimeoutError).
 """
 
 import numpy as np
 import pytest
 
-from kvcoll import KvTable, NonFiniteError, optimizers
+from kvcoll import InvalidArgumentError, KvTable, NonFiniteError, optimizers
 from kvcoll.config import StepMode
 from kvcoll.exchange import OK, Agreement, BspExchange, make_exchange
 from kvcoll.exchange.bsp import group_key
@@ -33,9 +37,9 @@ STEPS = 5
 TOLERANCE = {"fp16": {"rows": 2e-3, "loss": 2e-3}, "bf16": {"rows": 2e-2, "loss": 1e-2}}
 
 
-def make_tables(opt="adagrad"):
+def make_tables(opt="adagrad", init=1.5):
     make = {"adagrad": lambda: optimizers.Adagrad(0.2), "sgd": lambda: optimizers.SGD(0.5)}
-    return {n: KvTable(d, name=n, seed=7, initializer=("uniform", -1.5, 1.5),
+    return {n: KvTable(d, name=n, seed=7, initializer=("uniform", -init, init),
                        optimizer=make[opt]()) for n, d in DIMS.items()}
 
 
@@ -59,9 +63,11 @@ def rounded(x, wire):
 
 
 def export_sorted(t):
+    """A table's rows by key: what a refused step must leave as it was (a lookup stamps
+    its step on the rows it read, as it does in any step)."""
     e = t.export()
     order = np.argsort(e["keys"])
-    return {k: v[order] for k, v in e.items()}
+    return {k: e[k][order] for k in ("keys", "values", "slots", "counts")}
 
 
 @pytest.mark.parametrize("wire_dtype", ["fp16", "bf16"])
@@ -142,6 +148,8 @@ class Logistic:
 
     def prepare(self, element, x_only=False):
         ids, y = element
+        if y is None:
+            raise InvalidArgumentError("this batch has no labels")
 
         class B:
             pass
@@ -219,7 +227,7 @@ MODES = {"bsp": StepMode("bsp"), "ssp": StepMode("ssp", 1), "asp": StepMode("asp
 def train(comm, mode, wire_dtype, steps=40):
     """The loss over every rank's held-out batches after `steps` steps, and every
     table's (keys, values) on this rank."""
-    tabs = make_tables()
+    tabs = make_tables(init=0.2)
     loop = Loop(make_exchange(comm, tabs, MODES[mode], wire_dtype=wire_dtype), Logistic())
     for step in range(1, steps + 1):
         loop.train(element(comm.rank, step))
@@ -277,7 +285,7 @@ def test_a_gradient_beyond_fp16_is_refused_on_every_rank(comm):
     for n, t in tabs.items():
         after = export_sorted(t)
         for k in before[n]:
-            np.testing.assert_array_equal(before[n][k], after[k], err_msg=(n, k))
+            np.testing.assert_array_equal(before[n][k], after[k], err_msg=f"{n} {k}")
     for t in tabs.values():
         t.close()
 
@@ -289,7 +297,8 @@ def test_a_row_beyond_fp16_fails_the_step_on_every_rank(comm, mode):
     key = 33                           # owned by some rank, read by the last one only
     owner = int(owner_of(np.array([key]), OwnerMap.even(world))[0])
     if me == owner:
-        tabs["a"].find_or_create(np.array([key]), step=0)
+        tabs["a"].apply_gradients(np.array([key]), np.zeros((1, DIMS["a"]), np.float32),
+                                  step=1, create_missing=True)   # a trained row
         tabs["a"].update(np.array([key]), np.full((1, DIMS["a"]), -9e4, np.float32))
     before = {n: export_sorted(t) for n, t in tabs.items()}
     mode = MODES[mode] if mode == "bsp" else StepMode("ssp", 0)
@@ -304,7 +313,7 @@ def test_a_row_beyond_fp16_fails_the_step_on_every_rank(comm, mode):
         for n, t in tabs.items():
             after = export_sorted(t)
             for k in before[n]:
-                np.testing.assert_array_equal(before[n][k], after[k], err_msg=(n, k))
+                np.testing.assert_array_equal(before[n][k], after[k], err_msg=f"{n} {k}")
     elif me == world - 1:                      # SSP: the rank that read it
         with pytest.raises(NonFiniteError, match=f"table 'a', key {key}: a value of its row"):
             loop.train((ids, y))
@@ -313,6 +322,24 @@ def test_a_row_beyond_fp16_fails_the_step_on_every_rank(comm, mode):
         loop.train((ids, y))
     if mode.name != "bsp":
         loop.finish()
+    loop.close()
+    for t in tabs.values():
+        t.close()
+
+
+@pytest.mark.parametrize("mode", ["ssp", "asp"])
+def test_ssp_a_bad_batch_on_one_rank_is_its_own_error_at_once(comm, mode):
+    world, me = comm.size, comm.rank
+    tabs = make_tables()
+    loop = Loop(make_exchange(comm, tabs, MODES[mode]), Logistic())
+    ids, y = element(me, 1)
+    if me == world - 1:
+        with pytest.raises(InvalidArgumentError, match="this batch has no labels"):
+            loop.train((ids, None))
+        assert loop.step == 0
+    else:
+        loop.train((ids, y))
+    loop.finish()
     loop.close()
     for t in tabs.values():
         t.close()
