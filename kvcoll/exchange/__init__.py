@@ -56,6 +56,8 @@ class Exchange(Protocol):
     step: the last step this rank started: the one counter of a run's progress (SSP/ASP:
         the worker's clock).
     comm: the communicator it runs on.
+    wire, wire_bytes (BSP, SSP, ASP): the kvcoll.exchange.wire.Wire its rows and row
+        gradients travel at, and the bytes this rank has sent the others, by payload.
     """
 
     synchronous: bool
