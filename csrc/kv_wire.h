@@ -66,6 +66,34 @@ int kv_wire_pack(kv_pool_t *pool, int32_t fmt, const float *in, int64_t n, uint1
 int kv_wire_unpack(kv_pool_t *pool, int32_t fmt, const uint16_t *in, int64_t n, float *out,
                    int64_t *first);
 
+/*
+ * A payload of segments (one per destination rank), the exchange's format. bf16: the
+ * values of every segment, packed plainly (as kv_wire_pack), one after another. fp16:
+ * each non-empty segment is [k][its n values times 2^k, packed], k an int16 (stored as
+ * its uint16 bits), chosen from the segment's largest finite magnitude m so that
+ * m * 2^k lies in [2^14, 2^15) (k = 14 - floor(log2 m), within [-126, 126]; 0 when the
+ * segment holds no nonzero finite value). Multiplying by a power of two is exact, so a
+ * value's only rounding is fp16's 11 significant bits, relative to its segment's largest:
+ * gradients far below fp16's smallest normal (6.1e-5; a mean loss over a large batch
+ * gives such) keep their precision instead of rounding to subnormals or zero, and no
+ * finite value can overflow. An empty segment takes no wire value.
+ *   seg[nseg]   values per segment (>= 0)
+ *   in, out     pack: sum(seg) floats in, kv_wire_segments_len() wire values out;
+ *               unpack: the reverse
+ *   first       out: pack, the index (in the floats) of the first finite value that
+ *               overflowed (only bf16, near float32's largest), or -1; unpack, the index
+ *               of the first NaN/Inf value written, or -1
+ * Returns KV_OK, KV_EINVAL, KV_ENOMEM.
+ */
+#define KV_WIRE_MAX_EXP 126
+int kv_wire_pack_segments(kv_pool_t *pool, int32_t fmt, const float *in, const int64_t *seg,
+                          int64_t nseg, uint16_t *out, int64_t *first);
+int kv_wire_unpack_segments(kv_pool_t *pool, int32_t fmt, const uint16_t *in,
+                            const int64_t *seg, int64_t nseg, float *out, int64_t *first);
+
+/* The exponent k an fp16 segment of these n values gets (see above). */
+int32_t kv_wire_exponent(const float *in, int64_t n);
+
 /* One value, for tests and for Python's error messages: the same conversions. */
 uint16_t kv_wire_from_float(int32_t fmt, float x);
 float kv_wire_to_float(int32_t fmt, uint16_t h);

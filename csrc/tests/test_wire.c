@@ -16,6 +16,10 @@
  * is reported; subnormals both ways (fp16's down to 2^-24, float32 ones into bf16),
  * also with the FPU's flush-to-zero and denormals-are-zero modes on; every ISA copy and
  * a pool of threads give the same bits as the one-value functions; bad arguments.
+ * Segments (the exchange's format): the exponent each fp16 segment gets; every value is
+ * the reference's fp16 of x * 2^k, times 2^-k; tiny and huge segments keep fp16's 11
+ * bits relative to their largest value and never overflow; bf16 segments are the plain
+ * concatenation; empty segments take no wire value; pools; NaN/Inf; bad arguments.
  */
 #include <math.h>
 #include <string.h>
@@ -321,6 +325,156 @@ static void test_batch(void) {
     free(h2);
 }
 
+/* The reference value of x in an fp16 segment of exponent k. */
+static float ref_seg_f16(float x, int32_t k) {
+    float s = (float)ldexp(1.0, k);
+    uint16_t h = ref_f16(x * s);
+    float v = kv_wire_to_float(F16, h);
+    return isnan(v) ? v : (float)((double)v * ldexp(1.0, -k));
+}
+
+static void test_exponents(void) {
+    float one[3] = {0.5f, -1.0f, 0.25f};
+    CHECK_EQ_INT(kv_wire_exponent(one, 3), 14);            /* 1 * 2^14 = 16384 */
+    float f[2] = {0.75f, NAN};
+    CHECK_EQ_INT(kv_wire_exponent(f, 2), 15);              /* NaN is not counted */
+    float big[2] = {65504.0f, -INFINITY};
+    CHECK_EQ_INT(kv_wire_exponent(big, 2), -1);
+    float huge[1] = {-3.0e38f};
+    CHECK_EQ_INT(kv_wire_exponent(huge, 1), -113);
+    float tiny[2] = {as_f32(0x00000005u), 0.0f};           /* a float32 subnormal */
+    CHECK_EQ_INT(kv_wire_exponent(tiny, 2), KV_WIRE_MAX_EXP);
+    float zeros[2] = {0.0f, -0.0f};
+    CHECK_EQ_INT(kv_wire_exponent(zeros, 2), 0);
+    CHECK_EQ_INT(kv_wire_exponent(zeros, 0), 0);
+    CHECK_EQ_INT(kv_wire_exponent(NULL, 5), 0);
+    float grad[2] = {3e-6f, -2e-5f};                        /* 2e-5 ~ 1.31 * 2^-16 */
+    CHECK_EQ_INT(kv_wire_exponent(grad, 2), 30);
+}
+
+static void test_segments(void) {
+    /* segments: gradient-sized, row-sized, empty, huge, with NaN/Inf, one value */
+    enum { NSEG = 7 };
+    int64_t seg[NSEG] = {5000, 3000, 0, 700, 9, 0, 1};
+    int64_t total = 0, wire = 0;
+    for (int s = 0; s < NSEG; s++) {
+        total += seg[s];
+        wire += seg[s] + (seg[s] > 0);
+    }
+    float *in = malloc((size_t)total * sizeof(float)), *back = malloc((size_t)total * sizeof(float));
+    uint16_t *h = malloc((size_t)wire * 2), *h2 = malloc((size_t)wire * 2);
+    uint64_t seed = 5;
+    int64_t a = 0;
+    for (int s = 0; s < NSEG; s++)
+        for (int64_t i = 0; i < seg[s]; i++, a++) {
+            double u = (double)(test_rand(&seed) >> 11) * 0x1p-53 * 2 - 1;
+            double scale = s == 0 ? 2e-5 : s == 1 ? 0.3 : s == 3 ? 1e30 : 1.0;
+            in[a] = (float)(u * scale);
+        }
+    int64_t at4 = 5000 + 3000 + 700;
+    in[at4 + 2] = NAN;
+    in[at4 + 5] = -INFINITY;
+    int64_t first = 7;
+    CHECK_EQ_INT(kv_wire_pack_segments(NULL, F16, in, seg, NSEG, h, &first), KV_OK);
+    CHECK_EQ_INT(first, -1);                                /* nothing overflows */
+    /* layout: [k][values] per non-empty segment; values are the reference's */
+    long bad = 0, worse = 0;
+    int64_t w = 0;
+    a = 0;
+    double worst = 0;
+    for (int s = 0; s < NSEG; s++) {
+        if (!seg[s]) continue;
+        int32_t k = kv_wire_exponent(in + a, seg[s]);
+        bad += (int16_t)h[w] != k;
+        w++;
+        float m = 0;
+        for (int64_t i = 0; i < seg[s]; i++)
+            if (isfinite(in[a + i]) && fabsf(in[a + i]) > m) m = fabsf(in[a + i]);
+        for (int64_t i = 0; i < seg[s]; i++, a++, w++) {
+            float want = ref_seg_f16(in[a], k), got = kv_wire_to_float(F16, h[w]) * (float)ldexp(1.0, -k);
+            bad += isnan(want) ? !isnan(got) : !same_float(want, got);
+            /* fp16's 11 bits relative to the segment's largest, whatever its size */
+            if (isfinite(in[a]) && fabs((double)in[a]) >= m * 0x1p-10) {
+                double rel = fabs((double)got - in[a]) / fabs((double)in[a]);
+                worst = rel > worst ? rel : worst;
+            }
+        }
+    }
+    CHECK_EQ_INT(bad, 0);
+    CHECK_EQ_INT(w, wire);
+    CHECK(worst <= 0x1p-11);
+    /* plain fp16 (no scale) loses the small gradients that segments keep */
+    for (int64_t i = 0; i < 5000; i++) {
+        float plain = kv_wire_to_float(F16, kv_wire_from_float(F16, in[i]));
+        worse += fabs((double)plain - in[i]) > fabs((double)in[i]) * 0x1p-11;
+    }
+    CHECK(worse > 1000);
+    CHECK_EQ_INT(kv_wire_unpack_segments(NULL, F16, h, seg, NSEG, back, &first), KV_OK);
+    CHECK_EQ_INT(first, at4 + 2);
+    bad = 0;
+    a = 0;
+    for (int s = 0; s < NSEG; s++) {
+        int32_t k = seg[s] ? kv_wire_exponent(in + a, seg[s]) : 0;
+        for (int64_t i = 0; i < seg[s]; i++, a++) {
+            float want = ref_seg_f16(in[a], k);
+            bad += isnan(want) ? !isnan(back[a]) : !same_float(want, back[a]);
+        }
+    }
+    CHECK_EQ_INT(bad, 0);
+    CHECK(back[at4 + 5] == -INFINITY);
+    /* a pool gives the same bits (enough values to use it) */
+    kv_pool_t *pool = NULL;
+    CHECK_EQ_INT(kv_pool_create(3, &pool), KV_OK);
+    int64_t bigseg[3] = {400000, 0, 300000};
+    float *bin = malloc(700000 * sizeof(float)), *bback = malloc(700000 * sizeof(float)),
+          *bback2 = malloc(700000 * sizeof(float));
+    uint16_t *bh = malloc(700002 * 2), *bh2 = malloc(700002 * 2);
+    for (int64_t i = 0; i < 700000; i++)
+        bin[i] = (float)(((double)(test_rand(&seed) >> 11) * 0x1p-53 - 0.5) * (i < 400000 ? 1e-4 : 3.0));
+    for (int32_t fmt = F16; fmt <= BF16; fmt++) {
+        int64_t n = fmt == F16 ? 700002 : 700000, f1, f2;
+        CHECK_EQ_INT(kv_wire_pack_segments(NULL, fmt, bin, bigseg, 3, bh, &f1), KV_OK);
+        CHECK_EQ_INT(kv_wire_pack_segments(pool, fmt, bin, bigseg, 3, bh2, &f2), KV_OK);
+        CHECK(memcmp(bh, bh2, (size_t)n * 2) == 0 && f1 == -1 && f2 == -1);
+        CHECK_EQ_INT(kv_wire_unpack_segments(NULL, fmt, bh, bigseg, 3, bback, &f1), KV_OK);
+        CHECK_EQ_INT(kv_wire_unpack_segments(pool, fmt, bh, bigseg, 3, bback2, &f2), KV_OK);
+        CHECK(memcmp(bback, bback2, 700000 * sizeof(float)) == 0 && f1 == -1 && f2 == -1);
+    }
+    /* bf16 segments: the plain concatenation, no header; an overflow is reported */
+    CHECK_EQ_INT(kv_wire_pack_segments(NULL, BF16, in, seg, NSEG, h, &first), KV_OK);
+    CHECK_EQ_INT(kv_wire_pack(NULL, BF16, in, total, h2, &first), KV_OK);
+    CHECK(memcmp(h, h2, (size_t)total * 2) == 0);
+    float keep = in[6000];
+    in[6000] = 3.4e38f;
+    CHECK_EQ_INT(kv_wire_pack_segments(NULL, BF16, in, seg, NSEG, h, &first), KV_OK);
+    CHECK_EQ_INT(first, 6000);
+    CHECK_EQ_INT(kv_wire_pack_segments(NULL, F16, in, seg, NSEG, h, &first), KV_OK);
+    CHECK_EQ_INT(first, -1);                                /* fp16 scales it down */
+    in[6000] = keep;
+    /* empty payloads and bad arguments */
+    int64_t none[2] = {0, 0};
+    CHECK_EQ_INT(kv_wire_pack_segments(NULL, F16, NULL, none, 2, NULL, &first), KV_OK);
+    CHECK_EQ_INT(first, -1);
+    CHECK_EQ_INT(kv_wire_unpack_segments(NULL, F16, NULL, none, 0, NULL, &first), KV_OK);
+    int64_t neg[2] = {3, -1};
+    CHECK_EQ_INT(kv_wire_pack_segments(NULL, F16, in, neg, 2, h, &first), KV_EINVAL);
+    CHECK_EQ_INT(kv_wire_pack_segments(NULL, KV_WIRE_F32, in, seg, NSEG, h, &first), KV_EINVAL);
+    CHECK_EQ_INT(kv_wire_pack_segments(NULL, F16, in, NULL, 2, h, &first), KV_EINVAL);
+    CHECK_EQ_INT(kv_wire_pack_segments(NULL, F16, NULL, seg, NSEG, h, &first), KV_EINVAL);
+    CHECK_EQ_INT(kv_wire_unpack_segments(NULL, F16, h, seg, NSEG, NULL, &first), KV_EINVAL);
+    CHECK_EQ_INT(kv_wire_unpack_segments(NULL, F16, h, seg, NSEG, back, NULL), KV_EINVAL);
+    kv_pool_destroy(pool);
+    free(in);
+    free(back);
+    free(h);
+    free(h2);
+    free(bin);
+    free(bback);
+    free(bback2);
+    free(bh);
+    free(bh2);
+}
+
 int main(void) {
     build_f16_table();
     test_round_trip();
@@ -329,5 +483,7 @@ int main(void) {
     test_subnormals();
     test_sweep();
     test_batch();
+    test_exponents();
+    test_segments();
     return test_summary();
 }

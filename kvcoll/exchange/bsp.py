@@ -329,16 +329,16 @@ class BspExchange:
         counts = pending.plan[1]
         self.comm.step = pending.step
         wire = self.wire
-        send, _ = wire.pack(reply)   # (an overflow arrives as Inf: the requester says so)
-        per_rank = (recv_counts * dims).sum(axis=1)
+        per_rank, expect = (recv_counts * dims).sum(axis=1), (counts * dims).sum(axis=1)
+        send, _ = wire.pack(reply, per_rank)   # (an overflow arrives as Inf: see below)
         try:
-            got, _ = self.comm.alltoallv(send, per_rank, op="pull:rows",
-                                         recv_counts=(counts * dims).sum(axis=1)).wait()
+            got, _ = self.comm.alltoallv(send, wire.counts(per_rank), op="pull:rows",
+                                         recv_counts=wire.counts(expect)).wait()
         except BaseException:       # (a lost peer) the rows this step created go again
             self._set.forget_new(served, pending.step)
             raise
-        self._sent("rows", per_rank, wire.itemsize)
-        rows, bad = wire.unpack(got)
+        self._sent("rows", wire.counts(per_rank), wire.itemsize)
+        rows, bad = wire.unpack(got, expect)
         out = Pull(self._set, self._names, [a.size for a in pending.given], rows, pending.plan)
         out.step, out.served = pending.step, served
         if bad >= 0:
@@ -381,20 +381,20 @@ class BspExchange:
         recv_counts = state[0]
         dims = self._dims
         wire = self.wire
-        packed, bad = wire.pack(send)
+        per_rank, expect = (pull.counts * dims).sum(axis=1), (recv_counts * dims).sum(axis=1)
+        packed, bad = wire.pack(send, per_rank)
         if bad >= 0 and agreement.outcome == OK:   # refused on every rank: the outcome
             name, key = pull.where(bad)
             agreement.report(FAILED, wire.overflow_error(
                 f"table {name!r}, key {key}: a value of its row gradient", float(send[bad]),
                 pull.step))
-        per_rank = (pull.counts * dims).sum(axis=1)
-        rows = self.comm.alltoallv(packed, per_rank, op="push:grads",
-                                   recv_counts=(recv_counts * dims).sum(axis=1))
-        self._sent("grads", per_rank, wire.itemsize)
+        rows = self.comm.alltoallv(packed, wire.counts(per_rank), op="push:grads",
+                                   recv_counts=wire.counts(expect))
+        self._sent("grads", wire.counts(per_rank), wire.itemsize)
         prepared, rates_before = None, None
         if agreement.outcome == OK:
             got, _ = rows.wait()
-            got, _ = wire.unpack(got)
+            got, _ = wire.unpack(got, expect)
             t0 = time.perf_counter()
             rates_before = self._set_rates(lr)
             try:

@@ -367,7 +367,8 @@ class SspExchange:
             if flat is not None and self._bounds[r + 1] > self._bounds[r]:
                 flat[self._bounds[r]:self._bounds[r + 1]] = \
                     rd.floats(self._bounds[r + 1] - self._bounds[r])
-            _, got = wire.unpack(rd.rows(int(fl_at[r + 1] - fl_at[r]), wire.dtype),
+            n = int(fl_at[r + 1] - fl_at[r])
+            _, got = wire.unpack(rd.rows(int(wire.counts(n)), wire.dtype), [n],
                                  out=payload[fl_at[r]:fl_at[r + 1]])
             if got >= 0 and (bad < 0 or fl_at[r] + got < bad):
                 bad = int(fl_at[r]) + got
@@ -434,7 +435,11 @@ class SspExchange:
         else:
             counts, payload = last.counts, last.payload_of(grads)
         wire = self.wire
-        packed, bad = wire.pack(payload)
+        _, fl_at = self._offsets(counts)
+        per_rank = np.diff(fl_at)
+        packed, bad = wire.pack(payload, per_rank)
+        at = np.zeros(world + 1, np.int64)      # where each owner's wire values start
+        np.cumsum(wire.counts(per_rank), out=at[1:])
         if bad >= 0:    # refused like a failed compute: nothing of it is sent
             name, key = last.where(bad)
             exc = wire.overflow_error(f"table {name!r}, key {key}: a value of its row gradient",
@@ -446,7 +451,6 @@ class SspExchange:
             agreement.settle_outcome(agreement.outcome_codes(world, self._rank))
             if agreement.outcome_failed:
                 return Posted(None, pull, 0)
-        _, fl_at = self._offsets(counts)
         if dense_grad is not None:
             dense_grad = np.ascontiguousarray(dense_grad, np.float32).reshape(-1)
             if dense_grad.size != self.dense_size:
@@ -462,11 +466,12 @@ class SspExchange:
         if self.trace and self.trace[-1].step == step:
             self.trace[-1].t_end = time.time()   # before any peer can see this step's push
         for r in range(world):
-            rg = packed[fl_at[r]:fl_at[r + 1]]
+            rg = packed[at[r]:at[r + 1]]
             dg = dense_grad[self._bounds[r]:self._bounds[r + 1]] if dense_grad is not None \
                 else None
             if r == self._rank:  # this rank's own share: applied here, in order, at once
-                self._apply(r, step, counts[r], wire.unpack(rg)[0], dg, rates)
+                self._apply(r, step, counts[r], wire.unpack(rg, per_rank[r:r + 1])[0], dg,
+                            rates)
                 continue
             msg = _pack([_PUSH, step, int(dg is not None), 0], [counts[r]],
                         [rates, dg if dg is not None else np.zeros(0, np.float32)], rows=rg)
@@ -704,20 +709,20 @@ class SspExchange:
         # float32 ones served in place)]
         wire = self.wire
         at = 8 + 4 * n_dense
-        msg = np.empty(at + wire.itemsize * n_rows, np.uint8)
+        msg = np.empty(at + wire.itemsize * int(wire.counts(n_rows)), np.uint8)
         msg[:8].view(np.int64)[0] = slow
         rows = msg[at:].view(wire.dtype)
         served = aligned_empty(n_rows, np.float32) if wire.compact else rows
         state = self._set.serve(ids, counts.reshape(1, -1), max(0, clock),
                                 bool(flags & _F_CREATE), served)
-        if wire.compact:
-            wire.pack(served, out=rows)   # (an overflow arrives as Inf: the requester says so)
+        if wire.compact:   # (an overflow arrives as Inf: the requester says so)
+            wire.pack(served, [n_rows], out=rows)
         if flags & _F_CREATE:
             self._served[(src, clock)] = state
         if n_dense:
             with self._cv:
                 msg[8:at].view(np.float32)[:] = self._master.reshape(-1)
-        self.wire_bytes["rows"] += wire.itemsize * n_rows
+        self.wire_bytes["rows"] += wire.itemsize * int(wire.counts(n_rows))
         replies.append((self._rep.isend(msg, src, _TAG_REPLY, f"ssp:reply of step {clock}"),
                         run_time(), src, clock))
 
@@ -726,7 +731,8 @@ class SspExchange:
         rates = rd.floats(len(self._names) + 1)
         lo, hi = self._bounds[self._rank], self._bounds[self._rank + 1]
         dense = rd.floats(hi - lo) if has_dense else None
-        grads, _ = self.wire.unpack(rd.rows(int((counts * self._dims).sum()), self.wire.dtype))
+        n = int((counts * self._dims).sum())
+        grads, _ = self.wire.unpack(rd.rows(int(self.wire.counts(n)), self.wire.dtype), [n])
         self._apply(src, clock, counts, grads, dense, rates)
 
     def _dense_kernel(self, rate: float):

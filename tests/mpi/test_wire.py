@@ -5,13 +5,15 @@
   applies them with the table's optimizer: its rows equal the reference's bit for bit,
   and stay float32 (not wire values);
 - the bytes each rank sends: ids 8 bytes each, rows and gradients 2 bytes a value
-  instead of 4 (exactly half of fp32's for the same batches), nothing for its own share;
+  instead of 4 (bf16: exactly half of fp32's for the same batches; fp16: plus 2 bytes,
+  its scale, per message), nothing for its own share;
 - training through the step loop (BSP, SSP, ASP) with a numpy model: fp16 and bf16
   end within TOLERANCE of the fp32 run (loss and every row), and the tables hold
   float32 values;
-- a row or a gradient beyond fp16's range refuses the step on every rank with the
-  error naming the table and the key, and no table changes anywhere (SSP: the rank
-  that read the row refuses its own step, at once);
+- fp16 scales each message by a power of two (exactly as a numpy float16 reference);
+- a row or a gradient beyond bf16's range (near float32's largest) refuses the step on
+  every rank with the error naming the table and the key, and no table changes anywhere
+  (SSP: the rank that read the row refuses its own step, at once);
 - (SSP/ASP) a rank whose own step fails raises its error at once: the loop used to
   gather every rank's error text with a collective the other ranks, stepping on their
   own, never joined (it ended at the step deadline with a CommTimeoutError).
@@ -62,6 +64,33 @@ def rounded(x, wire):
     return out
 
 
+def f16_exponent(values) -> int:
+    """fp16's scale of a segment (csrc/kv_wire.h): m * 2^k lies in [2^14, 2^15) for its
+    largest finite magnitude m, i.e. k = 14 - floor(log2 m), within [-126, 126]."""
+    v = np.abs(np.asarray(values, np.float32))
+    m = v[np.isfinite(v)].max(initial=0)
+    return 0 if m == 0 else int(np.clip(14 - np.floor(np.log2(m)), -126, 126))
+
+
+def by_owner(values: dict, keys: dict, wire, world: int) -> dict:
+    """values[table] (rows of keys[table]) as they read after crossing the wire in one
+    segment per owner (every table's rows of one owner together), by numpy's float16
+    (round to nearest even) for fp16, the C rounding for bf16 (which has no scale)."""
+    out = {n: np.array(v, np.float32, copy=True) for n, v in values.items()}
+    if wire.name == "bf16":
+        for v in out.values():
+            wire.round(v)
+        return out
+    owner = {n: owner_of(keys[n], OwnerMap.even(world)) for n in values}
+    for o in range(world):
+        k = f16_exponent(np.concatenate([values[n][owner[n] == o].ravel() for n in values]))
+        for n, v in values.items():
+            sel = owner[n] == o
+            scaled = (v[sel] * np.float32(2.0 ** k)).astype(np.float16).astype(np.float32)
+            out[n][sel] = scaled * np.float32(2.0 ** -k)
+    return out
+
+
 def export_sorted(t):
     """A table's rows by key: what a refused step must leave as it was (a lookup stamps
     its step on the rows it read, as it does in any step)."""
@@ -79,19 +108,23 @@ def test_bsp_rows_and_sums_at_the_wire_width(comm, wire_dtype):
     ex = BspExchange(comm, dist, wire_dtype=wire_dtype)
     for step in range(1, STEPS + 1):
         pull = ex.pull(batch_of(me, step))
-        for n, p in pull.items():   # the reference's rows (before this step), rounded
-            np.testing.assert_array_equal(
-                p.rows, rounded(ref[n].find_or_create(p.uniq, step=step), wire), err_msg=n)
+        uniq = {n: p.uniq for n, p in pull.items()}
+        want = by_owner({n: ref[n].find_or_create(u, step=step) for n, u in uniq.items()},
+                        uniq, wire, world)   # the reference's rows, as they cross the wire
+        for n, p in pull.items():
+            np.testing.assert_array_equal(p.rows, want[n], err_msg=n)
         ex.push(pull, {n: grad_of(me, p.uniq, DIMS[n]) for n, p in pull.items()}).commit()
-        for n in DIMS:   # each id's rounded gradients summed in rank order, in float32
-            sums = {}
-            for r in range(world):
-                u = np.unique(batch_of(r, step)[n])
-                for k, g in zip(u, rounded(grad_of(r, u, DIMS[n]), wire)):
-                    sums[int(k)] = g if int(k) not in sums else sums[int(k)] + g
-            keys = np.array(sorted(sums), np.int64)
+        sums = {n: {} for n in DIMS}   # each id's rounded gradients, in rank order, float32
+        for r in range(world):
+            u = {n: np.unique(batch_of(r, step)[n]) for n in DIMS}
+            sent = by_owner({n: grad_of(r, u[n], DIMS[n]) for n in DIMS}, u, wire, world)
+            for n in DIMS:
+                for k, g in zip(u[n], sent[n]):
+                    sums[n][int(k)] = g if int(k) not in sums[n] else sums[n][int(k)] + g
+        for n in DIMS:
+            keys = np.array(sorted(sums[n]), np.int64)
             ref[n].find_or_create(keys, step=step)
-            ref[n].apply_gradients(keys, np.stack([sums[int(k)] for k in keys]), step=step)
+            ref[n].apply_gradients(keys, np.stack([sums[n][int(k)] for k in keys]), step=step)
     for n, t in dist.items():
         got = export_sorted(t)
         assert (owner_of(got["keys"], owners) == me).all()
@@ -117,21 +150,28 @@ def test_bytes_on_the_wire_are_halved(comm):
         sent[wire_dtype] = dict(ex.wire_bytes)
         for t in tabs.values():
             t.close()
-    # what the batches say: ids and gradients to the other owners, rows to the others
-    ids = rows = grads = 0
+    # what the batches say: ids and gradients to the other owners, rows to the others;
+    # fp16 adds its 2-byte exponent to every message that is not empty
+    ids = rows = grads = messages_rows = messages_grads = 0
     for step in range(1, STEPS + 1):
+        to = np.zeros(world, np.int64)          # values this rank sends each owner
+        back = np.zeros(world, np.int64)        # rows this rank sends each requester
         for n, d in DIMS.items():
             mine = np.unique(batch_of(me, step)[n])
-            away = int((owner_of(mine, owners) != me).sum())
-            ids += 8 * away
-            grads += 4 * d * away
+            to += d * np.bincount(owner_of(mine, owners), minlength=world)
+            ids += 8 * int((owner_of(mine, owners) != me).sum())
             for r in range(world):
-                if r != me:
-                    theirs = np.unique(batch_of(r, step)[n])
-                    rows += 4 * d * int((owner_of(theirs, owners) == me).sum())
+                theirs = np.unique(batch_of(r, step)[n])
+                back[r] += d * int((owner_of(theirs, owners) == me).sum())
+        to[me] = back[me] = 0
+        grads += 4 * int(to.sum())
+        rows += 4 * int(back.sum())
+        messages_grads += int((to > 0).sum())
+        messages_rows += int((back > 0).sum())
     assert sent["fp32"] == {"ids": ids, "rows": rows, "grads": grads}
-    for w in ("fp16", "bf16"):
-        assert sent[w] == {"ids": ids, "rows": rows // 2, "grads": grads // 2}
+    assert sent["bf16"] == {"ids": ids, "rows": rows // 2, "grads": grads // 2}
+    assert sent["fp16"] == {"ids": ids, "rows": rows // 2 + 2 * messages_rows,
+                            "grads": grads // 2 + 2 * messages_grads}
     if world > 1:
         assert ids > 0 and rows > 0 and grads > 0
 
@@ -263,23 +303,23 @@ def test_training_matches_fp32(comm, mode):
                   + ", ".join(f"{n} {d:.2e}" for n, d in diffs.items()))
 
 
-def test_a_gradient_beyond_fp16_is_refused_on_every_rank(comm):
+def test_a_gradient_beyond_bf16_is_refused_on_every_rank(comm):
     world, me = comm.size, comm.rank
     tabs = make_tables()
-    ex = BspExchange(comm, tabs, wire_dtype="fp16")
+    ex = BspExchange(comm, tabs, wire_dtype="bf16")
     before = {n: export_sorted(t) for n, t in tabs.items()}
     agreement = Agreement(5)
     pull = ex.pull({"a": np.array([5, 6, 7]), "b": np.array([1])}, agreement)
     grads = {n: grad_of(me, p.uniq, DIMS[n]) for n, p in pull.items()}
     last = world - 1
     if me == last:
-        grads["a"][list(pull["a"].uniq).index(6), 2] = 2e5
+        grads["a"][list(pull["a"].uniq).index(6), 2] = 3.4e38
     agreement.report(OK)
     pushed = ex.push(pull, grads, None, np.zeros(1, np.float32), agreement)
     pushed.reduced()
     assert agreement.outcome_failed == [last]
     if me == last:
-        assert "table 'a', key 6: a value of its row gradient is 200000, beyond fp16" in \
+        assert "table 'a', key 6: a value of its row gradient is 3.4e+38, beyond bf16" in \
             str(agreement.outcome_error)
     ex.abandon(pushed)
     for n, t in tabs.items():
@@ -291,7 +331,7 @@ def test_a_gradient_beyond_fp16_is_refused_on_every_rank(comm):
 
 
 @pytest.mark.parametrize("mode", ["bsp", "ssp"])
-def test_a_row_beyond_fp16_fails_the_step_on_every_rank(comm, mode):
+def test_a_row_beyond_bf16_fails_the_step_on_every_rank(comm, mode):
     world, me = comm.size, comm.rank
     tabs = make_tables()
     key = 33                           # owned by some rank, read by the last one only
@@ -299,10 +339,10 @@ def test_a_row_beyond_fp16_fails_the_step_on_every_rank(comm, mode):
     if me == owner:
         tabs["a"].apply_gradients(np.array([key]), np.zeros((1, DIMS["a"]), np.float32),
                                   step=1, create_missing=True)   # a trained row
-        tabs["a"].update(np.array([key]), np.full((1, DIMS["a"]), -9e4, np.float32))
+        tabs["a"].update(np.array([key]), np.full((1, DIMS["a"]), -3.4e38, np.float32))
     before = {n: export_sorted(t) for n, t in tabs.items()}
     mode = MODES[mode] if mode == "bsp" else StepMode("ssp", 0)
-    loop = Loop(make_exchange(comm, tabs, mode, wire_dtype="fp16"), Logistic())
+    loop = Loop(make_exchange(comm, tabs, mode, wire_dtype="bf16"), Logistic())
     ids, y = element(me, 1)
     ids["a"] = ids["a"] % 30                   # keys below 30: all fit
     if me == world - 1:

@@ -9,9 +9,12 @@
 - fp16/bf16 on one rank: the rows a pull returns are the table's rows rounded to the
   wire, the owner applies the rounded gradients in float32 (equal to a table that
   applied them itself), and the table keeps float32 values;
-- a value that does not fit (a row or a gradient beyond fp16's range) refuses the step
-  with an error naming the table, the key and the fix, and changes nothing; bf16 takes
-  the same values. The multi-rank cases are in tests/mpi/test_wire.py.
+- fp16's per-segment scale: values of any magnitude keep 11 bits relative to their
+  segment's largest (numpy's float16 as the reference), no finite value overflows;
+- a value that does not fit (a row or a gradient beyond bf16's range, near float32's
+  largest) refuses the step with an error naming the table, the key and the fix, and
+  changes nothing; fp16 takes the same values. The multi-rank cases are in
+  tests/mpi/test_wire.py.
 """
 
 import hashlib
@@ -108,29 +111,60 @@ def test_the_run_setting_reaches_the_exchange(monkeypatch):
 
 # -- the conversions --------------------------------------------------------------------
 
+def f16_reference(x: np.ndarray) -> np.ndarray:
+    """x as one fp16 segment reads back, by numpy's float16 (round to nearest even):
+    scaled by 2^k so that its largest finite magnitude lies in [2^14, 2^15)."""
+    finite = np.abs(x[np.isfinite(x)])
+    m = finite.max(initial=0)
+    k = 0 if m == 0 else int(np.clip(14 - np.floor(np.log2(m)), -126, 126))
+    scaled = (x * np.float32(2.0 ** k)).astype(np.float16).astype(np.float32)
+    return (scaled * np.float32(2.0 ** -k)).astype(np.float32), k
+
+
 def test_pack_unpack_round_and_the_first_overflow():
     x = np.array([1.0, 65504, 65519.99, -65520, 1e-8, 3e-8, np.inf, np.nan, 7e4], np.float32)
     f16 = Wire("fp16")
     packed, bad = f16.pack(x)
-    assert packed.dtype == np.uint16 and bad == 3       # -65520: NaN/Inf are no overflow
+    assert packed.dtype == np.uint16 and packed.size == x.size + 1 and bad == -1
+    want, k = f16_reference(x)
+    assert packed[:1].view(np.int16)[0] == k == -2   # 7e4 * 2^-2 = 17500: below 2^15
     back, nonfinite = f16.unpack(packed)
-    assert back.ctypes.data % 64 == 0 and nonfinite == 3
-    np.testing.assert_array_equal(back[:3], [1.0, 65504, 65504])
-    assert back[3] == -np.inf and back[4] == 0 and back[5] == 2 ** -24 * 1
-    assert back[6] == np.inf and np.isnan(back[7]) and back[8] == np.inf
+    assert back.ctypes.data % 64 == 0 and nonfinite == 6
+    np.testing.assert_array_equal(back, want)
+    assert back[6] == np.inf and np.isnan(back[7]) and back[3] == -65536   # a tie: even
+    # segments: each with its own scale; gradients of 1e-7 keep their bits
+    g = (np.random.default_rng(0).standard_normal(1000) * 1e-6).astype(np.float32)
+    rows = (np.random.default_rng(1).standard_normal(500) * 0.1).astype(np.float32)
+    both = np.concatenate([g, rows])
+    packed, bad = f16.pack(both, [1000, 0, 500])
+    assert packed.size == 1502 and bad == -1 and list(f16.counts([1000, 0, 500])) == [1001, 0, 501]
+    back, _ = f16.unpack(packed, [1000, 0, 500])
+    np.testing.assert_array_equal(back[:1000], f16_reference(g)[0])
+    np.testing.assert_array_equal(back[1000:], f16_reference(rows)[0])
+    big = np.abs(g) > np.abs(g).max() / 1024
+    assert (np.abs(back[:1000] - g)[big] <= np.abs(g)[big] * 2.0 ** -11).all()
+    plain = g.astype(np.float16).astype(np.float32)   # fp16 without a scale
+    assert (np.abs(plain - g)[big] > np.abs(g)[big] * 2.0 ** -11).mean() > 0.5
     bf = Wire("bf16")
     packed, bad = bf.pack(x)
-    assert bad == -1 and bf.unpack(packed)[1] == 6
+    assert packed.size == x.size and bad == -1 and bf.unpack(packed)[1] == 6
     np.testing.assert_array_equal(bf.unpack(packed)[0][:4], [1.0, 65536, 65536, -65536])
+    packed, bad = bf.pack(np.array([1.0, 3.4e38, -3.39e38], np.float32))
+    assert bad == 1 and bf.unpack(packed)[0][1] == np.inf
     y = x[:6].copy()
-    assert f16.round(y) == 3 and y[2] == 65504 and y[3] == -np.inf
+    assert f16.round(y) == -1
+    np.testing.assert_array_equal(y, f16_reference(x[:6])[0])
     fp32 = Wire("fp32")
     same, bad = fp32.pack(x)
-    assert same.base is x or same is x or np.shares_memory(same, x)
+    assert np.shares_memory(same, x) and bad == -1
     with pytest.raises(InvalidArgumentError, match="float32"):
         f16.pack(x.astype(np.float64))
     with pytest.raises(InvalidArgumentError, match="uint16"):
         f16.unpack(x)
+    with pytest.raises(InvalidArgumentError, match="do not cut"):
+        f16.pack(x, [3, 3])
+    with pytest.raises(InvalidArgumentError, match="do not hold"):
+        f16.unpack(np.zeros(5, np.uint16), [5])
 
 
 # -- fp32: as before --------------------------------------------------------------------
@@ -212,16 +246,16 @@ def export_state(t):
 
 
 @pytest.mark.parametrize("mode", ["bsp", "ssp"])
-def test_a_gradient_beyond_fp16_refuses_the_step_and_names_table_key_and_fix(mode):
+def test_a_gradient_beyond_bf16_refuses_the_step_and_names_table_key_and_fix(mode):
     t = adagrad_table()
-    ex = BspExchange(Comm.local(), {"a": t}, wire_dtype="fp16") if mode == "bsp" \
-        else SspExchange(Comm.local(), {"a": t}, 0, wire_dtype="fp16")
+    ex = BspExchange(Comm.local(), {"a": t}, wire_dtype="bf16") if mode == "bsp" \
+        else SspExchange(Comm.local(), {"a": t}, 0, wire_dtype="bf16")
     before = export_state(t)
     agreement = Agreement(3)
     pull = ex.pull({"a": KEYS[[4, 5, 6]]}, agreement)
     g = np.full((3, DIM), 0.5, np.float32)
     bad_key = int(pull["a"].uniq[1])
-    g[1, 3] = -1e5
+    g[1, 3] = -3.4e38
     agreement.report(OK)
     pushed = ex.push(pull, {"a": g}, None, np.zeros(1, np.float32), agreement)
     pushed.reduced()
@@ -229,8 +263,8 @@ def test_a_gradient_beyond_fp16_refuses_the_step_and_names_table_key_and_fix(mod
     err = agreement.outcome_error
     assert isinstance(err, NonFiniteError)
     text = str(err)
-    assert f"table 'a', key {bad_key}: a value of its row gradient is -100000" in text
-    assert "beyond fp16's range" in text and "wire_dtype='bf16'" in text
+    assert f"table 'a', key {bad_key}: a value of its row gradient is -3.4e+38" in text
+    assert "beyond bf16's range" in text and "wire_dtype='fp16'" in text
     ex.abandon(pushed)
     after = export_state(t)
     for k in before:
@@ -244,12 +278,12 @@ def test_a_gradient_beyond_fp16_refuses_the_step_and_names_table_key_and_fix(mod
 
 def test_without_an_agreement_the_push_raises_it():
     t = adagrad_table()
-    ex = BspExchange(Comm.local(), {"a": t}, wire_dtype="fp16")
+    ex = BspExchange(Comm.local(), {"a": t}, wire_dtype="bf16")
     before = export_state(t)
     pull = ex.pull({"a": KEYS[:2]})
     g = np.zeros((2, DIM), np.float32)
-    g[0, 0] = 7e4
-    with pytest.raises(NonFiniteError, match=r"row gradient is 70000, beyond fp16"):
+    g[0, 0] = 3.4e38
+    with pytest.raises(NonFiniteError, match=r"row gradient is 3.4e\+38, beyond bf16"):
         ex.push(pull, {"a": g}).commit()
     after = export_state(t)
     for k in before:
@@ -321,15 +355,15 @@ class OneTableCompute:
 
 
 @pytest.mark.parametrize("mode", ["bsp", "ssp"])
-def test_a_row_beyond_fp16_fails_the_step_evaluation_and_prediction(mode):
+def test_a_row_beyond_bf16_fails_the_step_evaluation_and_prediction(mode):
     t = adagrad_table()
-    t.update(KEYS[7:8], np.full((1, DIM), 7e4, np.float32))
+    t.update(KEYS[7:8], np.full((1, DIM), 3.4e38, np.float32))
     before = export_state(t)
     ex = make_exchange(Comm.local(), {"a": t}, BSP if mode == "bsp" else Config(
-        step_mode="ssp", staleness=0).mode, wire_dtype="fp16")
+        step_mode="ssp", staleness=0).mode, wire_dtype="bf16")
     loop = Loop(ex, OneTableCompute())
     batch = (KEYS[[3, 7, 9]], np.array([1, 0, 1], np.float32))
-    msg = rf"step 1: table 'a', key {KEYS[7]}: a value of its row was beyond fp16's range"
+    msg = rf"step 1: table 'a', key {KEYS[7]}: a value of its row was beyond bf16's range"
     with pytest.raises(NonFiniteError, match=msg):
         loop.train(batch)
     after = export_state(t)
@@ -348,11 +382,17 @@ def test_a_row_beyond_fp16_fails_the_step_evaluation_and_prediction(mode):
     t.close()
 
 
-def test_bf16_takes_what_fp16_cannot():
+def test_fp16_takes_any_finite_value():
     t = adagrad_table()
-    t.update(KEYS[7:8], np.full((1, DIM), 7e4, np.float32))
-    loop = Loop(BspExchange(Comm.local(), {"a": t}, wire_dtype="bf16"), OneTableCompute())
-    loop.train((KEYS[[3, 7, 9]], np.array([1, 0, 1], np.float32)))
-    assert loop.step == 1
-    assert t.find(KEYS[7:8])[0, 0] != np.float32(7e4)   # trained, in float32
+    t.update(KEYS[7:8], np.full((1, DIM), 3.4e38, np.float32))
+    ex = BspExchange(Comm.local(), {"a": t}, wire_dtype="fp16")
+    pull = ex.pull({"a": KEYS[[3, 7, 9]]})
+    rows = pull["a"].rows
+    assert np.isfinite(rows).all()
+    np.testing.assert_allclose(rows[list(pull["a"].uniq).index(KEYS[7])], 3.4e38, rtol=2 ** -11)
+    g = np.zeros((3, DIM), np.float32)
+    g[0] = 1e10                                   # and as a gradient: applied (Adagrad)
+    ex.push(pull, {"a": g}).commit()
+    assert np.isfinite(t.find(KEYS[[3, 7, 9]])).all()
+    t.close()
     t.close()
