@@ -77,7 +77,8 @@ def run_sequence(mode: str, wire_dtype=None) -> str:
 
 # -- the setting ------------------------------------------------------------------------
 
-def test_the_setting_from_code_flag_or_environment():
+def test_the_setting_from_code_flag_or_environment(monkeypatch):
+    monkeypatch.delenv("KVCOLL_WIRE_DTYPE", raising=False)
     assert Config().wire_dtype == "fp32"
     assert Config.resolve([], {"KVCOLL_WIRE_DTYPE": "bf16"}).wire_dtype == "bf16"
     assert Config.resolve(["--wire-dtype", "fp16"], {"KVCOLL_WIRE_DTYPE": "bf16"}
@@ -170,7 +171,8 @@ def test_pack_unpack_round_and_the_first_overflow():
 # -- fp32: as before --------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode", ["bsp", "ssp"])
-def test_fp32_is_bit_identical_to_the_exchange_before_the_setting(mode):
+def test_fp32_is_bit_identical_to_the_exchange_before_the_setting(mode, monkeypatch):
+    monkeypatch.delenv("KVCOLL_WIRE_DTYPE", raising=False)
     assert run_sequence(mode, "fp32") == DIGEST_BEFORE
     assert run_sequence(mode) == DIGEST_BEFORE           # the default
 
