@@ -8,8 +8,10 @@
   instead of 4 (bf16: exactly half of fp32's for the same batches; fp16: plus 2 bytes,
   its scale, per message), nothing for its own share;
 - training through the step loop (BSP, SSP, ASP) with a numpy model: fp16 and bf16
-  end within TOLERANCE of the fp32 run (loss and every row), and the tables hold
-  float32 values;
+  end within TOLERANCE of the fp32 run (loss and every row; in SSP and ASP an owner
+  applies each worker's push as it arrives, in an order, and with stale reads, that the
+  timing decides, so two of their fp32 runs differ too: ASYNC_TOLERANCE), and the
+  tables hold float32 values;
 - fp16 scales each message by a power of two (exactly as a numpy float16 reference);
 - a row or a gradient beyond bf16's range (near float32's largest) refuses the step on
   every rank with the error naming the table and the key, and no table changes anywhere
@@ -33,10 +35,14 @@ from kvcoll.step import Grads, Loop
 DIMS = {"a": 8, "b": 3}
 STEPS = 5
 # How far a 16-bit run ends from the fp32 run in test_training_matches_fp32 (40 steps of
-# a logistic model on rows of magnitude ~0.1-1; measured at 1, 2 and 3 ranks: fp16
-# <= 4e-4 on rows, bf16 <= 4e-3): a wire's rounding step is 2^-11 (fp16) and 2^-8
-# (bf16) of a value, and training does not amplify it.
-TOLERANCE = {"fp16": {"rows": 2e-3, "loss": 2e-3}, "bf16": {"rows": 2e-2, "loss": 1e-2}}
+# a logistic model, rows of magnitude ~0.2): a wire's rounding step is 2^-11 (fp16) and
+# 2^-8 (bf16) of a value, and training does not amplify it. Measured in BSP at 1, 2 and
+# 3 ranks: rows fp16 <= 4e-5, bf16 <= 2.4e-4; losses fp16 <= 2e-6, bf16 <= 4e-5.
+TOLERANCE = {"fp16": {"rows": 2e-4, "loss": 2e-5}, "bf16": {"rows": 2e-3, "loss": 4e-4}}
+# SSP and ASP: the order of the pushes an owner applies (Adagrad is not linear) and the
+# stale reads depend on the timing, run to run (measured: rows up to 4.3e-3 from the
+# fp32 run, losses up to 1.7e-4).
+ASYNC_TOLERANCE = {"rows": 2e-2, "loss": 2e-3}
 
 
 def make_tables(opt="adagrad", init=1.5):
@@ -261,7 +267,8 @@ def element(rank, step):
     return ids, y
 
 
-MODES = {"bsp": StepMode("bsp"), "ssp": StepMode("ssp", 1), "asp": StepMode("asp")}
+MODES = {"bsp": StepMode("bsp"), "ssp": StepMode("ssp", 1), "asp": StepMode("asp"),
+         "ssp0": StepMode("ssp", 0), "ssp2": StepMode("ssp", 2)}
 
 
 def train(comm, mode, wire_dtype, steps=40):
@@ -282,10 +289,12 @@ def train(comm, mode, wire_dtype, steps=40):
     return logs["loss"], out
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", ["bsp", "ssp0", "ssp2", "asp"])
 def test_training_matches_fp32(comm, mode):
     loss32, rows32 = train(comm, mode, "fp32")
     for wire_dtype, tol in TOLERANCE.items():
+        if mode != "bsp":
+            tol = ASYNC_TOLERANCE
         loss, rows = train(comm, mode, wire_dtype)
         assert abs(loss - loss32) <= tol["loss"], (wire_dtype, loss, loss32)
         for n in DIMS:
