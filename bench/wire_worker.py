@@ -118,6 +118,9 @@ def main(argv=None):
             comm.barrier()
             seconds[w].append(time.perf_counter() - t0)
     steps = rounds * args.block
+    # before evaluation (whose lookups send ids and rows too)
+    sent1 = {w: dict(trainers[w].engine.loop.ex.wire_bytes) for w in WIRES}
+    tm1 = {w: dict(trainers[w].timings) for w in WIRES}
     ev = data.eval_set(args.eval_samples, rank, world)
     labels, _ = comm.allgatherv(ev["label"].astype(np.float32))
     out = {}
@@ -125,12 +128,11 @@ def main(argv=None):
         t = trainers[w]
         preds = np.asarray(t.predict(features(ev)), np.float32).reshape(-1)
         all_preds, _ = comm.allgatherv(preds)
-        ex = t.engine.loop.ex
-        sent = np.array([ex.wire_bytes[k] - sent0[w][k] for k in ("ids", "rows", "grads")],
+        sent = np.array([sent1[w][k] - sent0[w][k] for k in ("ids", "rows", "grads")],
                         np.float64)
         sent = comm.allreduce(sent, op="wire-bytes") / steps      # every rank's, per step
-        ms = {k: (t.timings[k] - tm0[w][k]) / steps * 1e3 for k in ("exchange", "compute",
-                                                                     "allreduce", "apply")}
+        ms = {k: (tm1[w][k] - tm0[w][k]) / steps * 1e3 for k in ("exchange", "compute",
+                                                                  "allreduce", "apply")}
         out[w] = {
             "samples_per_sec": args.block * args.batch_size / statistics.median(seconds[w]),
             "block_seconds": seconds[w],
