@@ -38,8 +38,11 @@ def add_arguments(p) -> None:
     g = p.add_argument_group("wire")
     g.add_argument("--wire-steps", type=int, default=400,
                    help="timed steps per dtype (the demo's 400)")
-    g.add_argument("--wire-launches", type=int, default=2,
+    g.add_argument("--wire-launches", type=int, default=3,
                    help="launches of the three-way comparison on 2 ranks")
+    g.add_argument("--wire-quiet-wait", type=float, default=600,
+                   help="seconds to wait, before each launch, for other processes to use "
+                        "less than half a CPU (the wait is recorded, then it goes on)")
     g.add_argument("--wire-worlds", default="2", help="world sizes, comma-separated")
 
 
@@ -90,7 +93,7 @@ def run(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for world in worlds:
             for i in range(launches):
-                busy = common.busy_cores(1.0)
+                busy = common.wait_until_quiet(0 if quick else args.wire_quiet_wait, 0.5)
                 path = os.path.join(tmp, f"wire{world}-{i}.json")
                 print(f"[wire] {world} rank(s), launch {i + 1}/{launches}: fp32, fp16, bf16 "
                       f"x {steps} steps", flush=True)
