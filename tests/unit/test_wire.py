@@ -22,7 +22,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from kvcoll import Config, InvalidArgumentError, NonFiniteError, optimizers
+from kvcoll import Config, InvalidArgumentError, NonFiniteError, optimizers, runtime
 from kvcoll.comm import Comm
 from kvcoll.config import BSP
 from kvcoll.exchange import OK, Agreement, BspExchange, SspExchange, make_exchange
@@ -103,10 +103,15 @@ def test_a_bad_value_names_the_setting_and_the_choices(make):
 
 
 def test_the_run_setting_reaches_the_exchange(monkeypatch):
-    monkeypatch.setenv("KVCOLL_WIRE_DTYPE", "bf16")
     tabs = {"a": KvTable(4, name="a")}
+    # before kv.init: the environment's; after: the run's (kv.init's, read once)
+    monkeypatch.setattr(runtime, "is_initialized", lambda: False)
+    monkeypatch.setenv("KVCOLL_WIRE_DTYPE", "bf16")
     assert make_exchange(Comm.local(), tabs, BSP).wire.name == "bf16"
     assert make_exchange(Comm.local(), tabs, BSP, wire_dtype="fp16").wire.name == "fp16"
+    monkeypatch.setattr(runtime, "is_initialized", lambda: True)
+    monkeypatch.setattr(runtime, "config", lambda: Config(wire_dtype="fp16"))
+    assert make_exchange(Comm.local(), tabs, BSP).wire.name == "fp16"
     tabs["a"].close()
 
 
