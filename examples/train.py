@@ -71,6 +71,9 @@ def parse_args(argv=None):
                    help="how far a rank may run ahead (default: KVCOLL_STEP_MODE or bsp)")
     p.add_argument("--staleness", type=int, default=None,
                    help="SSP's bound in steps (default: KVCOLL_STALENESS or 4)")
+    p.add_argument("--wire-dtype", choices=("fp32", "fp16", "bf16"), default=None,
+                   help="rows and row gradients on the wire (default: KVCOLL_WIRE_DTYPE or "
+                        "fp32; docs/wire-dtype.md)")
     p.add_argument("--slow-rank", type=int, default=None, metavar="R",
                    help="debug: rank R sleeps --slow-ms per step (a straggler, for tests and "
                         "benchmarks)")

@@ -161,6 +161,7 @@ def _mpi_type(dtype: np.dtype):
     return {
         np.dtype(np.int64): MPI.INT64_T,
         np.dtype(np.int32): MPI.INT32_T,
+        np.dtype(np.uint16): MPI.UINT16_T,   # 16-bit rows on the wire (exchange/wire.py)
         np.dtype(np.uint8): MPI.UINT8_T,
         np.dtype(np.float32): MPI.FLOAT,
         np.dtype(np.float64): MPI.DOUBLE,

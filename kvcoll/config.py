@@ -20,6 +20,7 @@ __all__ = ["Config", "StepMode", "BSP", "ASP", "ssp", "DEFAULT_STALENESS"]
 
 STEP_MODES = ("bsp", "ssp", "asp")
 ID_HASH_SETTINGS = ("auto", "farmhash64", "xxh64")
+WIRE_DTYPES = ("fp32", "fp16", "bf16")
 
 
 DEFAULT_STALENESS = 4   # SSP's bound when none is given: the one place it is written
@@ -110,6 +111,9 @@ class Config:
         the unpipelined loop's). See docs/performance.md.
     xla: "on" or "off": compile the dense step with XLA (jit_compile), the rows padded
         to a few bucket sizes so it does not recompile. See docs/performance.md.
+    wire_dtype: "fp32" (default), "fp16" or "bf16": the width of the rows and row
+        gradients the exchange sends (kvcoll.exchange.wire). 16 bits halve those bytes;
+        tables, gradient sums and optimizers stay float32. See docs/wire-dtype.md.
     elastic_min_np: 0 (default): a lost rank ends the job. N >= 1: the run is elastic
         (kvcoll.elastic; the elastic launcher, `kvcollrun --elastic --min-np N`, sets it):
         the survivors of a lost rank continue in memory while at least N ranks are left.
@@ -124,6 +128,7 @@ class Config:
     threads: int = 0
     pipeline: str = "on"
     xla: str = "off"
+    wire_dtype: str = "fp32"
     elastic_min_np: int = 0
 
     def __post_init__(self):
@@ -144,6 +149,11 @@ class Config:
             if getattr(self, name) not in ("on", "off"):
                 raise InvalidArgumentError(
                     f"{name} must be 'on' or 'off', got {getattr(self, name)!r}")
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise InvalidArgumentError(
+                f"wire_dtype {self.wire_dtype!r} is unknown; use one of "
+                f"{', '.join(WIRE_DTYPES)} (kv.init(wire_dtype=...), --wire-dtype, "
+                "KVCOLL_WIRE_DTYPE)")
         if isinstance(self.elastic_min_np, bool) or not isinstance(self.elastic_min_np, int) \
                 or self.elastic_min_np < 0:
             raise InvalidArgumentError(

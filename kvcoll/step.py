@@ -290,7 +290,8 @@ class Loop:
         t1 = time.perf_counter()
         if pull is None:
             if agreement.failed:
-                self._raise_batch_error(agreement, err, self.step + 1)
+                self._raise_batch_error(agreement, err, self.step + 1,
+                                        alone=not ex.synchronous)
             if agreement.stopped:
                 self.stop_asked = True
             if agreement.idle and element is not END:
@@ -314,6 +315,7 @@ class Loop:
                 compute.set_dense_values(pull.dense)
             weight = n / agreement.total_samples if ex.synchronous else 1.0 / self.comm.size
             try:
+                _check_rows(pull)
                 grads = compute.train(batch, pull, weight)
                 agreement.report(OK if grads.finite else NONFINITE)
             except Exception as exc:  # noqa: BLE001 - every rank must learn of it
@@ -351,7 +353,8 @@ class Loop:
             ex.abandon(pushed)
             self._inflight = None
             self.drop_staged()
-            self._raise_outcome_error(agreement, fail, batch, pull.step)
+            self._raise_outcome_error(agreement, fail, batch, pull.step,
+                                      alone=not ex.synchronous)
         pushed.commit()
         t6 = time.perf_counter()
         if n:
@@ -429,6 +432,7 @@ class Loop:
         state, fail = self.compute.state(), None
         if batch is not None and batch.n:
             try:
+                _check_rows(pull)
                 state = self.compute.evaluate(batch, pull)
             except Exception as exc:  # noqa: BLE001 - every rank must learn of it
                 fail = exc
@@ -462,6 +466,7 @@ class Loop:
         if batch is None:
             return True, None
         try:
+            _check_rows(pull)
             return True, self.compute.predict(batch, pull)
         except Exception as exc:  # noqa: BLE001 - every rank learns of it at the next step
             self._pending = exc
@@ -553,28 +558,35 @@ class Loop:
 
     # -- the agreed errors ------------------------------------------------------------------
 
-    def _texts(self, own: BaseException | None, needed: bool) -> list:
+    def _texts(self, own: BaseException | None, needed: bool, alone: bool = False) -> list:
         """Every rank's error as (class path, message) or None (a collective when
-        `needed`, which every rank decides alike)."""
+        `needed`, which every rank decides alike). alone: a step this rank decided by
+        itself (SSP/ASP training): its own error only, no collective (the other ranks
+        are not in it)."""
         if not needed:
             return [None] * self.comm.size
         mine = None if own is None else [_class_path(type(own)), str(own)]
+        if alone:
+            texts = [None] * self.comm.size
+            texts[self.comm.rank] = mine
+            return texts
         return self.comm.allgather_json(mine, "step:errors")
 
-    def _raise_batch_error(self, agreement: Agreement, own, step: int):
+    def _raise_batch_error(self, agreement: Agreement, own, step: int, alone: bool = False):
         """A bad batch on some rank: every rank raises the same kvcoll error class, which
         names the ranks, the step and the first failing rank's message."""
         bad = agreement.failed
-        texts = self._texts(own, True)
+        texts = self._texts(own, True, alone)
         raise _agreed(texts, bad, f"rank(s) {bad} could not use their batch at step {step}",
                       own)
 
-    def _raise_outcome_error(self, agreement: Agreement, own, batch, step: int):
+    def _raise_outcome_error(self, agreement: Agreement, own, batch, step: int,
+                             alone: bool = False):
         codes = agreement.codes
         bad = agreement.outcome_failed
         failed = [r for r in bad if codes[r] == FAILED]
         own = own if own is not None else agreement.outcome_error  # e.g. the push refused
-        texts = self._texts(own, bool(failed))
+        texts = self._texts(own, bool(failed), alone)
         if failed:
             raise _agreed(texts, failed, f"rank(s) {failed} failed in step {step}", own)
         why = self.compute.explain(batch) if batch is not None else None
@@ -582,6 +594,14 @@ class Loop:
         raise errors.NonFiniteError(
             f"step {step}: the loss or a gradient is NaN/Inf on rank(s) {bad}{reason}; no "
             "update was applied (check the inputs for NaN/Inf, or lower the learning rate)")
+
+
+def _check_rows(pull) -> None:
+    """Raise the error of rows that arrived unusable (a value that overflowed a 16-bit
+    wire, kvcoll.exchange.wire), inside the compute's try: every rank learns of it."""
+    check = getattr(pull, "check", None)
+    if check is not None:
+        check()
 
 
 class _Staged:

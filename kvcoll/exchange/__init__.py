@@ -24,7 +24,8 @@ into the loop.
 
 bsp.py: blocking fused collectives, deterministic. ssp.py: a service thread per rank,
 worker clocks and a staleness bound; asp.py: the same with no bound. kernels.py: the C
-kernels of an exchange; dense.py: the row optimizers applied to dense slices.
+kernels of an exchange; dense.py: the row optimizers applied to dense slices; wire.py:
+the width rows and row gradients cross the wire at (fp32, fp16 or bf16).
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class Exchange(Protocol):
     step: the last step this rank started: the one counter of a run's progress (SSP/ASP:
         the worker's clock).
     comm: the communicator it runs on.
+    wire, wire_bytes (BSP, SSP, ASP): the kvcoll.exchange.wire.Wire its rows and row
+        gradients travel at, and the bytes this rank has sent the others, by payload.
     """
 
     synchronous: bool
@@ -101,12 +104,13 @@ class Exchange(Protocol):
 
 
 def make_exchange(comm, tables: dict, mode: StepMode, dense_size: int = 0,
-                  dense_optimizer=None, owners=None) -> Exchange:
+                  dense_optimizer=None, owners=None, wire_dtype=None) -> Exchange:
     """The exchange of step mode `mode` over `tables` (SSP/ASP: with a dense vector of
     `dense_size` floats updated on its owners by `dense_optimizer`), routing keys by the
-    owner map `owners` (default: the even map of comm's size). SSP/ASP start a service
-    thread and duplicate the communicator: a collective."""
+    owner map `owners` (default: the even map of comm's size), sending rows and row
+    gradients as `wire_dtype` ("fp32", "fp16", "bf16"; default: the run's setting).
+    SSP/ASP start a service thread and duplicate the communicator: a collective."""
     if mode.name == "bsp":
-        return BspExchange(comm, tables, owners=owners)
+        return BspExchange(comm, tables, owners=owners, wire_dtype=wire_dtype)
     return SspExchange(comm, tables, mode.staleness, dense_size=dense_size,
-                       dense_optimizer=dense_optimizer, owners=owners)
+                       dense_optimizer=dense_optimizer, owners=owners, wire_dtype=wire_dtype)

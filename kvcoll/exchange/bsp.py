@@ -23,6 +23,12 @@ step's one fused allreduce whether every update is finite. Only when every rank'
 outcome is OK does each owner write its buffer (kv_xcommit); otherwise the step is
 given up on every rank alike, so an update that would make a row NaN/Inf is refused
 like a NaN gradient, with an error naming the table and the key.
+
+Rows and row gradients may cross the wire as fp16 or bf16 (wire_dtype; kvcoll.exchange.
+wire): the owner packs the rows it served, the sender the gradients it pushes, each
+in one C call, and the receiver unpacks them to float32; everything else stays
+float32. A value that does not fit refuses the step on every rank (the rows: the
+requester's compute reports it, Pull.check; a gradient: its sender's outcome).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from ..routing import owners_for
 from ..table import KvTable
 from .agreement import FAILED, OK, Agreement
 from .kernels import TableSet
+from .wire import wire_of
 
 
 def group_key(dim: int) -> str:
@@ -92,7 +99,26 @@ class Pull(Mapping):
         self.headers = None    # BSP: every rank's header, (world, m)
         self.dense = None      # SSP/ASP: the dense vector the owners served
         self.served = None     # BSP: what this rank served, for the push
+        self.wire_error = None  # rows that overflowed a 16-bit wire (see check())
         self._cache = {}
+
+    def check(self) -> None:
+        """Raise the error of rows that arrived unusable: a value that did not fit a
+        16-bit wire (kvcoll.exchange.wire) arrives as Inf. The step loop calls it inside
+        the compute's try, so every rank learns of it and refuses the step."""
+        if self.wire_error is not None:
+            raise self.wire_error
+
+    def where(self, index: int) -> tuple[str, int]:
+        """(table, key) of the value at float `index` of this pull's payload layout (its
+        rows as they came, or their gradients as they go)."""
+        counts = self.counts.reshape(-1)
+        ntab = len(self.names)
+        floats = counts * np.tile(self._tset.dims.astype(np.int64), counts.size // ntab)
+        k = int(np.searchsorted(np.cumsum(floats), index, side="right"))
+        t = k % ntab
+        row = (index - int(floats[:k].sum())) // int(self._tset.dims[t])
+        return self.names[t], int(self._send[int(counts[:k].sum()) + row])
 
     def _grouped(self, payload: np.ndarray) -> dict[str, np.ndarray]:
         """The received rows as one matrix per group: the payload itself with one group."""
@@ -201,19 +227,31 @@ class BspExchange:
     step: the last step this rank started (restore sets it with set_step).
     owners: the kvcoll.routing.OwnerMap ids are routed by (default: the even map of
     comm.size).
+    wire_dtype: "fp32", "fp16" or "bf16", the rows' and row gradients' width on the wire
+    (default: the run's, kv.init(wire_dtype=) / --wire-dtype / KVCOLL_WIRE_DTYPE).
+    wire_bytes: bytes this rank has sent to other ranks, by payload ("ids", "rows",
+    "grads"; a rank's part for itself never crosses the wire and is not counted).
     """
 
     synchronous = True
 
-    def __init__(self, comm: Comm, tables: dict[str, KvTable], owners=None):
+    def __init__(self, comm: Comm, tables: dict[str, KvTable], owners=None,
+                 wire_dtype=None):
         self.comm = comm
         self.owners = owners_for(comm, owners)
         self.tables = dict(tables)
         self._names = list(self.tables)
         self._set = TableSet([self.tables[n] for n in self._names])
         self._dims = self._set.dims.astype(np.int64)
+        self.wire = wire_of(wire_dtype)
+        self.wire_bytes = {"ids": 0, "rows": 0, "grads": 0}
         self.step = 0
         self.table_seconds = 0.0  # time spent in the tables' C calls (lookups, updates)
+
+    def _sent(self, what: str, per_rank: np.ndarray, itemsize: int, comm=None) -> None:
+        """Count what this rank sends to the others (per_rank: values per destination)."""
+        comm = self.comm if comm is None else comm
+        self.wire_bytes[what] += (int(per_rank.sum()) - int(per_rank[comm.rank])) * itemsize
 
     def set_step(self, step: int) -> None:
         """Continue from `step` (a restore): the next pull is step + 1."""
@@ -259,6 +297,7 @@ class BspExchange:
         comm.step = step  # named by a timeout error of this step's collectives
         handle = comm.alltoallv(plan[0], plan[1], op="pull:ids",
                                 header=None if agreement is None else agreement.header())
+        self._sent("ids", plan[1].sum(axis=1), 8, comm)
         return IdsInFlight(step, create, agreement, given, plan, handle)
 
     def receive_ids(self, pending: IdsInFlight) -> bool:
@@ -289,15 +328,23 @@ class BspExchange:
         self.table_seconds += time.perf_counter() - t0
         counts = pending.plan[1]
         self.comm.step = pending.step
+        wire = self.wire
+        per_rank, expect = (recv_counts * dims).sum(axis=1), (counts * dims).sum(axis=1)
+        send, _ = wire.pack(reply, per_rank)   # (an overflow arrives as Inf: see below)
         try:
-            got, _ = self.comm.alltoallv(reply, (recv_counts * dims).sum(axis=1),
-                                         op="pull:rows",
-                                         recv_counts=(counts * dims).sum(axis=1)).wait()
+            got, _ = self.comm.alltoallv(send, wire.counts(per_rank), op="pull:rows",
+                                         recv_counts=wire.counts(expect)).wait()
         except BaseException:       # (a lost peer) the rows this step created go again
             self._set.forget_new(served, pending.step)
             raise
-        out = Pull(self._set, self._names, [a.size for a in pending.given], got, pending.plan)
+        self._sent("rows", wire.counts(per_rank), wire.itemsize)
+        rows, bad = wire.unpack(got, expect)
+        out = Pull(self._set, self._names, [a.size for a in pending.given], rows, pending.plan)
         out.step, out.served = pending.step, served
+        if bad >= 0:
+            name, key = out.where(bad)
+            out.wire_error = wire.overflow_error(f"table {name!r}, key {key}: a value of its row",
+                                                 None, pending.step)
         if pending.create:
             self.step = pending.step
         return out
@@ -333,11 +380,21 @@ class BspExchange:
         state = pull.served
         recv_counts = state[0]
         dims = self._dims
-        rows = self.comm.alltoallv(send, (pull.counts * dims).sum(axis=1), op="push:grads",
-                                   recv_counts=(recv_counts * dims).sum(axis=1))
+        wire = self.wire
+        per_rank, expect = (pull.counts * dims).sum(axis=1), (recv_counts * dims).sum(axis=1)
+        packed, bad = wire.pack(send, per_rank)
+        if bad >= 0 and agreement.outcome == OK:   # refused on every rank: the outcome
+            name, key = pull.where(bad)
+            agreement.report(FAILED, wire.overflow_error(
+                f"table {name!r}, key {key}: a value of its row gradient", float(send[bad]),
+                pull.step))
+        rows = self.comm.alltoallv(packed, wire.counts(per_rank), op="push:grads",
+                                   recv_counts=wire.counts(expect))
+        self._sent("grads", wire.counts(per_rank), wire.itemsize)
         prepared, rates_before = None, None
         if agreement.outcome == OK:
             got, _ = rows.wait()
+            got, _ = wire.unpack(got, expect)
             t0 = time.perf_counter()
             rates_before = self._set_rates(lr)
             try:

@@ -29,7 +29,8 @@ from .._c import EMPTY, check, ffi, lib, ptr, step32
 from ..routing import OwnerMap
 from ..table import nonfinite_update_error
 
-__all__ = ["TableSet", "Prepared", "gather_grad", "threads", "default_threads", "set_threads"]
+__all__ = ["TableSet", "Prepared", "gather_grad", "threads", "default_threads", "set_threads",
+           "pool"]
 
 
 # -- the thread pool ---------------------------------------------------------------------
@@ -68,6 +69,12 @@ def _setting() -> int:
 def threads() -> int:
     """The C threads the kernels use (the pool's size, made now if not yet)."""
     return int(lib.kv_pool_threads(_handle()))
+
+
+def pool():
+    """The C thread pool the kernels run on (made now if not yet; ffi.NULL: one
+    thread), for other batch kernels of a step (kvcoll.exchange.wire's conversions)."""
+    return _handle()
 
 
 def _handle():

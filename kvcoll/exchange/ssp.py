@@ -44,6 +44,11 @@ and keeps what it found until that worker's push, which it applies there in one 
 (no lookup; the table locks per table: a row's value and its slots change together).
 Owners apply row gradients with the table's row optimizer, and dense gradients to their slice
 with the C kernel of the dense optimizer (only the service thread touches the slice).
+Rows and row gradients travel at the wire's width (wire_dtype: fp32, fp16 or bf16;
+kvcoll.exchange.wire), this rank's own share rounded alike; the dense slices and
+gradients stay float32. A row that does not fit arrives as Inf and the requester's
+compute refuses its step (Pull.check); a gradient that does not fit is its sender's
+outcome, and nothing of that push is sent.
 A push whose update would make a row or an optimizer slot NaN/Inf is refused whole by
 its owner (nothing of it applied); unlike BSP, where every rank refuses such a step
 alike, the ranks here have stepped on, so the job ends with an error naming the
@@ -68,8 +73,9 @@ from ..table import KvTable
 from .._buffers import aligned_empty
 from .bsp import BspExchange, Pull
 from .dense import apply_rows, init_slots
-from .agreement import Agreement
+from .agreement import FAILED, OK, Agreement
 from .kernels import TableSet
+from .wire import wire_of
 
 __all__ = ["SspExchange", "close_all"]
 
@@ -99,9 +105,13 @@ class _Trace:
     t_end: float = 0.0  # time.time() just before its pushes were posted
 
 
-def _pack(header, ints=(), floats=()) -> np.ndarray:
+def _pack(header, ints=(), floats=(), rows=None) -> np.ndarray:
+    """A message: int64 header and runs, float32 runs, then `rows` (the wire's values:
+    float32 or uint16) last."""
     parts = [np.asarray(header, np.int64)] + [np.ascontiguousarray(a, np.int64) for a in ints] \
         + [np.ascontiguousarray(a, np.float32).reshape(-1) for a in floats]
+    if rows is not None:
+        parts.append(np.ascontiguousarray(rows).reshape(-1))
     return np.concatenate([p.view(np.uint8) for p in parts])
 
 
@@ -121,6 +131,13 @@ class _Reader:
         self.at += 4 * n
         return out
 
+    def rows(self, n: int, dtype: np.dtype) -> np.ndarray:
+        """n values of the wire's dtype (float32 or uint16)."""
+        size = n * dtype.itemsize
+        out = self.buf[self.at:self.at + size].view(dtype)
+        self.at += size
+        return out
+
 
 class SspExchange:
     """Asynchronous pull/push of rows and dense slices with a staleness bound.
@@ -137,13 +154,17 @@ class SspExchange:
     every worker's clock s (a restore: every rank restores the same step).
     owners: the kvcoll.routing.OwnerMap ids are routed by (default: the even map of
     comm.size).
+    wire_dtype: "fp32", "fp16" or "bf16", the rows' and row gradients' width on the wire
+    (default: the run's, kv.init(wire_dtype=) / --wire-dtype / KVCOLL_WIRE_DTYPE).
+    wire_bytes: bytes this rank has sent to other ranks, by payload ("ids"; "rows", its
+    service thread's replies; "grads"), without the messages' headers.
     """
 
     synchronous = False
 
     def __init__(self, comm: Comm, tables: dict[str, KvTable], staleness: int | None,
                  dense_size: int = 0, dense_optimizer=None, max_inflight_steps: int = 4,
-                 owners=None):
+                 owners=None, wire_dtype=None):
         if staleness is not None and (not isinstance(staleness, int) or staleness < 0):
             raise InvalidArgumentError(
                 f"staleness must be an int >= 0 or None (ASP), got {staleness!r}")
@@ -154,6 +175,8 @@ class SspExchange:
         self._names = list(self.tables)
         self._set = TableSet([self.tables[n] for n in self._names])
         self._dims = self._set.dims.astype(np.int64)
+        self.wire = wire_of(wire_dtype)
+        self.wire_bytes = {"ids": 0, "rows": 0, "grads": 0}
         self.staleness = staleness
         world, rank = comm.size, comm.rank
         self._world, self._rank = world, rank
@@ -312,6 +335,7 @@ class SspExchange:
             msg = _pack([_PULL, step, flags if has_dense else flags & ~_F_DENSE, 0],
                         [counts[r], send[id_at[r]:id_at[r + 1]]])
             self._send(self._req, msg, r, f"ssp:pull of step {step} to rank {r}")
+            self.wire_bytes["ids"] += 8 * int(id_at[r + 1] - id_at[r])
             owners.append(r)
         payload = aligned_empty(int(fl_at[-1]), np.float32)
         flat = np.empty(self.dense_size, np.float32) if flags & _F_DENSE else None
@@ -322,6 +346,9 @@ class SspExchange:
                                 payload[fl_at[me]:fl_at[me + 1]])
         if create:
             self._served[(me, step)] = state
+        wire = self.wire
+        bad = wire.round(payload[fl_at[me]:fl_at[me + 1]])   # read as if it crossed the wire
+        bad = -1 if bad < 0 else int(fl_at[me]) + bad
         with self._cv:
             self._check()
             if flat is not None and hi > lo:
@@ -337,16 +364,24 @@ class SspExchange:
             rd = _Reader(buf)
             slow = int(rd.ints(1)[0])
             stale = max(stale, step - 1 - slow)
-            payload[fl_at[r]:fl_at[r + 1]] = rd.floats(int(fl_at[r + 1] - fl_at[r]))
             if flat is not None and self._bounds[r + 1] > self._bounds[r]:
                 flat[self._bounds[r]:self._bounds[r + 1]] = \
                     rd.floats(self._bounds[r + 1] - self._bounds[r])
+            n = int(fl_at[r + 1] - fl_at[r])
+            _, got = wire.unpack(rd.rows(int(wire.counts(n)), wire.dtype), [n],
+                                 out=payload[fl_at[r]:fl_at[r + 1]])
+            if got >= 0 and (bad < 0 or fl_at[r] + got < bad):
+                bad = int(fl_at[r]) + got
         stale = max(0, stale)
         self.staleness_observed = max(self.staleness_observed, stale)
         if self.trace and self.trace[-1].step == step:
             self.trace[-1].staleness = stale
         out = Pull(self._set, self._names, [a.size for a in given], payload, plan)
         out.step, out.dense = step, flat
+        if bad >= 0:
+            name, key = out.where(bad)
+            out.wire_error = wire.overflow_error(f"table {name!r}, key {key}: a value of its row",
+                                                 None, step)
         self._last = out if create else None
         self.step = step
         return out
@@ -356,7 +391,7 @@ class SspExchange:
         on the trainer's communicator, with BSP's agreement, so call it when no rank is
         stepping (after finish())."""
         if self._lookups is None:
-            self._lookups = BspExchange(self.comm, self.tables)
+            self._lookups = BspExchange(self.comm, self.tables, wire_dtype=self.wire.name)
         self._lookups.set_step(self.step)
         return self._lookups.lookup(ids, agreement)
 
@@ -386,10 +421,9 @@ class SspExchange:
         already sent to lower ranks are theirs to apply or refuse), and the run cannot
         go on (see _apply)."""
         world = self._world
-        if agreement is not None:
+        if agreement is not None and agreement.outcome != OK:   # nothing is sent
             agreement.settle_outcome(agreement.outcome_codes(world, self._rank))
-            if agreement.outcome_failed:
-                return Posted(None, pull, 0)
+            return Posted(None, pull, 0)
         last = pull if pull is not None and pull is self._last else None
         step = pull.step if pull is not None else self.step
         if last is None:
@@ -400,7 +434,23 @@ class SspExchange:
             payload = np.zeros(0, np.float32)
         else:
             counts, payload = last.counts, last.payload_of(grads)
+        wire = self.wire
         _, fl_at = self._offsets(counts)
+        per_rank = np.diff(fl_at)
+        packed, bad = wire.pack(payload, per_rank)
+        at = np.zeros(world + 1, np.int64)      # where each owner's wire values start
+        np.cumsum(wire.counts(per_rank), out=at[1:])
+        if bad >= 0:    # refused like a failed compute: nothing of it is sent
+            name, key = last.where(bad)
+            exc = wire.overflow_error(f"table {name!r}, key {key}: a value of its row gradient",
+                                      float(payload[bad]), step)
+            if agreement is None:
+                raise exc    # nothing sent: the step is still this rank's to abandon
+            agreement.report(FAILED, exc)
+        if agreement is not None:
+            agreement.settle_outcome(agreement.outcome_codes(world, self._rank))
+            if agreement.outcome_failed:
+                return Posted(None, pull, 0)
         if dense_grad is not None:
             dense_grad = np.ascontiguousarray(dense_grad, np.float32).reshape(-1)
             if dense_grad.size != self.dense_size:
@@ -416,15 +466,17 @@ class SspExchange:
         if self.trace and self.trace[-1].step == step:
             self.trace[-1].t_end = time.time()   # before any peer can see this step's push
         for r in range(world):
-            rg = payload[fl_at[r]:fl_at[r + 1]]
+            rg = packed[at[r]:at[r + 1]]
             dg = dense_grad[self._bounds[r]:self._bounds[r + 1]] if dense_grad is not None \
                 else None
             if r == self._rank:  # this rank's own share: applied here, in order, at once
-                self._apply(r, step, counts[r], rg, dg, rates)
+                self._apply(r, step, counts[r], wire.unpack(rg, per_rank[r:r + 1])[0], dg,
+                            rates)
                 continue
             msg = _pack([_PUSH, step, int(dg is not None), 0], [counts[r]],
-                        [rates, rg, dg if dg is not None else np.zeros(0, np.float32)])
+                        [rates, dg if dg is not None else np.zeros(0, np.float32)], rows=rg)
             self._send(self._req, msg, r, f"ssp:push of step {step} to rank {r}")
+            self.wire_bytes["grads"] += rg.size * wire.itemsize
         self._last = None
         parts = [np.asarray(p, np.float32).reshape(-1) for p in (dense_grad, extra)
                  if p is not None]
@@ -468,7 +520,8 @@ class SspExchange:
         step = self.step
         self.close()
         self.__init__(comm, self.tables, self.staleness, self.dense_size, self._dense_opt,
-                      self._inflight_limit // max(1, self._world), owners=owners)
+                      self._inflight_limit // max(1, self._world), owners=owners,
+                      wire_dtype=self.wire.name)
         self.set_step(step)
 
     def _send(self, comm: Comm, msg: np.ndarray, dest: int, op: str) -> None:
@@ -652,26 +705,35 @@ class SspExchange:
         n_rows = int((counts * self._dims).sum())
         n_dense = self._bounds[self._rank + 1] - self._bounds[self._rank] \
             if flags & _F_DENSE else 0
-        # the reply: [slow clock (int64)][rows (float32, served in place)][dense slice]
-        msg = np.empty(8 + 4 * (n_rows + n_dense), np.uint8)
+        # the reply: [slow clock (int64)][dense slice (float32)][rows (the wire's values;
+        # float32 ones served in place)]
+        wire = self.wire
+        at = 8 + 4 * n_dense
+        msg = np.empty(at + wire.itemsize * int(wire.counts(n_rows)), np.uint8)
         msg[:8].view(np.int64)[0] = slow
-        body = msg[8:].view(np.float32)
+        rows = msg[at:].view(wire.dtype)
+        served = aligned_empty(n_rows, np.float32) if wire.compact else rows
         state = self._set.serve(ids, counts.reshape(1, -1), max(0, clock),
-                                bool(flags & _F_CREATE), body[:n_rows])
+                                bool(flags & _F_CREATE), served)
+        if wire.compact:   # (an overflow arrives as Inf: the requester says so)
+            wire.pack(served, [n_rows], out=rows)
         if flags & _F_CREATE:
             self._served[(src, clock)] = state
         if n_dense:
             with self._cv:
-                body[n_rows:] = self._master.reshape(-1)
+                msg[8:at].view(np.float32)[:] = self._master.reshape(-1)
+        self.wire_bytes["rows"] += wire.itemsize * int(wire.counts(n_rows))
         replies.append((self._rep.isend(msg, src, _TAG_REPLY, f"ssp:reply of step {clock}"),
                         run_time(), src, clock))
 
     def _apply_push(self, src, clock, has_dense, rd) -> None:
         counts = rd.ints(len(self._names))
         rates = rd.floats(len(self._names) + 1)
-        grads = rd.floats(int((counts * self._dims).sum()))
         lo, hi = self._bounds[self._rank], self._bounds[self._rank + 1]
-        self._apply(src, clock, counts, grads, rd.floats(hi - lo) if has_dense else None, rates)
+        dense = rd.floats(hi - lo) if has_dense else None
+        n = int((counts * self._dims).sum())
+        grads, _ = self.wire.unpack(rd.rows(int(self.wire.counts(n)), self.wire.dtype), [n])
+        self._apply(src, clock, counts, grads, dense, rates)
 
     def _dense_kernel(self, rate: float):
         """The dense optimizer with learning rate `rate` (NaN: its own)."""

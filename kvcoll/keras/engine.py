@@ -20,6 +20,7 @@ from .. import runtime
 from ..config import BSP, StepMode
 from ..errors import InvalidArgumentError, KvcollError
 from ..exchange import make_exchange
+from ..exchange.wire import wire_of
 from ..step import Loop
 from . import _compat, _horovod
 from ._compat import keras
@@ -89,11 +90,13 @@ class Engine:
     run's (--step-mode, --staleness); jit: compile the steps with tf.function; xla: with
     XLA (default: the run's --xla); prefetch: BSP, pipelined steps, the next batch
     prepared and its ids exchanged while a step computes (default: the run's
-    --pipeline).
+    --pipeline); wire_dtype: the rows' and row gradients' width on the wire, "fp32",
+    "fp16" or "bf16" (default: the run's --wire-dtype).
     """
 
     def __init__(self, model, *, comm=None, step_mode=None, staleness=None, jit: bool = True,
-                 xla: bool | None = None, prefetch: bool | None = None):
+                 xla: bool | None = None, prefetch: bool | None = None,
+                 wire_dtype: str | None = None):
         if not isinstance(model, keras.Model):
             raise InvalidArgumentError(
                 f"kvcoll runs a {keras.__name__}.Model (Keras {keras.__version__}, the Keras "
@@ -110,6 +113,7 @@ class Engine:
         self.mode = _step_mode(step_mode, staleness)
         self.jit, self.xla, self.prefetch = jit, _setting(xla, "xla"), \
             _setting(prefetch, "pipeline")
+        self.wire_dtype = wire_of(wire_dtype).name   # checked now, not at the first step
         self.declared = Declared(model)
         self.layout: Layout | None = None
         self.tables: dict | None = None
@@ -203,7 +207,8 @@ class Engine:
         kernel = None
         if not self.synchronous and self.compute.n_dense and self.optimizer is not None:
             kernel = dense_kernel(self.optimizer)
-        ex = make_exchange(self.comm, self.tables, self.mode, self.compute.n_dense, kernel)
+        ex = make_exchange(self.comm, self.tables, self.mode, self.compute.n_dense, kernel,
+                           wire_dtype=self.wire_dtype)
         reduce = _horovod.allreduce_sum if self.dense_backend() == "horovod" else None
         self.loop = Loop(ex, self.compute, prefetch=self.prefetch, dense_allreduce=reduce)
         if getattr(self.comm, "elastic", False) and self.synchronous and reduce is None:

@@ -36,7 +36,9 @@ class Trainer:
     keras.Model with kv.Embedding layers (no kv.Model needed). jit: compile the step
     with tf.function; xla: with XLA (default: the run's --xla); comm: kvcoll's
     communicator (default the run's); prefetch: BSP, pipelined steps in
-    `train_next(iterator)` (default: the run's --pipeline).
+    `train_next(iterator)` (default: the run's --pipeline); wire_dtype: "fp32", "fp16"
+    or "bf16", the rows and row gradients on the wire (default: the run's --wire-dtype;
+    docs/wire-dtype.md).
 
     `train_step(features, labels)` returns the step's global mean loss; `finish()`
     keeps a rank whose data ended in step with the others until every rank's has;
@@ -49,10 +51,10 @@ class Trainer:
 
     def __init__(self, model, loss, optimizer, *, jit: bool = True, comm=None, step_mode=None,
                  staleness: int | None = None, prefetch: bool | None = None,
-                 xla: bool | None = None):
+                 xla: bool | None = None, wire_dtype: str | None = None):
         model.compile(optimizer=optimizer, loss=loss)
         self.engine = Engine(model, comm=comm, step_mode=step_mode, staleness=staleness,
-                             jit=jit, prefetch=prefetch, xla=xla)
+                             jit=jit, prefetch=prefetch, xla=xla, wire_dtype=wire_dtype)
         replace_engine(model, self.engine)
         self.model = model
         self.opt = model.optimizer
