@@ -338,6 +338,10 @@ class Outcome:
     stopped: int = 0        # ranks that ended because they were asked to stop (SIGUSR2)
     crashed: bool = False   # a rank crashed or called MPI_Abort
     fenced: int = 0         # ranks that exited outside the survivors' majority
+    world: int | None = None   # ranks the job has now, after losses in memory (None: all)
+    # {host: when (time.monotonic())} of the hosts whose ranks the survivors went on
+    # without in memory: they cool down from then, and may rejoin the job after it
+    lost_in_memory: dict = dataclasses.field(default_factory=dict)
 
     on_lost = None      # called with [(host, pid)] of the ranks survivors went on without
 
@@ -354,6 +358,12 @@ class Outcome:
                     self.on_lost is not None:
                 self.killed.update(procs)
                 self.on_lost(procs)
+            if ev.get("event") == "lost" and ev.get("mode") == "in-memory":
+                world = ev.get("world") or []
+                if len(world) == 2 and isinstance(world[1], int):
+                    self.world = world[1] if self.world is None else min(self.world, world[1])
+                now = time.monotonic()
+                self.lost_in_memory.update((h, now) for h in ev.get("hosts", []) if h)
             if ev.get("event") in ("lost", "below_min_np", "relaunch"):
                 self.lost_hosts.update(h for h in ev.get("hosts", []) if h)
                 self.lost_ranks = max(self.lost_ranks, len(ev.get("ranks", [])))
@@ -412,7 +422,10 @@ class Grower:
     is asked to stop after its next step and save (SIGUSR2 to mpirun, which passes it
     on: what kvcollrun does for a preemption; model.fit stops every rank after the same
     step and kv.callbacks.Checkpoint saves), and kvcollrun relaunches it on the larger
-    world, which restores that checkpoint resharded. Once every rank has started."""
+    world, which restores that checkpoint resharded. Once every rank has started. The
+    job's world is the launch's less the ranks the survivors went on without in memory
+    (whose hosts cool down from the loss): they rejoin here too, not only after a
+    relaunch."""
 
     def __init__(self, o: Options, n: int, plan_now, outcome: Outcome, dog, say):
         import threading
@@ -435,11 +448,12 @@ class Grower:
                 hosts, m = self.plan_now()
             except LaunchError:
                 continue
-            if hosts is None or m <= self.n:
+            now = self.outcome.world or self.n
+            if hosts is None or m <= now:
                 continue
             self.to = (hosts, m)
-            self.say(f"{m - self.n} more slot(s) usable ({_describe(hosts)}): asking the job "
-                     f"to stop after its next step and save, to grow from {self.n} to {m} "
+            self.say(f"{m - now} more slot(s) usable ({_describe(hosts)}): asking the job "
+                     f"to stop after its next step and save, to grow from {now} to {m} "
                      "rank(s)")
             try:
                 os.kill(self.dog.proc.pid, signal.SIGUSR2)
@@ -551,13 +565,15 @@ def run(argv: list, *, command, watchdog, say, takes_one, takes_two, kill_after:
         dog = watchdog(cmd, env, kill_after, on_line=outcome.read, elastic=True)
         grower = None
         if first_hosts is not None:
-            grower = Grower(o, n, lambda lost_local=lost_local: plan(
-                o, discover(o), cooling, lost_local, time.monotonic()), outcome, dog, say)
+            grower = Grower(o, n, lambda lost_local=lost_local, outcome=outcome: plan(
+                o, discover(o), _cooling(cooling, outcome, o.cooldown), lost_local,
+                time.monotonic()), outcome, dog, say)
         code = dog.run()
         if grower is not None:
             grower.stop()
         for t in outcome.kills:      # (the lost processes are gone before we go on)
             t.join(timeout=REACH_TIMEOUT)
+        cooling.update(_cooling(cooling, outcome, o.cooldown))
         if grower is not None and grower.to is not None and code == 0 and outcome.stopped \
                 and not dog.signals:
             hosts, n = grower.to
@@ -616,6 +632,15 @@ def run(argv: list, *, command, watchdog, say, takes_one, takes_two, kill_after:
         say(f"{why}: relaunching on {n} rank(s) ({_describe(hosts)}) from the latest "
             f"checkpoint (relaunch {failures} of at most {o.max_relaunches})")
         time.sleep(RELAUNCH_PAUSE)
+
+
+def _cooling(cooling: dict, outcome: Outcome, cooldown: float) -> dict:
+    """{host: until when it cools down}: `cooling` and the hosts the survivors of
+    `outcome` went on without in memory (from the moment of that loss)."""
+    out = dict(cooling)
+    for h, t in outcome.lost_in_memory.items():
+        out[h] = max(out.get(h, 0.0), t + cooldown)
+    return out
 
 
 def _export(cmd: list, names: list) -> list:

@@ -327,3 +327,57 @@ def test_a_relaunch_that_does_not_come_up_is_retried_and_never_taken_for_success
     code, out, runs = launch(tmp_path, ["--min-np", "1", "-H", "a:1,b:1,c:1", "true"], plan)
     assert code == 0 and len(runs) == 3, out
     assert "the relaunch did not come up (0 of 2 rank(s) started): relaunching" in out, out
+
+
+# A stand-in for mpirun for growing back after a loss in memory: the first launch says
+# its 3 ranks started, then that the survivors went on without rank 2 (host c) in
+# memory, and runs until SIGUSR2 (it writes when that came, then exits 0, stopped) or
+# for 8 s (then exits 5: it was never asked); the second says its ranks ended.
+REGROWS = f"""#!{sys.executable}
+import json, os, signal, sys, time
+log = os.environ["LOG"]
+with open(log, "a") as f:
+    f.write(json.dumps({{"argv": sys.argv[1:]}}) + "\\n")
+if sum(1 for _ in open(log)) > 1:
+    print('[1,0]<stderr>: kvcoll-elastic {{"event": "exit", "rank": 0}}', flush=True)
+    sys.exit(0)
+def stop(*_):
+    with open(log + ".usr2", "w") as f:
+        f.write(str(time.monotonic() - lost_at))
+    for r in range(2):
+        print('[1,%d]<stderr>: kvcoll-elastic {{"event": "exit", "rank": %d, "preempted": true}}'
+              % (r, r), flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGUSR2, stop)
+for r in range(3):
+    print('[1,%d]<stderr>: kvcoll-elastic {{"event": "start", "rank": %d}}' % (r, r), flush=True)
+time.sleep(0.5)
+lost_at = time.monotonic()
+print('[1,0]<stderr>: kvcoll-elastic {{"event": "lost", "mode": "in-memory", "ranks": [2], '
+      '"hosts": ["c"], "world": [3, 2], "procs": [["c", 4242]]}}', flush=True)
+time.sleep(8)
+sys.exit(5)
+"""
+
+
+def test_a_host_lost_in_memory_rejoins_after_its_cooldown(tmp_path):
+    """The survivors went on in memory without host c's rank; c is still listed: once
+    its cooldown is over, the job grows back from 2 to 3 ranks (not only after a
+    relaunch: the job's world is what the survivors said, not the launch's)."""
+    disc = tool(tmp_path, "d.sh", "#!/bin/sh\necho a:1\necho b:1\necho c:1\n")
+    log = tmp_path / "log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCOLL", "OMPI_", "PRTE_"))}
+    env.update(MPIRUN=str(tool(tmp_path, "mpirun", REGROWS)), LOG=str(log), HOSTS_UP="a b c")
+    agent = tool(tmp_path, "agent", AGENT)
+    out = subprocess.run([str(KVCOLLRUN), "--elastic", "--prtemca", "plm_ssh_agent", str(agent),
+                          "--min-np", "2", "--cooldown", "2", "--discovery-interval", "0.2",
+                          "--host-discovery-script", str(disc), "true"],
+                         env=env, capture_output=True, text=True, timeout=60, check=False)
+    said = out.stdout + out.stderr
+    assert out.returncode == 0, said
+    assert "1 more slot(s) usable (a:1, b:1, c:1): asking the job to stop after its next " \
+           "step and save, to grow from 2 to 3 rank(s)" in said, said
+    runs = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [value(r["argv"], "--host") for r in runs] == ["a:1,b:1,c:1"] * 2, said
+    waited = float((tmp_path / "log.usr2").read_text())
+    assert 2.0 <= waited < 5.0, f"asked to grow {waited:.2f}s after the loss (cooldown 2 s)"
