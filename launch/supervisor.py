@@ -422,7 +422,8 @@ class Grower:
     is asked to stop after its next step and save (SIGUSR2 to mpirun, which passes it
     on: what kvcollrun does for a preemption; model.fit stops every rank after the same
     step and kv.callbacks.Checkpoint saves), and kvcollrun relaunches it on the larger
-    world, which restores that checkpoint resharded. Once every rank has started. The
+    world, which restores that checkpoint resharded (the request is repeated every
+    interval until the job ends). Once every rank has started. The
     job's world is the launch's less the ranks the survivors went on without in memory
     (whose hosts cool down from the loss): they rejoin here too, not only after a
     relaunch."""
@@ -455,11 +456,16 @@ class Grower:
             self.say(f"{m - now} more slot(s) usable ({_describe(hosts)}): asking the job "
                      f"to stop after its next step and save, to grow from {now} to {m} "
                      "rank(s)")
-            try:
-                os.kill(self.dog.proc.pid, signal.SIGUSR2)
-            except ProcessLookupError:
-                pass
-            return
+            # (again every interval until the job ends: a rank that was not in model.fit
+            # yet only noted it, and fit then trained on to its end)
+            while True:
+                try:
+                    os.kill(self.dog.proc.pid, signal.SIGUSR2)
+                except ProcessLookupError:
+                    return
+                if self._done.wait(self.o.discovery_interval) or \
+                        self.dog.proc.poll() is not None:
+                    return
 
     def stop(self) -> None:
         self._done.set()
@@ -607,7 +613,7 @@ def run(argv: list, *, command, watchdog, say, takes_one, takes_two, kill_after:
                 "(--max-relaunches): giving up")
             return code or 1
         now = time.monotonic()
-        for h in outcome.lost_hosts:
+        for h in outcome.lost_hosts - outcome.lost_in_memory.keys():  # (those: from the loss)
             cooling[h] = now + o.cooldown
         if first_hosts is None:
             lost_local += max(1, outcome.lost_ranks)

@@ -381,3 +381,75 @@ def test_a_host_lost_in_memory_rejoins_after_its_cooldown(tmp_path):
     assert [value(r["argv"], "--host") for r in runs] == ["a:1,b:1,c:1"] * 2, said
     waited = float((tmp_path / "log.usr2").read_text())
     assert 2.0 <= waited < 5.0, f"asked to grow {waited:.2f}s after the loss (cooldown 2 s)"
+
+
+# A stand-in for mpirun whose ranks were not in model.fit yet when kvcollrun asked them
+# to stop (kvcoll notes the request there, and fit then trained to its end): the first
+# SIGUSR2 is ignored, the next one stops the job (exits 0, stopped); then as GROWS.
+DEAF_AT_FIRST = GROWS.replace("def stop(*_):\n", """asked = []
+def stop(*_):
+    asked.append(1)
+    if len(asked) < 2:
+        return
+""")
+
+
+def test_a_stop_request_the_job_was_not_listening_for_yet_is_repeated(tmp_path):
+    listed = tmp_path / "listed"
+    listed.write_text("a:1\nb:1\n")
+    disc = tool(tmp_path, "d.sh", f"#!/bin/sh\ncat {listed}\n")
+    log = tmp_path / "log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCOLL", "OMPI_", "PRTE_"))}
+    env.update(MPIRUN=str(tool(tmp_path, "mpirun", DEAF_AT_FIRST)), LOG=str(log),
+               LISTED=str(listed), HOSTS_UP="a b c")
+    agent = tool(tmp_path, "agent", AGENT)
+    out = subprocess.run([str(KVCOLLRUN), "--elastic", "--prtemca", "plm_ssh_agent", str(agent),
+                          "--max-np", "3", "--discovery-interval", "0.2",
+                          "--host-discovery-script", str(disc), "true"],
+                         env=env, capture_output=True, text=True, timeout=90, check=False)
+    said = out.stdout + out.stderr
+    assert out.returncode == 0, said
+    runs = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [value(r["argv"], "--host") for r in runs] == ["a:1,b:1", "a:1,b:1,c:1"], said
+    assert said.count("asking the job to stop") == 1, said   # (said once, sent again)
+
+
+# A stand-in for mpirun: 3 ranks start; the survivors go on without host c's rank in
+# memory; 2.5 s later the runtime loses host b's daemon and ends the job (exit 0); then
+# as the first launch of LOST_C's plan, the next launch's ranks end.
+LOST_IN_MEMORY_THEN_HOST = f"""#!{sys.executable}
+import json, os, sys, time
+log = os.environ["LOG"]
+with open(log, "a") as f:
+    f.write(json.dumps({{"argv": sys.argv[1:]}}) + "\\n")
+if sum(1 for _ in open(log)) > 1:
+    print('[1,0]<stderr>: kvcoll-elastic {{"event": "start", "rank": 0}}', flush=True)
+    print('[1,0]<stderr>: kvcoll-elastic {{"event": "exit", "rank": 0}}', flush=True)
+    sys.exit(0)
+for r in range(3):
+    print('[1,%d]<stderr>: kvcoll-elastic {{"event": "start", "rank": %d}}' % (r, r), flush=True)
+print('[1,0]<stderr>: kvcoll-elastic {{"event": "lost", "mode": "in-memory", "ranks": [2], '
+      '"hosts": ["c"], "world": [3, 2], "procs": [["c", 4242]]}}', flush=True)
+time.sleep(2.5)
+print("prterun has lost communication with a remote daemon.", flush=True)
+print("  Remote daemon: [prterun-vm-1@1,2] on node b ", flush=True)
+sys.exit(0)
+"""
+
+
+def test_a_host_lost_in_memory_cools_down_from_its_loss_not_from_a_later_relaunch(tmp_path):
+    """Host c's rank is lost in memory, then host b's daemon ends the job 2.5 s later:
+    with a 2 s cooldown, c has cooled down by the relaunch, which runs on a and c (not
+    on a alone, only to grow back to c at once)."""
+    log = tmp_path / "log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCOLL", "OMPI_", "PRTE_"))}
+    env.update(MPIRUN=str(tool(tmp_path, "mpirun", LOST_IN_MEMORY_THEN_HOST)), LOG=str(log),
+               HOSTS_UP="a b c", KVCOLLRUN_KILL_AFTER="2")
+    agent = tool(tmp_path, "agent", AGENT)
+    out = subprocess.run([str(KVCOLLRUN), "--elastic", "--prtemca", "plm_ssh_agent", str(agent),
+                          "--min-np", "1", "--cooldown", "2", "-H", "a:1,b:1,c:1", "true"],
+                         env=env, capture_output=True, text=True, timeout=60, check=False)
+    said = out.stdout + out.stderr
+    assert out.returncode == 0, said
+    runs = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [value(r["argv"], "--host") for r in runs] == ["a:1,b:1,c:1", "a:1,c:1"], said
