@@ -20,7 +20,8 @@ non-zero with the reason. A dead process is reported by Open MPI's runtime withi
 second; a stopped one, or one whose host is cut off, by ULFM's heartbeat detector,
 which kvcollrun turns on (its own thread in every rank, so a rank busy computing,
 tracing or writing a checkpoint still beats): --heartbeat-period (default 0.5 s) and
---heartbeat-timeout (default 2.5 s, more than 3 periods). The runtime's daemons watch
+--heartbeat-timeout (default 2.5 s, more than 3 periods); its findings reach every
+rank by reliable broadcast (mpi_ft_propagator_with_rbcast). The runtime's daemons watch
 each other with TCP keepalives (2 s idle, then 5 probes 1 s apart: Open MPI's defaults
 take minutes), so a lost host ends the job in about 7 s, not minutes, after the
 survivors have saved what they hold (see below). mpirun options given on the command
@@ -479,9 +480,13 @@ def fault_flags(o: Options, mpi_opts: list) -> list:
              if mpi_opts[i] in ("--mca", "-mca", "--prtemca", "--gmca", "-gmca")}
     given |= {k.split("_MCA_", 1)[1] for k in os.environ
               if k.startswith(("OMPI_MCA_", "PRTE_MCA_"))}
+    # (the detector's finding goes to every rank by reliable broadcast: through the
+    # runtime alone, only the rank that watched a stopped or cut-off peer learnt of it,
+    # and with 4 ranks the survivors' agreement then waited for the lost one)
     mca = {"mpi_ft_detector": "true", "mpi_ft_detector_thread": "true",
            "mpi_ft_detector_period": f"{o.heartbeat_period:g}",
-           "mpi_ft_detector_timeout": f"{o.heartbeat_timeout:g}"}
+           "mpi_ft_detector_timeout": f"{o.heartbeat_timeout:g}",
+           "mpi_ft_propagator_with_rbcast": "true"}
     prte = {"oob_tcp_keepalive_time": "2", "oob_tcp_keepalive_intvl": "1",
             "oob_tcp_keepalive_probes": "5"}
     out = []

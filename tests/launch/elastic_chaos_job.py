@@ -5,6 +5,7 @@ kv.callbacks.Checkpoint saving a delta every --incremental-every steps and a ful
 checkpoint every --full-every, restoring at start (a relaunch resumes from the latest
 checkpoint) and saving at the end.
 
+SIGUSR1 dumps every thread's Python stack to stderr (faulthandler): where a rank waits.
 Whichever rank is rank 0 prints `chaos step S world W launch L` after every step it
 applied (L: kvcollrun's launch number), so the test times each event from the fault to
 the first step trained after it, and sees the world shrink and grow.
@@ -17,7 +18,9 @@ every directory).
 """
 
 import argparse
+import faulthandler
 import os
+import signal
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -67,6 +70,7 @@ def model_of(args):
 
 
 def train(args) -> int:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # (where a rank waits)
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
     kv.init()

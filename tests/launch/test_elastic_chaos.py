@@ -59,7 +59,7 @@ KINDS = ("kill", "link", "stop")
 NHOSTS = 4
 MIN_NP = 2
 COOLDOWN = 4            # seconds a host that lost its rank is held out (--cooldown)
-STEPS = int(os.environ.get("KVCOLL_TEST_CHAOS_STEPS", "2500"))
+STEPS = int(os.environ.get("KVCOLL_TEST_CHAOS_STEPS", "4000"))
 AUC_BOUND = 0.003
 EVAL_SAMPLES = 200_000
 JOB_ARGS = ["--steps", STEPS, "--batch", 4096, "--full-every", 100, "--incremental-every", 10]
@@ -165,6 +165,11 @@ class Job:
             time.sleep(0.05)
         return None
 
+    def note(self, what: str) -> None:
+        """A line of the test's own in the job's log (an event, when it was sent)."""
+        self.log.write(f"{time.monotonic() - self.t0:9.3f} TEST: {what}\n")
+        self.log.flush()
+
     def since(self, after: float, pattern: str) -> list:
         rx = re.compile(pattern)
         return [(t, line) for t, line in list(self.lines) if t > after and rx.search(line)]
@@ -224,6 +229,7 @@ def settled(job: Job, hosts: Hosts, listed: Listed, timeout: float, what: str
             ranks = job_hosts(hosts)
             if len(ranks) == s.world and set(ranks) <= listed.up:
                 return s, ranks
+            time.sleep(0.1)         # (a lost rank's process still going: ask less often)
         if job.proc.poll() is not None:
             last = job.steps[-1].step if job.steps else 0
             pytest.fail(f"{what}: the job ended (step {last} of {STEPS}) before it (this "
@@ -251,6 +257,7 @@ def run_events(job: Job, hosts: Hosts, listed: Listed, rng: random.Random) -> li
         cur, ranks = settled(job, hosts, listed, 60, what)
         victim = sorted(ranks)[int(pick * len(ranks))]
         pid, name = ranks[victim], hosts.names[victim]
+        job.note(f"event {n + 1}: {kind} {name} (pid {pid})")
         t_fault = time.monotonic()
         if kind == "kill":
             os.kill(pid, signal.SIGKILL)
@@ -284,13 +291,21 @@ def run_events(job: Job, hosts: Hosts, listed: Listed, rng: random.Random) -> li
             while pid in hosts.pids(victim) and time.monotonic() < gone:
                 time.sleep(0.05)
             ev["left_on_host"] = [pid] if pid in hosts.pids(victim) else []
+        # the survivors' line (in memory; after a link down, when they got that far
+        # before the runtime ended the job) and their save of what they held
         ev["lost_line"] = bool(job.since(t_fault, rf"kvcoll: rank \d+ \(host {name}\) lost at "
                                                   r"step"))
+        ev["saved"] = bool(job.since(t_fault, r"kvcoll: saved what the survivors hold"))
         done.append(ev)
         print(f"event {n + 1:2d}: {kind:4s} {name} (step {cur.step}, {cur.world} ranks): "
               f"training again on {ev['after']} after {ev['recovery_s']:5.2f}s, "
               f"{ev['mode']}" + (f" (in memory after {ev['in_memory_s']:.2f}s first)"
-                                 if "in_memory_s" in ev else ""), flush=True)
+                                 if "in_memory_s" in ev else "")
+              + ("" if kind != "link" else ", the survivors had " + (
+                  "saved what they held" if ev["saved"] else "not recovered in memory"
+                  if not ev["lost_line"] else "recovered in memory, not saved")
+                 + " when the runtime ended the job"), flush=True)
+        job.note(f"event {n + 1}: training again after {ev['recovery_s']:.2f}s, {ev['mode']}")
         assert not ev["left_on_host"], (
             f"event {n + 1}: the lost rank's process {ev['left_on_host']} is still on "
             f"{name}:\n{job.tail()}")
@@ -307,6 +322,58 @@ def growths(job: Job) -> list[str]:
         out.append(f"{m.group(1)} -> {m.group(2)} ranks: training again "
                    + (f"{first.t - t:.1f}s after kvcollrun asked" if first else "never"))
     return out
+
+
+@pytest.mark.parametrize("victim", [0, 2])
+def test_a_stopped_rank_among_four_hosts_is_survived_in_memory(hosts, tmp_path, cleanup,
+                                                               victim):
+    """A rank of four stopped (SIGSTOP): found by the heartbeat, the three survivors
+    agree, shrink and finish in memory. (Found by the chaos test: with ULFM's failure
+    propagation through the runtime, only the rank that watches the stopped one learnt
+    of it, and the survivors' agreement waited for the stopped rank until its 120 s
+    deadline; kvcollrun now has ULFM propagate it by reliable broadcast.) The TF-free
+    job of tests/launch/elastic_job.py."""
+    cmd = [str(ROOT / "launch" / "kvcollrun"), "--elastic", "--min-np", str(MIN_NP),
+           *hosts.mpi_args(), PYTHON, str(ROOT / "tests" / "launch" / "elastic_job.py"),
+           "--steps", "120", "--ckpt", str(tmp_path / "ck"), "--full-every", "20",
+           "--incremental-every", "5", "--step-ms", "30"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=ROOT, start_new_session=True,
+                            env=hosts.env({"KVCOLLRUN_KILL_AFTER": "5"}))
+    lines: list = []
+    reader = threading.Thread(target=lambda: lines.extend(
+        (time.monotonic(), x.rstrip("\n")) for x in proc.stdout), daemon=True)
+    reader.start()
+
+    class _Job:          # (what the cleanup fixture ends)
+        def kill(self):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    cleanup.append(_Job())
+
+    def seen(pattern: str, after: float = 0.0) -> float | None:
+        return next((t for t, x in list(lines) if t > after and re.search(pattern, x)), None)
+
+    deadline = time.monotonic() + 60
+    while seen(r"step 30 loss") is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = hosts.ranks(victim, "elastic_job.py")
+    assert len(pids) == 1, "\n".join(x for _, x in lines[-40:])
+    t_stop = time.monotonic()
+    os.kill(pids[0], signal.SIGSTOP)
+    try:
+        code = proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        _Job().kill()
+        code = None
+    reader.join(timeout=5)
+    out = "\n".join(x for _, x in lines)
+    t_lost = seen(rf"kvcoll: rank {victim} \(host kvhost{victim + 1}\) lost at step", t_stop)
+    assert code == 0 and t_lost is not None, out[-6000:]
+    assert t_lost - t_stop < 10 and re.search(r"step 120 loss", out), out[-3000:]
+    print(f"\nrank {victim} of 4 stopped: the survivors went on in memory after "
+          f"{t_lost - t_stop:.2f}s")
 
 
 def test_ten_random_events_and_the_job_ends_as_an_uninterrupted_run(hosts, tmp_path,
@@ -332,6 +399,7 @@ def test_ten_random_events_and_the_job_ends_as_an_uninterrupted_run(hosts, tmp_p
     assert re.search(rf"chaos rank 0 of \d done at step {STEPS}$", out, re.MULTILINE), out[-4000:]
     assert "the job recovered and finished" in out
     assert last.step < STEPS, f"all {EVENTS} events must come before the last step"
+    assert max(s.step for s in job.steps) == STEPS, "the job trained past its steps"
     launches = max(s.launch for s in job.steps)
 
     base = Job(hosts, listed, tmp_path / "base", tmp_path / "base.log")
@@ -364,4 +432,4 @@ def test_ten_random_events_and_the_job_ends_as_an_uninterrupted_run(hosts, tmp_p
     assert s_chaos == s_base == STEPS, aucs
     assert auc_base > 0.7, f"the uninterrupted run learnt little: AUC {auc_base:.4f}"
     assert abs(auc_chaos - auc_base) <= AUC_BOUND, (auc_chaos, auc_base, events)
-    assert all(ev["lost_line"] for ev in events), events
+    assert all(ev["lost_line"] for ev in events if ev["mode"] == "in-memory"), events

@@ -142,7 +142,8 @@ def test_a_launch_runs_mpirun_with_ulfm_the_hosts_and_min_np(tmp_path):
     mca = {tuple(argv[i + 1:i + 3]) for i, a in enumerate(argv) if a in ("--mca", "--prtemca")}
     assert {("mpi_ft_detector", "true"), ("mpi_ft_detector_thread", "true"),
             ("mpi_ft_detector_period", "0.5"), ("mpi_ft_detector_timeout", "2.5"),
-            ("oob_tcp_keepalive_time", "2"), ("oob_tcp_keepalive_probes", "5")} <= mca, mca
+            ("oob_tcp_keepalive_time", "2"), ("oob_tcp_keepalive_probes", "5"),
+            ("mpi_ft_propagator_with_rbcast", "true")} <= mca, mca
 
 
 def test_fault_settings_given_on_the_command_line_win(tmp_path):
