@@ -473,6 +473,49 @@ class Grower:
         self._thread.join(timeout=5)
 
 
+class _Leaver:
+    """While a launch runs: once every rank left in the job (the launch's less those the
+    survivors went on without) said it ended normally, mpirun must end too; if it has
+    not `kill_after` seconds later, its processes are killed and the launch counts as
+    ended normally. (After a host was cut off, mpirun can wait for that host's daemon
+    for ever: seen when the survivors finished before the runtime gave the daemon up.)"""
+
+    def __init__(self, dog, outcome: Outcome, n: int, kill_after: float, say):
+        import threading
+
+        self.dog, self.outcome, self.n, self.kill_after, self.say = dog, outcome, n, \
+            kill_after, say
+        self.ended = False       # it killed mpirun after every rank had ended
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="kvcollrun-leaver",
+                                        daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        since = None
+        while not self._done.wait(0.2):
+            if self.dog.proc.poll() is not None:
+                return
+            o = self.outcome
+            if not o.lost_in_memory or o.crashed or o.raised or \
+                    o.exits < (o.world or self.n):
+                since = None
+                continue
+            since = since or time.monotonic()
+            if time.monotonic() - since >= self.kill_after:
+                self.ended = True
+                self.dog.kill_all(f"every rank left in the job ended, but mpirun did not "
+                                  f"{self.kill_after:g}s later (it waits for a lost host's "
+                                  "daemon)")
+                return
+
+    def stop(self) -> bool:
+        """Stop watching; whether it ended mpirun after every rank had ended."""
+        self._done.set()
+        self._thread.join(timeout=5)
+        return self.ended
+
+
 def fault_flags(o: Options, mpi_opts: list) -> list:
     """ULFM's heartbeat detector and the runtime's keepalives (see the module docstring),
     each unless the command line or the environment sets it already."""
@@ -579,7 +622,10 @@ def run(argv: list, *, command, watchdog, say, takes_one, takes_two, kill_after:
             grower = Grower(o, n, lambda lost_local=lost_local, outcome=outcome: plan(
                 o, discover(o), _cooling(cooling, outcome, o.cooldown), lost_local,
                 time.monotonic()), outcome, dog, say)
+        leaver = _Leaver(dog, outcome, n, kill_after, say)
         code = dog.run()
+        if leaver.stop():
+            code = 0        # (every rank left in the job ended normally)
         if grower is not None:
             grower.stop()
         for t in outcome.kills:      # (the lost processes are gone before we go on)

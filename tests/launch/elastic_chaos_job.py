@@ -5,10 +5,10 @@ kv.callbacks.Checkpoint saving a delta every --incremental-every steps and a ful
 checkpoint every --full-every, restoring at start (a relaunch resumes from the latest
 checkpoint) and saving at the end.
 
-SIGUSR1 dumps every thread's Python stack to stderr (faulthandler): where a rank waits.
 Whichever rank is rank 0 prints `chaos step S world W launch L` after every step it
 applied (L: kvcollrun's launch number), so the test times each event from the fault to
-the first step trained after it, and sees the world shrink and grow.
+the first step trained after it, and sees the world shrink and grow. SIGUSR1 dumps
+every thread's Python stack to stderr (faulthandler): where a rank waits.
 
 --eval DIR [DIR ...]: no training; one process builds the same model, restores each
 directory's latest checkpoint (kv.restore, resharded onto one rank) and prints one line

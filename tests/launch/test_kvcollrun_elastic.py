@@ -454,3 +454,36 @@ def test_a_host_lost_in_memory_cools_down_from_its_loss_not_from_a_later_relaunc
     assert out.returncode == 0, said
     runs = [json.loads(x) for x in log.read_text().splitlines()]
     assert [value(r["argv"], "--host") for r in runs] == ["a:1,b:1,c:1", "a:1,c:1"], said
+
+
+# A stand-in for mpirun that does not end after the job did: 3 ranks start, the
+# survivors go on without host c's rank in memory, both say they ended, and mpirun waits
+# on (for the daemon of host c, cut off) until it is killed.
+HANGS_AFTER_THE_SURVIVORS = f"""#!{sys.executable}
+import time
+for r in range(3):
+    print('[1,%d]<stderr>: kvcoll-elastic {{"event": "start", "rank": %d}}' % (r, r), flush=True)
+print('[1,0]<stderr>: kvcoll-elastic {{"event": "lost", "mode": "in-memory", "ranks": [2], '
+      '"hosts": ["c"], "world": [3, 2], "procs": [["c", 4242]]}}', flush=True)
+for r in range(2):
+    print('[1,%d]<stderr>: kvcoll-elastic {{"event": "exit", "rank": %d}}' % (r, r), flush=True)
+time.sleep(120)
+"""
+
+
+def test_mpirun_waiting_on_after_every_survivor_ended_is_ended(tmp_path):
+    """The survivors of a lost host finished and left, and mpirun waits on for the lost
+    host's daemon: kvcollrun ends it KVCOLLRUN_KILL_AFTER seconds later, and the job
+    finished (exit 0)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCOLL", "OMPI_", "PRTE_"))}
+    env.update(MPIRUN=str(tool(tmp_path, "mpirun", HANGS_AFTER_THE_SURVIVORS)),
+               LOG=str(tmp_path / "log"), HOSTS_UP="a b c", KVCOLLRUN_KILL_AFTER="2")
+    agent = tool(tmp_path, "agent", AGENT)
+    t0 = time.monotonic()
+    out = subprocess.run([str(KVCOLLRUN), "--elastic", "--prtemca", "plm_ssh_agent", str(agent),
+                          "--min-np", "2", "-H", "a:1,b:1,c:1", "true"],
+                         env=env, capture_output=True, text=True, timeout=60, check=False)
+    said = out.stdout + out.stderr
+    assert out.returncode == 0 and time.monotonic() - t0 < 15, said
+    assert "every rank left in the job ended, but mpirun did not" in said, said
+    assert "the job recovered and finished (1 launch(es))" in said, said
