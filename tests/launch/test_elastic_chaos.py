@@ -32,6 +32,10 @@ AUCs must be within AUC_BOUND (0.003).
 pytest -s prints every event with its recovery time (from the fault to the first step
 trained afterwards) and mode (in-memory / relaunch), the growths, the two AUCs and
 where the time went.
+
+Also here: a stopped rank among four hosts (rank 0 or 2; the TF-free job of
+tests/launch/elastic_job.py) is survived in memory, the defect the chaos test found
+first (the survivors' agreement waited for the stopped rank until its deadline).
 """
 
 from __future__ import annotations
@@ -59,7 +63,8 @@ KINDS = ("kill", "link", "stop")
 NHOSTS = 4
 MIN_NP = 2
 COOLDOWN = 4            # seconds a host that lost its rank is held out (--cooldown)
-STEPS = int(os.environ.get("KVCOLL_TEST_CHAOS_STEPS", "2000"))
+# (in the runs so far all 10 events came before step 1,000; 29-52 ms a step on 4 ranks)
+STEPS = int(os.environ.get("KVCOLL_TEST_CHAOS_STEPS", "2500"))
 AUC_BOUND = 0.003
 EVAL_SAMPLES = 200_000
 JOB_ARGS = ["--steps", STEPS, "--batch", 4096, "--full-every", 100, "--incremental-every", 10]
