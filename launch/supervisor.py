@@ -20,7 +20,8 @@ non-zero with the reason. A dead process is reported by Open MPI's runtime withi
 second; a stopped one, or one whose host is cut off, by ULFM's heartbeat detector,
 which kvcollrun turns on (its own thread in every rank, so a rank busy computing,
 tracing or writing a checkpoint still beats): --heartbeat-period (default 0.5 s) and
---heartbeat-timeout (default 2.5 s, more than 3 periods). The runtime's daemons watch
+--heartbeat-timeout (default 2.5 s, more than 3 periods); its findings reach every
+rank by reliable broadcast (mpi_ft_propagator_with_rbcast). The runtime's daemons watch
 each other with TCP keepalives (2 s idle, then 5 probes 1 s apart: Open MPI's defaults
 take minutes), so a lost host ends the job in about 7 s, not minutes, after the
 survivors have saved what they hold (see below). mpirun options given on the command
@@ -341,6 +342,10 @@ class Outcome:
     stopped: int = 0        # ranks that ended because they were asked to stop (SIGUSR2)
     crashed: bool = False   # a rank crashed or called MPI_Abort
     fenced: int = 0         # ranks that exited outside the survivors' majority
+    world: int | None = None   # ranks the job has now, after losses in memory (None: all)
+    # {host: when (time.monotonic())} of the hosts whose ranks the survivors went on
+    # without in memory: they cool down from then, and may rejoin the job after it
+    lost_in_memory: dict = dataclasses.field(default_factory=dict)
 
     on_lost = None      # called with [(host, pid)] of the ranks survivors went on without
 
@@ -357,6 +362,12 @@ class Outcome:
                     self.on_lost is not None:
                 self.killed.update(procs)
                 self.on_lost(procs)
+            if ev.get("event") == "lost" and ev.get("mode") == "in-memory":
+                world = ev.get("world") or []
+                if len(world) == 2 and isinstance(world[1], int):
+                    self.world = world[1] if self.world is None else min(self.world, world[1])
+                now = time.monotonic()
+                self.lost_in_memory.update((h, now) for h in ev.get("hosts", []) if h)
             if ev.get("event") in ("lost", "below_min_np", "relaunch"):
                 self.lost_hosts.update(h for h in ev.get("hosts", []) if h)
                 self.lost_ranks = max(self.lost_ranks, len(ev.get("ranks", [])))
@@ -417,7 +428,11 @@ class Grower:
     is asked to stop after its next step and save (SIGUSR2 to mpirun, which passes it
     on: what kvcollrun does for a preemption; model.fit stops every rank after the same
     step and kv.callbacks.Checkpoint saves), and kvcollrun relaunches it on the larger
-    world, which restores that checkpoint resharded. Once every rank has started."""
+    world, which restores that checkpoint resharded (the request is repeated every
+    interval until the job ends). Once every rank has started. The
+    job's world is the launch's less the ranks the survivors went on without in memory
+    (whose hosts cool down from the loss): they rejoin here too, not only after a
+    relaunch."""
 
     def __init__(self, o: Options, n: int, plan_now, outcome: Outcome, dog, say):
         import threading
@@ -438,21 +453,70 @@ class Grower:
                 hosts, m = self.plan_now()
             except LaunchError:
                 continue
-            if hosts is None or m <= self.n:
+            now = self.outcome.world or self.n
+            if hosts is None or m <= now:
                 continue
             self.to = (hosts, m)
-            self.say(f"{m - self.n} more slot(s) usable ({_describe(hosts)}): asking the job "
-                     f"to stop after its next step and save, to grow from {self.n} to {m} "
+            self.say(f"{m - now} more slot(s) usable ({_describe(hosts)}): asking the job "
+                     f"to stop after its next step and save, to grow from {now} to {m} "
                      "rank(s)")
-            try:
-                os.kill(self.dog.proc.pid, signal.SIGUSR2)
-            except ProcessLookupError:
-                pass
-            return
+            # (again every interval until the job ends: a rank that was not in model.fit
+            # yet only noted it, and fit then trained on to its end)
+            while True:
+                try:
+                    os.kill(self.dog.proc.pid, signal.SIGUSR2)
+                except ProcessLookupError:
+                    return
+                if self._done.wait(self.o.discovery_interval) or \
+                        self.dog.proc.poll() is not None:
+                    return
 
     def stop(self) -> None:
         self._done.set()
         self._thread.join(timeout=5)
+
+
+class _Leaver:
+    """While a launch runs: once every rank left in the job (the launch's less those the
+    survivors went on without) said it ended normally, mpirun must end too; if it has
+    not `kill_after` seconds later, its processes are killed and the launch counts as
+    ended normally. (After a host was cut off, mpirun can wait for that host's daemon
+    for ever: seen when the survivors finished before the runtime gave the daemon up.)"""
+
+    def __init__(self, dog, outcome: Outcome, n: int, kill_after: float, say):
+        import threading
+
+        self.dog, self.outcome, self.n, self.kill_after, self.say = dog, outcome, n, \
+            kill_after, say
+        self.ended = False       # it killed mpirun after every rank had ended
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="kvcollrun-leaver",
+                                        daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        since = None
+        while not self._done.wait(0.2):
+            if self.dog.proc.poll() is not None:
+                return
+            o = self.outcome
+            if not o.lost_in_memory or o.crashed or o.raised or \
+                    o.exits < (o.world or self.n):
+                since = None
+                continue
+            since = since or time.monotonic()
+            if time.monotonic() - since >= self.kill_after:
+                self.ended = True
+                self.dog.kill_all(f"every rank left in the job ended, but mpirun did not "
+                                  f"{self.kill_after:g}s later (it waits for a lost host's "
+                                  "daemon)")
+                return
+
+    def stop(self) -> bool:
+        """Stop watching; whether it ended mpirun after every rank had ended."""
+        self._done.set()
+        self._thread.join(timeout=5)
+        return self.ended
 
 
 def fault_flags(o: Options, mpi_opts: list) -> list:
@@ -462,9 +526,13 @@ def fault_flags(o: Options, mpi_opts: list) -> list:
              if mpi_opts[i] in ("--mca", "-mca", "--prtemca", "--gmca", "-gmca")}
     given |= {k.split("_MCA_", 1)[1] for k in os.environ
               if k.startswith(("OMPI_MCA_", "PRTE_MCA_"))}
+    # (the detector's finding goes to every rank by reliable broadcast: through the
+    # runtime alone, only the rank that watched a stopped or cut-off peer learnt of it,
+    # and with 4 ranks the survivors' agreement then waited for the lost one)
     mca = {"mpi_ft_detector": "true", "mpi_ft_detector_thread": "true",
            "mpi_ft_detector_period": f"{o.heartbeat_period:g}",
-           "mpi_ft_detector_timeout": f"{o.heartbeat_timeout:g}"}
+           "mpi_ft_detector_timeout": f"{o.heartbeat_timeout:g}",
+           "mpi_ft_propagator_with_rbcast": "true"}
     prte = {"oob_tcp_keepalive_time": "2", "oob_tcp_keepalive_intvl": "1",
             "oob_tcp_keepalive_probes": "5"}
     out = []
@@ -556,13 +624,18 @@ def run(argv: list, *, command, watchdog, say, takes_one, takes_two, kill_after:
         dog = watchdog(cmd, env, kill_after, on_line=outcome.read, elastic=True)
         grower = None
         if first_hosts is not None:
-            grower = Grower(o, n, lambda lost_local=lost_local: plan(
-                o, discover(o), cooling, lost_local, time.monotonic()), outcome, dog, say)
+            grower = Grower(o, n, lambda lost_local=lost_local, outcome=outcome: plan(
+                o, discover(o), _cooling(cooling, outcome, o.cooldown), lost_local,
+                time.monotonic()), outcome, dog, say)
+        leaver = _Leaver(dog, outcome, n, kill_after, say)
         code = dog.run()
+        if leaver.stop():
+            code = 0        # (every rank left in the job ended normally)
         if grower is not None:
             grower.stop()
         for t in outcome.kills:      # (the lost processes are gone before we go on)
             t.join(timeout=REACH_TIMEOUT)
+        cooling.update(_cooling(cooling, outcome, o.cooldown))
         if grower is not None and grower.to is not None and code == 0 and outcome.stopped \
                 and not dog.signals:
             hosts, n = grower.to
@@ -598,7 +671,7 @@ def run(argv: list, *, command, watchdog, say, takes_one, takes_two, kill_after:
                 "(--max-relaunches): giving up")
             return code or 1
         now = time.monotonic()
-        for h in outcome.lost_hosts:
+        for h in outcome.lost_hosts - outcome.lost_in_memory.keys():  # (those: from the loss)
             cooling[h] = now + o.cooldown
         if first_hosts is None:
             lost_local += max(1, outcome.lost_ranks)
@@ -625,6 +698,15 @@ def run(argv: list, *, command, watchdog, say, takes_one, takes_two, kill_after:
         say(f"{why}: relaunching on {n} rank(s) ({_describe(hosts)}) from the latest "
             f"checkpoint (relaunch {failures} of at most {o.max_relaunches})")
         time.sleep(RELAUNCH_PAUSE)
+
+
+def _cooling(cooling: dict, outcome: Outcome, cooldown: float) -> dict:
+    """{host: until when it cools down}: `cooling` and the hosts the survivors of
+    `outcome` went on without in memory (from the moment of that loss)."""
+    out = dict(cooling)
+    for h, t in outcome.lost_in_memory.items():
+        out[h] = max(out.get(h, 0.0), t + cooldown)
+    return out
 
 
 def _export(cmd: list, names: list) -> list:

@@ -142,7 +142,8 @@ def test_a_launch_runs_mpirun_with_ulfm_the_hosts_and_min_np(tmp_path):
     mca = {tuple(argv[i + 1:i + 3]) for i, a in enumerate(argv) if a in ("--mca", "--prtemca")}
     assert {("mpi_ft_detector", "true"), ("mpi_ft_detector_thread", "true"),
             ("mpi_ft_detector_period", "0.5"), ("mpi_ft_detector_timeout", "2.5"),
-            ("oob_tcp_keepalive_time", "2"), ("oob_tcp_keepalive_probes", "5")} <= mca, mca
+            ("oob_tcp_keepalive_time", "2"), ("oob_tcp_keepalive_probes", "5"),
+            ("mpi_ft_propagator_with_rbcast", "true")} <= mca, mca
 
 
 def test_fault_settings_given_on_the_command_line_win(tmp_path):
@@ -363,3 +364,162 @@ def test_a_relaunch_that_does_not_come_up_is_retried_and_never_taken_for_success
     code, out, runs = launch(tmp_path, ["--min-np", "1", "-H", "a:1,b:1,c:1", "true"], plan)
     assert code == 0 and len(runs) == 3, out
     assert "the relaunch did not come up (0 of 2 rank(s) started): relaunching" in out, out
+
+
+# A stand-in for mpirun for growing back after a loss in memory: the first launch says
+# its 3 ranks started, then that the survivors went on without rank 2 (host c) in
+# memory, and runs until SIGUSR2 (it writes when that came, then exits 0, stopped) or
+# for 8 s (then exits 5: it was never asked); the second says its ranks ended.
+REGROWS = f"""#!{sys.executable}
+import json, os, signal, sys, time
+log = os.environ["LOG"]
+with open(log, "a") as f:
+    f.write(json.dumps({{"argv": sys.argv[1:]}}) + "\\n")
+if sum(1 for _ in open(log)) > 1:
+    print('[1,0]<stderr>: kvcoll-elastic {{"event": "exit", "rank": 0}}', flush=True)
+    sys.exit(0)
+def stop(*_):
+    with open(log + ".usr2", "w") as f:
+        f.write(str(time.monotonic() - lost_at))
+    for r in range(2):
+        print('[1,%d]<stderr>: kvcoll-elastic {{"event": "exit", "rank": %d, "preempted": true}}'
+              % (r, r), flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGUSR2, stop)
+for r in range(3):
+    print('[1,%d]<stderr>: kvcoll-elastic {{"event": "start", "rank": %d}}' % (r, r), flush=True)
+time.sleep(0.5)
+lost_at = time.monotonic()
+print('[1,0]<stderr>: kvcoll-elastic {{"event": "lost", "mode": "in-memory", "ranks": [2], '
+      '"hosts": ["c"], "world": [3, 2], "procs": [["c", 4242]]}}', flush=True)
+time.sleep(8)
+sys.exit(5)
+"""
+
+
+def test_a_host_lost_in_memory_rejoins_after_its_cooldown(tmp_path):
+    """The survivors went on in memory without host c's rank; c is still listed: once
+    its cooldown is over, the job grows back from 2 to 3 ranks (not only after a
+    relaunch: the job's world is what the survivors said, not the launch's)."""
+    disc = tool(tmp_path, "d.sh", "#!/bin/sh\necho a:1\necho b:1\necho c:1\n")
+    log = tmp_path / "log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCOLL", "OMPI_", "PRTE_"))}
+    env.update(MPIRUN=str(tool(tmp_path, "mpirun", REGROWS)), LOG=str(log), HOSTS_UP="a b c")
+    agent = tool(tmp_path, "agent", AGENT)
+    out = subprocess.run([str(KVCOLLRUN), "--elastic", "--prtemca", "plm_ssh_agent", str(agent),
+                          "--min-np", "2", "--cooldown", "2", "--discovery-interval", "0.2",
+                          "--host-discovery-script", str(disc), "true"],
+                         env=env, capture_output=True, text=True, timeout=60, check=False)
+    said = out.stdout + out.stderr
+    assert out.returncode == 0, said
+    assert "1 more slot(s) usable (a:1, b:1, c:1): asking the job to stop after its next " \
+           "step and save, to grow from 2 to 3 rank(s)" in said, said
+    runs = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [value(r["argv"], "--host") for r in runs] == ["a:1,b:1,c:1"] * 2, said
+    waited = float((tmp_path / "log.usr2").read_text())
+    assert 2.0 <= waited < 5.0, f"asked to grow {waited:.2f}s after the loss (cooldown 2 s)"
+
+
+# A stand-in for mpirun whose ranks were not in model.fit yet when kvcollrun asked them
+# to stop (kvcoll notes the request there, and fit then trained to its end): the first
+# SIGUSR2 is ignored, the next one stops the job (exits 0, stopped); then as GROWS.
+DEAF_AT_FIRST = GROWS.replace("def stop(*_):\n", """asked = []
+def stop(*_):
+    asked.append(1)
+    if len(asked) < 2:
+        return
+""")
+
+
+def test_a_stop_request_the_job_was_not_listening_for_yet_is_repeated(tmp_path):
+    listed = tmp_path / "listed"
+    listed.write_text("a:1\nb:1\n")
+    disc = tool(tmp_path, "d.sh", f"#!/bin/sh\ncat {listed}\n")
+    log = tmp_path / "log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCOLL", "OMPI_", "PRTE_"))}
+    env.update(MPIRUN=str(tool(tmp_path, "mpirun", DEAF_AT_FIRST)), LOG=str(log),
+               LISTED=str(listed), HOSTS_UP="a b c")
+    agent = tool(tmp_path, "agent", AGENT)
+    out = subprocess.run([str(KVCOLLRUN), "--elastic", "--prtemca", "plm_ssh_agent", str(agent),
+                          "--max-np", "3", "--discovery-interval", "0.2",
+                          "--host-discovery-script", str(disc), "true"],
+                         env=env, capture_output=True, text=True, timeout=90, check=False)
+    said = out.stdout + out.stderr
+    assert out.returncode == 0, said
+    runs = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [value(r["argv"], "--host") for r in runs] == ["a:1,b:1", "a:1,b:1,c:1"], said
+    assert said.count("asking the job to stop") == 1, said   # (said once, sent again)
+
+
+# A stand-in for mpirun: 3 ranks start; the survivors go on without host c's rank in
+# memory; 2.5 s later the runtime loses host b's daemon and ends the job (exit 0); then
+# as the first launch of LOST_C's plan, the next launch's ranks end.
+LOST_IN_MEMORY_THEN_HOST = f"""#!{sys.executable}
+import json, os, sys, time
+log = os.environ["LOG"]
+with open(log, "a") as f:
+    f.write(json.dumps({{"argv": sys.argv[1:]}}) + "\\n")
+if sum(1 for _ in open(log)) > 1:
+    print('[1,0]<stderr>: kvcoll-elastic {{"event": "start", "rank": 0}}', flush=True)
+    print('[1,0]<stderr>: kvcoll-elastic {{"event": "exit", "rank": 0}}', flush=True)
+    sys.exit(0)
+for r in range(3):
+    print('[1,%d]<stderr>: kvcoll-elastic {{"event": "start", "rank": %d}}' % (r, r), flush=True)
+print('[1,0]<stderr>: kvcoll-elastic {{"event": "lost", "mode": "in-memory", "ranks": [2], '
+      '"hosts": ["c"], "world": [3, 2], "procs": [["c", 4242]]}}', flush=True)
+time.sleep(2.5)
+print("prterun has lost communication with a remote daemon.", flush=True)
+print("  Remote daemon: [prterun-vm-1@1,2] on node b ", flush=True)
+sys.exit(0)
+"""
+
+
+def test_a_host_lost_in_memory_cools_down_from_its_loss_not_from_a_later_relaunch(tmp_path):
+    """Host c's rank is lost in memory, then host b's daemon ends the job 2.5 s later:
+    with a 2 s cooldown, c has cooled down by the relaunch, which runs on a and c (not
+    on a alone, only to grow back to c at once)."""
+    log = tmp_path / "log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCOLL", "OMPI_", "PRTE_"))}
+    env.update(MPIRUN=str(tool(tmp_path, "mpirun", LOST_IN_MEMORY_THEN_HOST)), LOG=str(log),
+               HOSTS_UP="a b c", KVCOLLRUN_KILL_AFTER="2")
+    agent = tool(tmp_path, "agent", AGENT)
+    out = subprocess.run([str(KVCOLLRUN), "--elastic", "--prtemca", "plm_ssh_agent", str(agent),
+                          "--min-np", "1", "--cooldown", "2", "-H", "a:1,b:1,c:1", "true"],
+                         env=env, capture_output=True, text=True, timeout=60, check=False)
+    said = out.stdout + out.stderr
+    assert out.returncode == 0, said
+    runs = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [value(r["argv"], "--host") for r in runs] == ["a:1,b:1,c:1", "a:1,c:1"], said
+
+
+# A stand-in for mpirun that does not end after the job did: 3 ranks start, the
+# survivors go on without host c's rank in memory, both say they ended, and mpirun waits
+# on (for the daemon of host c, cut off) until it is killed.
+HANGS_AFTER_THE_SURVIVORS = f"""#!{sys.executable}
+import time
+for r in range(3):
+    print('[1,%d]<stderr>: kvcoll-elastic {{"event": "start", "rank": %d}}' % (r, r), flush=True)
+print('[1,0]<stderr>: kvcoll-elastic {{"event": "lost", "mode": "in-memory", "ranks": [2], '
+      '"hosts": ["c"], "world": [3, 2], "procs": [["c", 4242]]}}', flush=True)
+for r in range(2):
+    print('[1,%d]<stderr>: kvcoll-elastic {{"event": "exit", "rank": %d}}' % (r, r), flush=True)
+time.sleep(120)
+"""
+
+
+def test_mpirun_waiting_on_after_every_survivor_ended_is_ended(tmp_path):
+    """The survivors of a lost host finished and left, and mpirun waits on for the lost
+    host's daemon: kvcollrun ends it KVCOLLRUN_KILL_AFTER seconds later, and the job
+    finished (exit 0)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCOLL", "OMPI_", "PRTE_"))}
+    env.update(MPIRUN=str(tool(tmp_path, "mpirun", HANGS_AFTER_THE_SURVIVORS)),
+               LOG=str(tmp_path / "log"), HOSTS_UP="a b c", KVCOLLRUN_KILL_AFTER="2")
+    agent = tool(tmp_path, "agent", AGENT)
+    t0 = time.monotonic()
+    out = subprocess.run([str(KVCOLLRUN), "--elastic", "--prtemca", "plm_ssh_agent", str(agent),
+                          "--min-np", "2", "-H", "a:1,b:1,c:1", "true"],
+                         env=env, capture_output=True, text=True, timeout=60, check=False)
+    said = out.stdout + out.stderr
+    assert out.returncode == 0 and time.monotonic() - t0 < 15, said
+    assert "every rank left in the job ended, but mpirun did not" in said, said
+    assert "the job recovered and finished (1 launch(es))" in said, said
