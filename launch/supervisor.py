@@ -36,7 +36,8 @@ a lost host takes every rank with it in Open MPI 5.0; a failure outside a traini
 step): then kvcollrun relaunches the job on the hosts that are left, which restores the
 latest checkpoint (kv.callbacks.Checkpoint(restore=True)) resharded onto the new world,
 and says so. So does a launch whose kv.init failed on a peer lost or missing before
-anything began (kvcoll tells it: a `start_failed` event). Hosts that lost a rank are held out for --cooldown seconds (default 60),
+anything began (kvcoll tells it: a `start_failed` event). Hosts that lost a rank are
+held out for --cooldown seconds (default 60),
 not for the rest of the job. It stops relaunching after --max-relaunches (default 10),
 when fewer than --min-np slots are left for --elastic-timeout seconds (default 60),
 when a rank failed with an ordinary error (a bug does not go away by relaunching), or
