@@ -71,6 +71,7 @@ INDEX_DTYPE_V2 = np.dtype([("offset", "<u8"), ("count", "<u8"), ("bucket", "<u4"
 MAX_BUCKETS_V2 = 1 << 16
 _WRITE_BUFFER = 8 << 20
 _CHUNK = 16 << 20
+_MAX_DIM = np.iinfo(np.intp).max  # the largest dimension numpy can hold
 V1_ARRAYS = ("keys", "values", "slots", "last_step", "counts", "removed")
 
 
@@ -538,7 +539,9 @@ def parse_records_v1(buf: np.ndarray, path: str) -> list[np.ndarray]:
         count = math.prod(shape)  # Python ints: a huge shape cannot wrap
         end = start + count * dtype.itemsize
         plain = dtype.kind in "biuf" and dtype.fields is None and dtype.subdtype is None
-        if fortran or end > buf.size or not plain or min(shape, default=0) < 0:
+        # a zero-size record still needs every dimension to fit numpy's intp
+        if fortran or end > buf.size or not plain or min(shape, default=0) < 0 or \
+                max(shape, default=0) > _MAX_DIM:
             raise CheckpointError(f"checkpoint file {path}: record {len(out)} is malformed "
                                   f"({dtype} {shape}, {buf.size - start} bytes left); the "
                                   "file is corrupt, restore an earlier checkpoint")

@@ -148,6 +148,18 @@ def test_v1_record_of_a_dtype_kvcoll_never_writes(descr):
         _shards.parse_records_v1(buf, "f.npy")
 
 
+@pytest.mark.parametrize("shape", ["(0, %d)" % 2**70, "(%d, 0)" % 2**63, "(0, -1)"])
+def test_v1_empty_record_of_an_impossible_shape(shape):
+    """CI's fuzz run: no bytes, but a dimension numpy cannot hold made reshape raise
+    ValueError (Maximum allowed dimension exceeded)."""
+    head = "{'descr': '<i8', 'fortran_order': False, 'shape': %s, }" % shape
+    head = head.ljust(118) + "\n"
+    buf = np.frombuffer(b"\x93NUMPY\x01\x00" + len(head).to_bytes(2, "little") +
+                        head.encode(), np.uint8)
+    with pytest.raises(CheckpointError, match="f.npy: record 0 is malformed"):
+        _shards.parse_records_v1(buf, "f.npy")
+
+
 def _admission(tmp_path, t, arrays):
     d = tmp_path / CKPT
     d.mkdir()
