@@ -206,10 +206,11 @@ class OwnerMap:
         world = _int(d["world"], "owner map: world", 1, 1 << 30)
         runs = d["runs"]
         if not isinstance(runs, list) or len(runs) % 2 or len(runs) > 2 * buckets or \
-                not all(isinstance(x, int) and not isinstance(x, bool) for x in runs):
+                not all(isinstance(x, int) and not isinstance(x, bool) and
+                        abs(x) < 1 << 62 for x in runs):
             raise errors.InvalidArgumentError(
-                "owner map: runs must be a list of integers [rank, length, ...], at most "
-                f"2 per bucket, got {runs!r:.200}")
+                "owner map: runs must be a list of integers [rank, length, ...] (each "
+                f"below 2**62), at most 2 per bucket, got {runs!r:.200}")
         pairs = np.array(runs, np.int64).reshape(-1, 2)
         if (pairs[:, 1] < 1).any() or int(pairs[:, 1].sum()) != buckets:
             raise errors.InvalidArgumentError(

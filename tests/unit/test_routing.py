@@ -198,6 +198,8 @@ def test_json_round_trip_and_bad_input():
         ({"buckets": 4, "world": 2, "runs": [0, 2, 2, 2]}, "bucket 2 has rank 2"),
         ({"buckets": 4, "world": 0, "runs": [0, 4]}, "world must be an integer"),
         ({"buckets": 4, "world": 2, "runs": [0, 2.0, 1, 2]}, "runs must be a list"),
+        ({"buckets": 4, "world": 2, "runs": [0, 2, 2**64, 2]}, "runs must be a list"),
+        ({"buckets": 4, "world": 2, "runs": [0, -2**70, 1, 2]}, "runs must be a list"),
     ]
     for d, match in bad:
         with pytest.raises(InvalidArgumentError, match=match):
