@@ -175,6 +175,8 @@ class Loop:
         self.threaded = bool(threaded)
         self.dense_allreduce = dense_allreduce
         self.stop_asked = False     # carried in the next step's vote
+        self.data_ended = False     # the last step that did not happen: every rank's data
+                                    # had run out (with a stop asked or not)
         self.consumed = 0           # elements whose step committed, this pass
         self.local_steps = 0        # training steps with this rank's own samples
         self.last_loss = 0.0
@@ -294,6 +296,7 @@ class Loop:
                                         alone=not ex.synchronous)
             if agreement.stopped:
                 self.stop_asked = True
+            self.data_ended = agreement.all_done
             if agreement.idle and element is not END:
                 self.consumed += 1   # an empty batch read while waiting: done with, like a step's
             return IDLE if agreement.idle else None
@@ -348,6 +351,7 @@ class Loop:
             self._inflight = None
             self.drop_staged()
             self.stop_asked = True
+            self.data_ended = False
             return None
         if agreement.outcome_failed:
             ex.abandon(pushed)
