@@ -1134,6 +1134,11 @@ def markdown(res: dict) -> str:
             lines += ["", f"The server applied {st['applied']} deltas; the longest C call of "
                       f"an apply took {st['apply_lock_ms_max']:.2f} ms of CPU "
                       f"({st['apply_call_ms_max']:.2f} ms of wall time)."]
+            if "gc_pauses" in st:
+                lines[-1] += (f" Python's full collections in the server: {st['gc_pauses']}, "
+                              f"the longest {st['gc_pause_ms_max']:.1f} ms "
+                              f"({st['gc_frozen_objects']:,} objects loaded at start kept "
+                              "out of their reach).")
         lines.append("")
     mem = res.get("memory")
     if mem and "ratio" in mem:

@@ -5,7 +5,8 @@ Serving's gRPC and REST APIs, from kvcoll's C tables and the published serving g
 
 Modules: `model` (the tables, the dense graph, the version a request pins), `requests`
 (TF Serving's request forms, checked against the signature), `server` (gRPC, REST,
-batching, metrics), `cli` (the command). See docs/serving.md.
+batching, metrics), `heap` (Python's cycle collector kept off the request path),
+`cli` (the command). See docs/serving.md.
 """
 
 __all__ = ["main"]

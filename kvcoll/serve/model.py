@@ -189,7 +189,9 @@ class ServedModel:
                      base, rows, graph)
             self.sig = Signature(sig, self._max_batch)
             self.graph = graph
-            self._slots = [DenseSlot(os.path.join(gdir, "saved_model"))]
+            # two copies: a delta's dense weights go to the one no request holds (the
+            # second loaded now, not at the first delta: a load's objects and time)
+            self._slots = [DenseSlot(os.path.join(gdir, "saved_model")) for _ in range(2)]
         got = load_base(self.directory, base, self.tables)
         dense = got["dense"]
         number, step, wall = base, m["step"], m["wall_time"]
@@ -303,10 +305,7 @@ class ServedModel:
         cur = self._current
         dense = cur.dense
         if staged["dense"] is not None:                              # the other graph copy
-            spare = next((s for s in self._slots if s is not cur.dense), None)
-            if spare is None:
-                spare = DenseSlot(cur.dense.path)
-                self._slots.append(spare)
+            spare = next(s for s in self._slots if s is not cur.dense)
             spare.assign(staged["dense"])  # no request holds it: _drop_old waited
             dense = spare
         overlay = _Overlay(self.tables, staged)                      # 2. keep the old

@@ -7,7 +7,8 @@ tensorflow-serving-api). REST: POST /v1/models/<name>[/versions/<v>]:predict (th
 "instances" and "inputs" forms), GET /v1/models/<name> (the version served, TF
 Serving's status JSON plus a "kvcoll" object: step, freshness, rows, deltas applied
 and refused with their reasons), GET /v1/models/<name>/metadata, GET /metrics (and
-/monitoring/prometheus/metrics) for Prometheus.
+/monitoring/prometheus/metrics) for Prometheus (with the pauses of Python's full
+collections: see kvcoll.serve.heap).
 
 Batching: a request is checked on the loop (a bad one is answered at once), then
 queued; a batcher takes the queued requests up to `batch_rows` samples, waiting at
@@ -21,11 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import logging
 import time
 
 import numpy as np
 
+from .heap import Pauses
 from .requests import BadRequest, from_json, merge, to_json
 
 __all__ = ["Server"]
@@ -58,6 +61,14 @@ class _Metrics:
                                   registry=reg)
         self.refused = pc.Counter("kvcoll_serve_deltas_refused", "versions refused",
                                   registry=reg)
+        gc_pause = pc.Histogram(
+            "kvcoll_serve_gc_pause_seconds", "full collections of Python's cycle collector "
+            "(no request is answered meanwhile)",
+            buckets=(.001, .002, .005, .01, .02, .05, .1, .2, .5, 1), registry=reg)
+        self.gc_frozen = pc.Gauge("kvcoll_serve_gc_frozen_objects", "objects loaded at start "
+                                  "and kept out of the collector's reach", registry=reg)
+        self.gc_frozen.set_function(gc.get_freeze_count)
+        self.pauses = Pauses(gc_pause.observe)
         self.model = model
         self.version.set_function(lambda: model.version)
         self.freshness.set_function(lambda: model.status()["freshness_s"])
@@ -172,6 +183,7 @@ class Server:
             await self._runner.cleanup()
         if self.batcher is not None:
             self.batcher.close()
+        self.metrics.pauses.close()
 
     async def follow(self, poll: float) -> None:
         """Apply new versions as they are published: the model's poll every `poll`
@@ -272,6 +284,9 @@ class Server:
         if err:
             return self._json_error(404, err)
         st = self.model.status()
+        pauses = self.metrics.pauses
+        st.update(gc_pauses=pauses.count, gc_pause_ms_max=1000.0 * pauses.longest,
+                  gc_frozen_objects=gc.get_freeze_count())
         return web.json_response({
             "model_version_status": [{"version": str(st["version"]), "state": "AVAILABLE",
                                       "status": {"error_code": "OK", "error_message": ""}}],

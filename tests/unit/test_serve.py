@@ -4,7 +4,8 @@
   "instances" and the "inputs" forms) get what model.predict gives in the training
   process at the same version (1e-5): raw string ids hashed as training did, multi-hot
   ids as 2-D arrays and as flat ids with row_splits, ids never seen;
-- GetModelMetadata, GET /v1/models/<name> and /metrics answer;
+- GetModelMetadata, GET /v1/models/<name> and /metrics answer; what the server loaded
+  at start is frozen out of Python's cycle collector;
 - bad requests (an unknown or missing input, a wrong dtype or shape, a batch over the
   limit, malformed JSON, an unknown model) get TF Serving's error shape (HTTP 400 /
   gRPC INVALID_ARGUMENT, 404 / NOT_FOUND) with a message naming the problem, and the
@@ -14,6 +15,7 @@ Every server is started on ports it picks and stopped by the test, pass or fail.
 
 import json
 import os
+import re
 import sys
 import urllib.error
 import urllib.request
@@ -116,6 +118,12 @@ def test_same_predictions_over_grpc_rest_and_predict(published):
         assert f"kvcoll_serve_version {float(version)}" in text
         assert 'kvcoll_serve_requests_total{api="grpc",code="OK"} 2.0' in text
         assert 'kvcoll_serve_request_seconds_count{api="rest"} 2.0' in text
+        # what was loaded at start is out of the cycle collector's reach (a full
+        # collection walking TensorFlow's objects stalled every request for 0.15 s)
+        frozen = float(re.search(r"^kvcoll_serve_gc_frozen_objects (\S+)$", text, re.M)[1])
+        assert frozen > 10_000 and st["kvcoll"]["gc_frozen_objects"] == frozen
+        assert "kvcoll_serve_gc_pause_seconds_count" in text and \
+            st["kvcoll"]["gc_pause_ms_max"] >= 0
 
 
 def test_bad_requests_are_refused_and_the_server_keeps_serving(published):
