@@ -70,8 +70,8 @@ def init(argv: list[str] | None = None, **settings) -> Config:
     replace_comm(comm)
     atexit.register(_at_exit)
     if cfg.elastic_min_np:  # the launcher learns which ranks started and which ended
+        _stop_on_sigusr2()  # first: a stop may follow the announcement at once
         announce({"event": "start", "rank": comm.rank})
-        _stop_on_sigusr2()
     return cfg
 
 

@@ -128,8 +128,10 @@ class Agreement:
 
     def settle_outcome(self, codes: np.ndarray) -> None:
         """Record every rank's outcome code (a vector of world codes: the sum over ranks
-        of outcome_codes, or this rank's own in SSP/ASP)."""
-        self.codes = np.rint(np.asarray(codes)).astype(np.int64)
+        of outcome_codes, or this rank's own in SSP/ASP); a code that is not a number
+        (a sum an elastic recovery left undefined) is FAILED."""
+        codes = np.asarray(codes, np.float64)
+        self.codes = np.where(np.isfinite(codes), np.rint(codes), FAILED).astype(np.int64)
 
     @property
     def outcome_failed(self) -> list[int]:

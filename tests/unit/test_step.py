@@ -394,3 +394,16 @@ def test_a_helper_failure_other_than_data_is_raised_on_the_main_thread():
     ex.send_ids = real
     loop.abandon()
     assert loop.train_next(it) is not None and ex.step == 3
+
+
+def test_an_outcome_sum_that_is_not_a_number_counts_as_failed():
+    """An elastic recovery can leave a step's reduced outcome codes undefined: the ranks
+    whose code is not finite failed, without numpy's cast warning."""
+    import warnings
+
+    from kvcoll.exchange.agreement import Agreement
+    a = Agreement(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        a.settle_outcome(np.array([0.0, np.nan, 0.0, np.inf], np.float32))
+    assert a.outcome_failed == [1, 3]
