@@ -49,10 +49,8 @@ import os
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 from . import common
@@ -87,42 +85,16 @@ def add_arguments(p) -> None:
 
 # -- one job -------------------------------------------------------------------------------
 
-class Job:
-    """kvcollrun --elastic on the hosts; its output lines with their arrival times."""
+def start_job(hosts, which: list[int], job_args: list, flags: list):
+    """kvcollrun --elastic on the hosts (a tests/launch/netns.py Job: its output lines
+    with their arrival times, on the wall clock the job's timeline uses)."""
+    import netns  # (run() put tests/launch on the path)
 
-    def __init__(self, hosts, which: list[int], job_args: list, flags: list):
-        mpi = hosts.mpi_args(hosts.hostfile_for(which, slots=[1] * len(which)))
-        cmd = [str(common.ROOT + "/launch/kvcollrun"), "--elastic", *map(str, flags), *mpi,
-               sys.executable, os.path.join(common.ROOT, "bench", "elastic_job.py"),
-               *map(str, job_args)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, cwd=common.ROOT, start_new_session=True,
-                                     env=hosts.env({"KVCOLLRUN_KILL_AFTER": "5"}))
-        self.lines: list = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.append((time.time(), line.rstrip("\n")))
-
-    def end(self, timeout: float) -> int | None:
-        """The exit code, or None when the job was killed after `timeout` seconds."""
-        try:
-            code = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            return None
-        self._reader.join(timeout=5)
-        return code
-
-    def kill(self):
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def text(self) -> str:
-        return "\n".join(line for _, line in self.lines)
+    mpi = hosts.mpi_args(hosts.hostfile_for(which, slots=[1] * len(which)))
+    return netns.Job([os.path.join(common.ROOT, "launch", "kvcollrun"), "--elastic", *flags,
+                      *mpi, sys.executable,
+                      os.path.join(common.ROOT, "bench", "elastic_job.py"), *job_args],
+                     hosts.env({"KVCOLLRUN_KILL_AFTER": "5"}), clock=time.time)
 
 
 def read_timeline(path: str) -> list[dict]:
@@ -133,7 +105,7 @@ def read_timeline(path: str) -> list[dict]:
         return []
 
 
-def wait_for_step(path: str, step: int, job: Job, timeout: float) -> dict | None:
+def wait_for_step(path: str, step: int, job, timeout: float) -> dict | None:
     """Rank 2's timeline line of `step` (or later), None if the job ended or timed out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and job.proc.poll() is None:
@@ -169,7 +141,7 @@ def run_job(hosts, kind: str, tmp: str, args, steps: int) -> dict:
            "others_busy_cores": round(others, 2)}
     print(f"[elastic] {kind}: {len(which)} host(s), {steps} steps; others busy "
           f"{others:.2f} cores", flush=True)
-    job = Job(hosts, which, job_args, flags)
+    job = start_job(hosts, which, job_args, flags)
     t_fault = None
     try:
         if kind != "fresh":

@@ -7,6 +7,8 @@ namespace), and Open MPI launching ranks into them over TCP alone.
     hosts.link_down(2)                   # cut host 2 off (its end of the link)
     hosts.close()                        # every process in them killed, links and
                                          # namespaces removed
+    job = Job([KVCOLLRUN, ...], hosts.env())   # a job whose output lines keep their
+    job.wait_line(r"step 10"); job.end(60)     # arrival times
 
 mpirun (through launch/kvcollrun) runs in the root namespace, as on a login node, and
 starts one PRRTE daemon per host through its remote-launch agent setting
@@ -29,6 +31,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -118,7 +121,7 @@ class Hosts:
     # -- making and unmaking ---------------------------------------------------------
 
     @classmethod
-    def create(cls, n: int, workdir, slots: list[int] | None = None) -> "Hosts":
+    def create(cls, n: int, workdir, slots: list[int] | None = None) -> Hosts:
         """n hosts, or pytest.skip() with the reason when this machine cannot make them
         (not root, no `ip`/`unshare`, no CAP_NET_ADMIN, no UTS namespaces)."""
         reason = cls.unavailable()
@@ -286,3 +289,71 @@ class Hosts:
     def kill_all(self, i: int) -> None:
         """SIGKILL every process in host i."""
         _kill_in(self.namespaces[i])
+
+
+class Job:
+    """A command (kvcollrun on the hosts, say) started in a session of its own, its
+    output merged; every line kept with its arrival time on `clock` (on_line() sees it
+    as it comes), so that a test or a benchmark can tell when something happened."""
+
+    def __init__(self, cmd: list, env: dict, clock=time.monotonic):
+        self.clock = clock
+        self.t0 = clock()
+        self.proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                                     env=env, start_new_session=True)
+        self.lines: list = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            t, line = self.clock(), line.rstrip("\n")
+            self.lines.append((t, line))
+            self.on_line(t, line)
+
+    def on_line(self, t: float, line: str) -> None:
+        """Called for each output line as it arrives (on the reader thread)."""
+
+    def wait_line(self, pattern: str, after: float = float("-inf"),
+                  timeout: float = 120) -> float | None:
+        """When the first line matching `pattern` arrived after `after`; None if none did
+        within `timeout` seconds (or before the job ended)."""
+        rx, deadline = re.compile(pattern), time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for t, line in list(self.lines):
+                if t > after and rx.search(line):
+                    return t
+            if self.proc.poll() is not None:
+                self._reader.join(timeout=5)
+                hit = [t for t, line in list(self.lines) if t > after and rx.search(line)]
+                return hit[0] if hit else None
+            time.sleep(0.02)
+        return None
+
+    def since(self, after: float, pattern: str) -> list:
+        """(time, line) of every line matching `pattern` that arrived after `after`."""
+        rx = re.compile(pattern)
+        return [(t, line) for t, line in list(self.lines) if t > after and rx.search(line)]
+
+    def end(self, timeout: float) -> int | None:
+        """The exit code; None when the job did not end within `timeout` seconds (it is
+        killed then)."""
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return None
+        self._reader.join(timeout=5)
+        return code
+
+    def kill(self) -> None:
+        """SIGKILL the job's whole session."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def text(self, last: int | None = None) -> str:
+        """The output so far (its `last` lines)."""
+        lines = self.lines if last is None else self.lines[-last:]
+        return "\n".join(line for _, line in lines)

@@ -44,11 +44,10 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
-import threading
 import time
 
+import netns
 import numpy as np
 import pytest
 from mpirun import run as mpirun
@@ -68,7 +67,7 @@ def hosts(tmp_path_factory):
     h.close()
 
 
-class Job:
+class Job(netns.Job):
     """kvcollrun --elastic on the hosts, its output lines kept with their arrival time."""
 
     def __init__(self, hosts, flags: list, job_args: list, env: dict | None = None,
@@ -77,50 +76,23 @@ class Job:
         mpi = hosts.mpi_args(hosts.hostfile_for(range(3), slots=[1, 1, 1]))
         if not hostfile:           # (the hosts come from a discovery script in flags)
             mpi = mpi[2:]
-        argv = ["--elastic", *map(str, flags), *mpi, PYTHON, JOB, *map(str, job_args)]
-        cmd = [str(ROOT / "launch" / "kvcollrun"), *argv]
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-            env=hosts.env({"KVCOLLRUN_KILL_AFTER": "5", **(env or {})}),
-            start_new_session=True)
-        self.t0 = time.monotonic()
-        self.lines: list = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.append((time.monotonic(), line.rstrip("\n")))
+        super().__init__([ROOT / "launch" / "kvcollrun", "--elastic", *flags, *mpi, PYTHON,
+                          JOB, *job_args],
+                         hosts.env({"KVCOLLRUN_KILL_AFTER": "5", **(env or {})}))
 
     def wait_for(self, pattern: str, timeout: float = 120) -> float:
-        rx = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for t, line in list(self.lines):
-                if rx.search(line):
-                    return t
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.02)
-        pytest.fail(f"no line matching {pattern!r} within {timeout:.0f}s:\n{self.text()[-5000:]}")
+        t = self.wait_line(pattern, timeout=timeout)
+        if t is None:
+            pytest.fail(f"no line matching {pattern!r} within {timeout:.0f}s:\n"
+                        f"{self.text()[-5000:]}")
+        return t
 
     def end(self, timeout: float) -> int:
         """The exit code; past `timeout` the job is killed and the test fails."""
-        try:
-            code = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        code = super().end(timeout)
+        if code is None:
             pytest.fail(f"the job did not end within {timeout:.0f}s:\n{self.text()[-5000:]}")
-        self._reader.join(timeout=5)
         return code
-
-    def kill(self):
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def text(self) -> str:
-        return "\n".join(line for _, line in self.lines)
 
     def events(self, kind: str) -> list:
         return [json.loads(m) for m in re.findall(r"kvcoll-elastic (\{.*\})", self.text())

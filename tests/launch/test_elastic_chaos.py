@@ -53,6 +53,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import netns
 from netns import PYTHON, ROOT, Hosts
 
 JOB = ROOT / "tests" / "launch" / "elastic_chaos_job.py"
@@ -110,34 +111,25 @@ class Step:
         self.t, self.step, self.world, self.launch = t, step, world, launch
 
 
-class Job:
+class Job(netns.Job):
     """kvcollrun --elastic with the discovery script on the hosts; its output lines with
     their arrival time, and rank 0's step lines."""
 
     def __init__(self, hosts: Hosts, listed: Listed, ckpt: Path, log: Path):
         mpi = hosts.mpi_args()[2:]          # (the hosts come from the discovery script)
-        cmd = [str(ROOT / "launch" / "kvcollrun"), "--elastic", "--min-np", str(MIN_NP),
-               "--max-np", str(NHOSTS), "--cooldown", str(COOLDOWN),
-               "--discovery-interval", "1", "--host-discovery-script", str(listed.script),
-               *mpi, PYTHON, str(JOB), *map(str, JOB_ARGS), "--ckpt", str(ckpt)]
         self.log = open(log, "w", encoding="utf-8")   # noqa: SIM115 - closed by end()
-        self.t0 = time.monotonic()
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, cwd=ROOT, start_new_session=True,
-                                     env=hosts.env({"KVCOLLRUN_KILL_AFTER": "5"}))
-        self.lines: list = []
         self.steps: list[Step] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+        super().__init__([ROOT / "launch" / "kvcollrun", "--elastic", "--min-np", MIN_NP,
+                          "--max-np", NHOSTS, "--cooldown", COOLDOWN,
+                          "--discovery-interval", 1, "--host-discovery-script",
+                          listed.script, *mpi, PYTHON, JOB, *JOB_ARGS, "--ckpt", ckpt],
+                         hosts.env({"KVCOLLRUN_KILL_AFTER": "5"}))
 
-    def _read(self):
-        for line in self.proc.stdout:
-            t, line = time.monotonic(), line.rstrip("\n")
-            self.lines.append((t, line))
-            self.log.write(f"{t - self.t0:9.3f} {line}\n")
-            m = STEP_RX.search(line)
-            if m:
-                self.steps.append(Step(t, *map(int, m.groups())))
+    def on_line(self, t: float, line: str) -> None:
+        self.log.write(f"{t - self.t0:9.3f} {line}\n")
+        m = STEP_RX.search(line)
+        if m:
+            self.steps.append(Step(t, *map(int, m.groups())))
 
     def wait_step(self, ok, timeout: float, what: str, fail: bool = True) -> Step | None:
         """The first step line for which ok(step) holds, waiting up to `timeout` s (then
@@ -157,46 +149,19 @@ class Job:
         if not fail:
             return None
         state = "ended" if self.proc.poll() is not None else "running"
-        pytest.fail(f"{what}: not within {timeout:.0f}s (the job {state}):\n{self.tail()}")
-
-    def wait_line(self, pattern: str, after: float, timeout: float) -> float | None:
-        """When a line matching `pattern` arrived after `after`; None if none did."""
-        rx, deadline = re.compile(pattern), time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for t, line in list(self.lines):
-                if t > after and rx.search(line):
-                    return t
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        return None
+        pytest.fail(f"{what}: not within {timeout:.0f}s (the job {state}):\n{self.text(80)}")
 
     def note(self, what: str) -> None:
         """A line of the test's own in the job's log (an event, when it was sent)."""
         self.log.write(f"{time.monotonic() - self.t0:9.3f} TEST: {what}\n")
         self.log.flush()
 
-    def since(self, after: float, pattern: str) -> list:
-        rx = re.compile(pattern)
-        return [(t, line) for t, line in list(self.lines) if t > after and rx.search(line)]
-
     def end(self, timeout: float) -> int:
-        try:
-            code = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            pytest.fail(f"the job did not end within {timeout:.0f}s:\n{self.tail()}")
-        self._reader.join(timeout=5)
+        code = super().end(timeout)
+        if code is None:
+            pytest.fail(f"the job did not end within {timeout:.0f}s:\n{self.text(80)}")
         self.log.close()
         return code
-
-    def kill(self):
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def tail(self, n: int = 80) -> str:
-        return "\n".join(line for _, line in self.lines[-n:])
 
 
 @pytest.fixture
@@ -240,10 +205,10 @@ def settled(job: Job, hosts: Hosts, listed: Listed, timeout: float, what: str
             last = job.steps[-1].step if job.steps else 0
             pytest.fail(f"{what}: the job ended (step {last} of {STEPS}) before it (this "
                         "machine trains faster than the events come: raise "
-                        f"KVCOLL_TEST_CHAOS_STEPS):\n{job.tail()}")
+                        f"KVCOLL_TEST_CHAOS_STEPS):\n{job.text(80)}")
         time.sleep(0.05)
     pytest.fail(f"{what}: the job did not train on more than {MIN_NP} ranks, settled, "
-                f"within {timeout:.0f}s (ranks on hosts: {job_hosts(hosts)}):\n{job.tail()}")
+                f"within {timeout:.0f}s (ranks on hosts: {job_hosts(hosts)}):\n{job.text(80)}")
 
 
 def asked_launch(job: Job, t: float) -> int:
@@ -322,7 +287,7 @@ def run_events(job: Job, hosts: Hosts, listed: Listed, rng: random.Random) -> li
         job.note(f"event {n + 1}: {ev['mode']}, {said}")
         assert not ev["left_on_host"], (
             f"event {n + 1}: the lost rank's process {ev['left_on_host']} is still on "
-            f"{name}:\n{job.tail()}")
+            f"{name}:\n{job.text(80)}")
     return done
 
 
