@@ -17,8 +17,6 @@ import os
 import signal
 import sys
 
-from . import heap
-
 __all__ = ["main", "kvcoll_main"]
 
 
@@ -84,7 +82,6 @@ async def _run(server, poll: float) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await server.start()
-    heap.settle()           # everything is loaded: out of the collector's reach
     tail = None
     if poll > 0 and hasattr(server, "follow"):
         tail = loop.create_task(server.follow(poll))

@@ -21,9 +21,9 @@ __all__ = ["settle", "Pauses"]
 
 
 def settle() -> int:
-    """Collect, then freeze what survives; returns the number of objects frozen. Call
-    once the model, its serving graphs and the servers are loaded (a process-wide
-    setting: for kvcoll serve's own process, not a library call)."""
+    """Collect, then freeze what survives; returns the number of objects frozen. Server.start
+    calls it once the model, its serving graphs and the servers are loaded (a
+    process-wide setting: for kvcoll serve's process, not a library call)."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()

@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from .heap import Pauses
+from .heap import Pauses, settle
 from .requests import BadRequest, from_json, merge, to_json
 
 __all__ = ["Server"]
@@ -68,7 +68,8 @@ class _Metrics:
         self.gc_frozen = pc.Gauge("kvcoll_serve_gc_frozen_objects", "objects loaded at start "
                                   "and kept out of the collector's reach", registry=reg)
         self.gc_frozen.set_function(gc.get_freeze_count)
-        self.pauses = Pauses(gc_pause.observe)
+        self.gc_pause = gc_pause
+        self.pauses = None            # (counted from the end of Server.start)
         self.model = model
         self.version.set_function(lambda: model.version)
         self.freshness.set_function(lambda: model.status()["freshness_s"])
@@ -150,7 +151,9 @@ class Server:
 
     model: a ServedModel. host, grpc_port, rest_port: where to listen (port 0: any free
     port; `grpc_port` / `rest_port` hold the ports bound once started; None: that API
-    off). batch_rows, batch_wait, workers: the batcher's settings (see the module)."""
+    off). batch_rows, batch_wait, workers: the batcher's settings (see the module).
+    start() ends by freezing what the process holds out of Python's cycle collector
+    (kvcoll.serve.heap): a Server owns its process."""
 
     def __init__(self, model, *, host: str = "127.0.0.1", grpc_port: int | None = 8500,
                  rest_port: int | None = 8501, batch_rows: int = 256,
@@ -172,6 +175,8 @@ class Server:
             await self._start_rest()
         if self.grpc_port is not None:
             await self._start_grpc()
+        settle()                # everything is loaded: out of the collector's reach
+        self.metrics.pauses = Pauses(self.metrics.gc_pause.observe)
 
     async def stop(self) -> None:
         if self._applier is not None:  # an apply under way finishes first
@@ -183,7 +188,8 @@ class Server:
             await self._runner.cleanup()
         if self.batcher is not None:
             self.batcher.close()
-        self.metrics.pauses.close()
+        if self.metrics.pauses is not None:
+            self.metrics.pauses.close()
 
     async def follow(self, poll: float) -> None:
         """Apply new versions as they are published: the model's poll every `poll`
@@ -285,7 +291,8 @@ class Server:
             return self._json_error(404, err)
         st = self.model.status()
         pauses = self.metrics.pauses
-        st.update(gc_pauses=pauses.count, gc_pause_ms_max=1000.0 * pauses.longest,
+        st.update(gc_pauses=pauses.count if pauses else 0,
+                  gc_pause_ms_max=1000.0 * pauses.longest if pauses else 0.0,
                   gc_frozen_objects=gc.get_freeze_count())
         return web.json_response({
             "model_version_status": [{"version": str(st["version"]), "state": "AVAILABLE",
