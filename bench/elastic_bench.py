@@ -250,7 +250,10 @@ def analyse(kind, timeline, out, text, t_fault, batch, steps) -> dict:
     if rel:   # ... and/or a relaunch trained again
         res["relaunch_first_step_s"] = round(rel[0]["t"] - t_fault, 3)
         res["relaunch_first_step"] = rel[0]["step"]
-        res["steps_redone"] = (before[-1]["step"] if before else 0) - rel[0]["step"] + 1
+        # the last step trained before the relaunch (in memory after the fault, if the
+        # survivors went on), less the step the relaunch restored
+        trained = mem[-1]["step"] if mem else (before[-1]["step"] if before else 0)
+        res["steps_redone"] = trained - rel[0]["step"] + 1
         if not mem:
             res["rate_after"] = rate(rel, batch, rel[0]["step"] + SKIP_AFTER)
             res["rate_window"] = [rel[0]["step"] + SKIP_AFTER, rel[-1]["step"]]
@@ -436,12 +439,14 @@ def markdown(records: list[dict], machine: dict, command: str, png: str | None) 
 
 
 def observations(records: list[dict]) -> list[str]:
-    """What the records show beyond the table: slow agreements, events kvcoll recorded
-    with no rank lost, jobs that trained past their steps, no in-memory step before a
+    """What the records show beyond the table: jobs that failed, slow agreements, events
+    kvcoll recorded with no rank lost, jobs that trained past their steps, no in-memory step before a
     relaunch."""
     out = []
     for r in records:
         k = r["kind"]
+        if r.get("error"):
+            out.append(f"{k}: the job failed and is left out of the tables: {r['error']}")
         for ev in r.get("events") or []:
             d, a = ev.get("detect_s"), ev.get("agree_s")
             if d is not None and a is not None and a - d > 5:
