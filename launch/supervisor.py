@@ -36,7 +36,9 @@ a lost host takes every rank with it in Open MPI 5.0; a failure outside a traini
 step): then kvcollrun relaunches the job on the hosts that are left, which restores the
 latest checkpoint (kv.callbacks.Checkpoint(restore=True)) resharded onto the new world,
 and says so. So does a launch whose kv.init failed on a peer lost or missing before
-anything began (kvcoll tells it: a `start_failed` event). Hosts that lost a rank are
+anything began (kvcoll tells it: a `start_failed` event), or whose Open MPI start-up
+failed (a rank's crash inside MPI_Init, which ULFM's start-up does in 1-4% of elastic
+launches here, or a PMIx server that did not start). Hosts that lost a rank are
 held out for --cooldown seconds (default 60),
 not for the rest of the job. It stops relaunching after --max-relaunches (default 10),
 when fewer than --min-np slots are left for --elastic-timeout seconds (default 60),
@@ -78,6 +80,11 @@ LOST_ON_NODE = re.compile(r"(?:exited on signal|killed|Remote daemon).*?\bon nod
 RAISED = re.compile(r"kvcoll: rank \d+ raised (\S+?)(?: in thread .*)?; aborting the job")
 # a rank that crashed (Open MPI's signal handler) or called MPI_Abort
 CRASHED = re.compile(r"\*\*\* Process received signal \*\*\*|MPI_ABORT was invoked")
+# Open MPI's own start-up failed: a rank's crash backtrace inside MPI_Init (ULFM: the
+# failure notice of another rank reaches a communicator not made yet), or the runtime's
+# PMIx server did not start. Nothing of the program ran: starting again is safe.
+MPI_START_FAILED = re.compile(r"\((?:ompi_mpi_init|PMPI_Init(?:_thread)?)\+0x"
+                              r"|PMIx server's listener thread failed to start")
 PEER_ERRORS = ("PeerLostError",)
 
 DISCOVERY_TIMEOUT = 30.0     # seconds a discovery script may run
@@ -339,7 +346,8 @@ class Outcome:
     kills: list = dataclasses.field(default_factory=list)
     exits: int = 0          # ranks that said they ended normally (kvcoll's atexit)
     starts: int = 0         # ranks that said they started (kv.init)
-    start_failed: str | None = None  # kv.init failed on a lost or missing peer (first)
+    start_failed: str | None = None  # kv.init failed on a lost or missing peer, or Open
+                                     # MPI's own start-up failed (the first such reason)
     stopped: int = 0        # ranks that ended because they were asked to stop (SIGUSR2)
     crashed: bool = False   # a rank crashed or called MPI_Abort
     fenced: int = 0         # ranks that exited outside the survivors' majority
@@ -390,6 +398,11 @@ class Outcome:
             return
         if CRASHED.search(line):
             self.crashed = True
+        m = MPI_START_FAILED.search(line)
+        if m and self.start_failed is None:
+            self.start_failed = "Open MPI's start-up failed: " + (
+                "a rank crashed in MPI_Init" if "Init" in m.group(0) else
+                "its PMIx server did not start")
         if not re.match(r"^\[\d+,\d+\]<", line):
             m = LOST_ON_NODE.search(line + " ")
             if m:
@@ -694,11 +707,16 @@ def run(argv: list, *, command, watchdog, say, takes_one, takes_two, kill_after:
             return code or 1
         why = f"lost {_describe_lost(outcome)}" if outcome.lost else \
             f"the {'relaunch' if launches > 1 else 'job'} did not come up ({outcome.starts} " \
-            f"of {n} rank(s) started" + (f"; kv.init: {outcome.start_failed}"
+            f"of {n} rank(s) started" + (f"; {_start_failure(outcome.start_failed)}"
                                          if outcome.start_failed else "") + ")"
         say(f"{why}: relaunching on {n} rank(s) ({_describe(hosts)}) from the latest "
             f"checkpoint (relaunch {failures} of at most {o.max_relaunches})")
         time.sleep(RELAUNCH_PAUSE)
+
+
+def _start_failure(reason: str) -> str:
+    """How the relaunch message names a failed start: Open MPI's own, or kv.init's."""
+    return reason if reason.startswith("Open MPI") else f"kv.init: {reason}"
 
 
 def _cooling(cooling: dict, outcome: Outcome, cooldown: float) -> dict:
