@@ -15,8 +15,14 @@ import pytest
 
 import kvcoll.comm as kc
 from kvcoll import Config, InvalidArgumentError
-from kvcoll._topology import (describe_shape, level1_order, level2_order, permute_blocks,
-                              plan, source_order)
+from kvcoll._topology import (
+    describe_shape,
+    level1_order,
+    level2_order,
+    permute_blocks,
+    plan,
+    source_order,
+)
 
 # -- the plan -------------------------------------------------------------------------
 
@@ -124,7 +130,7 @@ class FakeRequest:
     def __init__(self, test):
         self._test = test
 
-    def Test(self):  # noqa: N802
+    def Test(self):
         return self._test()
 
 
@@ -133,8 +139,8 @@ class FakeMPI:
 
     class Request:
         @staticmethod
-        def Testall(reqs):  # noqa: N802
-            return all([r.Test() for r in reqs])
+        def Testall(reqs):
+            return all(r.Test() for r in reqs)
 
 
 @pytest.fixture(autouse=True)
@@ -158,13 +164,13 @@ class FakeSub:
     def __init__(self, post, name, members, me):
         self.post, self.name, self.members, self.me = post, name, members, me
 
-    def Isend(self, spec, dest, tag):  # noqa: N802
+    def Isend(self, spec, dest, tag):
         buf = spec[0]
         self.post.boxes.setdefault((self.name, self.me, dest, tag), []).append(buf.copy())
         self.post.sent += 1
         return FakeRequest(lambda: True)
 
-    def Irecv(self, spec, source, tag):  # noqa: N802
+    def Irecv(self, spec, source, tag):
         buf = spec[0]
         key = (self.name, source, self.me, tag)
         done = []

@@ -1,0 +1,104 @@
+"""The two-level exchange, as whole jobs:
+
+- on 4 ranks of this host, 2 "hosts" x 2 pretended with KVCOLL_TEST_HOSTS (kvcoll's
+  tests only): tests/mpi/test_exchange_topology.py (every layout equals the flat
+  all-to-all bit for bit); and kvcoll's own all-to-all, BSP-exchange and pipelined-step
+  tests (tests/mpi/test_comm.py, test_bsp_exchange.py, test_pipeline.py) with kvcoll's
+  communicator itself two-level, on hosts filled round robin (the receiver's reorder
+  into rank order is not a no-op there);
+- on three network-namespace hosts of 2 ranks each (tests/launch/netns.py, Open MPI
+  over TCP only): auto chooses two-level (3 hosts x 2), and a BSP training run
+  (tests/launch/elastic_job.py through topology_job.py, pipelined) gives the same losses
+  and the same rows, bit for bit, as the same run with exchange_topology=flat.
+
+The netns test is skipped, with the reason, where the machine cannot make namespaces
+(like tests/launch/test_many_hosts.py); its hosts are removed after it, pass or fail.
+"""
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from mpirun import run
+
+HERE = Path(__file__).resolve().parent
+MPI_DIR = HERE.parent / "mpi"
+TIMEOUT = float(os.environ.get("KVCOLL_TEST_MPI_TIMEOUT", "240"))
+JOB = HERE / "topology_job.py"
+
+
+def pytest_args(*modules) -> list:
+    return ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *[MPI_DIR / m for m in modules]]
+
+
+def test_every_layout_equals_flat_on_four_ranks():
+    code, out = run(4, pytest_args("test_exchange_topology.py"), TIMEOUT,
+                    "test_exchange_topology.py")
+    assert code == 0, f"failed on 4 ranks (exit {code}):\n{out[-8000:]}"
+    assert " passed" in out and " skipped" not in out, out[-4000:]
+
+
+def test_kvcolls_communicator_two_level_on_pretended_hosts():
+    """kv.init's communicator itself two-level (2 hosts x 2, round robin): the all-to-all,
+    BSP exchange and pipelined step tests pass on it unchanged."""
+    env = {"KVCOLL_EXCHANGE_TOPOLOGY": "two-level", "KVCOLL_TEST_HOSTS": "a,b,a,b"}
+    code, out = run(4, pytest_args("test_exchange_topology.py", "test_comm.py",
+                                   "test_bsp_exchange.py", "test_pipeline.py"),
+                    TIMEOUT * 2, "kvcoll's tests on a two-level communicator", env_extra=env)
+    assert code == 0, f"failed on 4 ranks, two-level (exit {code}):\n{out[-8000:]}"
+    assert " passed" in out, out[-4000:]
+
+
+# -- three netns hosts of 2 ranks ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    from netns import Hosts
+
+    h = Hosts.create(3, tmp_path_factory.mktemp("hosts"), slots=[2, 2, 2])
+    yield h
+    h.close()
+
+
+def train(hosts, tmp_path, topology: str, steps: int = 30) -> dict:
+    """The BSP job on the 6 ranks with `topology`: its losses, every rank's TOPOLOGY
+    line and its state at the last step (every row sorted by key, and the dense vector)."""
+    from netns import PYTHON
+    from test_elastic import state_of
+
+    d = tmp_path / topology
+    code, out = hosts.run(["-np", 6, PYTHON, JOB, "--steps", steps, "--batch-size", 600,
+                           "--losses", d / "losses.json", "--save-at", steps,
+                           "--save-dir", d / "ck"], TIMEOUT, f"BSP job, {topology}",
+                          env_extra={"KVCOLL_EXCHANGE_TOPOLOGY": topology})
+    assert code == 0, f"{topology}: exit {code}\n{out[-6000:]}"
+    tops = [json.loads(m) for m in re.findall(r"TOPOLOGY (\{.*\})", out)]
+    assert sorted(t["rank"] for t in tops) == list(range(6)), out[-3000:]
+    return {"losses": json.loads((d / "losses.json").read_text()), "topology": tops,
+            "state": state_of(d / "ck" / str(steps))}
+
+
+def test_bsp_training_on_three_hosts_equals_flat(hosts, tmp_path):
+    sys.path.insert(0, str(HERE))
+    two = train(hosts, tmp_path, "auto")
+    flat = train(hosts, tmp_path, "flat")
+    for t in two["topology"]:
+        assert (t["mode"], t["shape"]) == ("two-level", [3, 2]), t
+        assert "auto" in t["why"], t
+    assert {t["mode"] for t in flat["topology"]} == {"flat"}
+    # fewer messages: 1 + 2 peers a round instead of 5
+    for a, b in zip(sorted(two["topology"], key=lambda t: t["rank"]),
+                    sorted(flat["topology"], key=lambda t: t["rank"])):
+        assert a["messages"]["pull:rows"] < b["messages"]["pull:rows"], (a, b)
+    assert len(two["losses"]) == 30
+    assert two["losses"] == flat["losses"]            # every step's loss, exactly
+    a, b = two["state"], flat["state"]
+    assert a["dense"].tobytes() == b["dense"].tobytes()
+    for n in a:
+        if n == "dense":
+            continue
+        for k, v in a[n].items():
+            assert v.tobytes() == b[n][k].tobytes(), (n, k)
