@@ -6,6 +6,9 @@
   tests (tests/mpi/test_comm.py, test_bsp_exchange.py, test_pipeline.py) with kvcoll's
   communicator itself two-level, on hosts filled round robin (the receiver's reorder
   into rank order is not a no-op there);
+- elastic (a fault trial, marked `faults`): 4 ranks on 2 pretended hosts x 2, two-level
+  forced, rank 3 killed in a wait of a step; the 3 survivors' hosts are uneven, so their
+  new communicator is flat (not an error), and they finish the run;
 - on three network-namespace hosts of 2 ranks each (tests/launch/netns.py, Open MPI
   over TCP only): auto chooses two-level (3 hosts x 2), and a BSP training run
   (tests/launch/elastic_job.py through topology_job.py, pipelined) gives the same losses
@@ -28,6 +31,7 @@ HERE = Path(__file__).resolve().parent
 MPI_DIR = HERE.parent / "mpi"
 TIMEOUT = float(os.environ.get("KVCOLL_TEST_MPI_TIMEOUT", "240"))
 JOB = HERE / "topology_job.py"
+KVCOLLRUN = HERE.parent.parent / "launch" / "kvcollrun"
 
 
 def pytest_args(*modules) -> list:
@@ -50,6 +54,24 @@ def test_kvcolls_communicator_two_level_on_pretended_hosts():
                     TIMEOUT * 2, "kvcoll's tests on a two-level communicator", env_extra=env)
     assert code == 0, f"failed on 4 ranks, two-level (exit {code}):\n{out[-8000:]}"
     assert " passed" in out, out[-4000:]
+
+
+@pytest.mark.faults
+def test_a_lost_rank_plans_the_topology_again(tmp_path):
+    events = tmp_path / "events.json"
+    env = {"KVCOLL_EXCHANGE_TOPOLOGY": "two-level", "KVCOLL_TEST_HOSTS": "a,a,b,b"}
+    code, out = run(4, [JOB, "--steps", 20, "--ckpt", tmp_path / "ck", "--full-every", 10,
+                        "--incremental-every", 5, "--events", events, "--kill-rank", 3,
+                        "--kill-at", 12, "--kill-wait", 2], 180,
+                    "a lost rank of a two-level world", env_extra=env,
+                    launcher=[KVCOLLRUN, "--elastic", "--min-np", 2])
+    assert code == 0, out[-6000:]
+    (ev,) = json.loads(events.read_text())
+    assert ev["ranks"] == [3] and ev["world"] == [4, 3], ev
+    tops = [json.loads(m) for m in re.findall(r"TOPOLOGY (\{.*\})", out)]
+    assert sorted(t["rank"] for t in tops) == [0, 1, 2], out[-3000:]
+    for t in tops:
+        assert t["mode"] == "flat" and "different sizes" in t["why"], t
 
 
 # -- three netns hosts of 2 ranks ---------------------------------------------------------
