@@ -337,3 +337,52 @@ def test_bad_arguments_are_refused_like_the_flat_exchange():
     with pytest.raises(kc.CommError, match="a header needs the counts phase"):
         kc.TwoLevelHandle(c, np.zeros(2, np.int64), [1, 1, 0, 0], "x",
                           recv_counts=[0, 0, 0, 0], header=[1])
+
+
+# -- Comm's planning (no MPI call on these paths) ---------------------------------------
+
+
+def stub_comm(peers, rank=0):
+    from types import SimpleNamespace
+
+    c = object.__new__(kc.Comm)
+    c._live, c.rank, c.size, c._two = SimpleNamespace(peers=peers), rank, len(peers), None
+    return c
+
+
+def peer(host, setting="auto"):
+    return {"host": "real", "topology_host": host, "exchange_topology": setting}
+
+
+def test_comm_plans_from_every_ranks_host():
+    c = stub_comm([peer("a"), peer("a"), peer("b")])
+    c._plan_topology("auto", True)
+    assert not c.topology.two_level and c._two is None
+    with pytest.raises(InvalidArgumentError, match="3 rank\\(s\\) on 2 host\\(s\\): a 2, b 1"):
+        stub_comm([peer("a"), peer("a"), peer("b")])._plan_topology("two-level", True)
+    c = stub_comm([peer("a"), peer("a"), peer("b")])
+    c._plan_topology("two-level", False)           # a world after a loss: flat
+    assert not c.topology.two_level and "different sizes" in c.topology.why
+
+
+def test_ranks_given_different_settings_are_refused_alike():
+    for rank in (0, 1):
+        c = stub_comm([peer("a", "auto"), peer("a", "flat")], rank)
+        with pytest.raises(kc.CommError, match=rf"rank {rank}: the ranks were given different "
+                                               r"exchange_topology settings \['auto', 'flat'\]"):
+            c._plan_topology("auto", True)
+
+
+def test_test_hosts_label_per_launch_rank(monkeypatch):
+    monkeypatch.delenv("KVCOLL_TEST_HOSTS", raising=False)
+    import socket
+
+    assert kc._topology_host() == socket.gethostname()
+    monkeypatch.setenv("KVCOLL_TEST_HOSTS", "x,y,x,y")
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")
+    assert kc._topology_host() == "y"
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "7")
+    assert kc._topology_host() is None
+    with pytest.raises(kc.CommError, match="KVCOLL_TEST_HOSTS .* must give a host label to "
+                                           "every launch rank"):
+        stub_comm([peer("x"), peer(None)])._plan_topology("auto", True)
