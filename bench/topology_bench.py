@@ -13,7 +13,7 @@ the result. Two measurements, each a ratio to a baseline from the same run:
   phase the messages each rank sent (pull:ids, pull:rows, push:grads), and the seconds
   of a step (the slowest rank's, median over the steps) for each;
 - training steps (tests/launch/topology_job.py: the TensorFlow-free BSP job of the
-  elastic tests, pipelined), launched with exchange_topology auto (two-level) and flat
+  elastic tests, not pipelined), launched with exchange_topology auto (two-level) and flat
   in turn, --topology-rounds times: seconds per step after step 50 (rank 0's), and the
   losses of the two, which must be equal.
 
@@ -138,7 +138,7 @@ def markdown(records, machine, command) -> str:
         a = statistics.median(tr["seconds_per_step"]["flat"]) * 1e3
         b = statistics.median(tr["seconds_per_step"]["auto"]) * 1e3
         lines += [
-            "", "## Training steps (tests/launch/topology_job.py, pipelined BSP, TF-free)", "",
+            "", "## Training steps (tests/launch/topology_job.py: BSP, TF-free)", "",
             (f"{tr['rounds']} launches each, alternating; {tr['steps_timed']} timed steps per "
             f"launch. Modes seen: auto {tr['modes'].get('auto')}, flat "
             f"{tr['modes'].get('flat')}. Losses equal: **{tr['losses_equal']}**."), "",

@@ -11,7 +11,7 @@
   new communicator is flat (not an error), and they finish the run;
 - on three network-namespace hosts of 2 ranks each (tests/launch/netns.py, Open MPI
   over TCP only): auto chooses two-level (3 hosts x 2), and a BSP training run
-  (tests/launch/elastic_job.py through topology_job.py, pipelined) gives the same losses
+  (tests/launch/elastic_job.py through topology_job.py) gives the same losses
   and the same rows, bit for bit, as the same run with exchange_topology=flat.
 
 The netns test is skipped, with the reason, where the machine cannot make namespaces

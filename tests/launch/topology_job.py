@@ -1,8 +1,7 @@
 """tests/launch/elastic_job.py (a TensorFlow-free BSP training job: kvcoll's step loop,
-pipelined by default), then one line per rank on the exchange's topology as kv.init
-planned it: `TOPOLOGY {"rank", "mode", "shape", "why", "messages"}` (messages: the
-point-to-point messages the rank sent per all-to-all operation on kvcoll's
-communicator; the pipelined id exchange runs on the helper thread's dup, not counted).
+not pipelined), then one line per rank on the exchange's topology as kv.init planned it:
+`TOPOLOGY {"rank", "mode", "shape", "why", "messages"}` (messages: the point-to-point
+messages the rank sent per all-to-all operation on kvcoll's communicator).
 
 For tests/launch/test_exchange_topology.py and bench/topology_bench.py; takes
 elastic_job.py's flags, and the settings from KVCOLL_* (KVCOLL_EXCHANGE_TOPOLOGY).
