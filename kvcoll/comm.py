@@ -1403,12 +1403,14 @@ class TwoLevelHandle:
     def _advance(self) -> bool:
         """Go on as far as possible without waiting; True when nothing more happens
         until the caller acts (done, or counted and not yet waited for)."""
-        MPI = _mpi()
         while True:
             if self._reqs:
-                if not MPI.Request.Testall(self._reqs):
+                # one Test per request, not Testall: a lost peer's error then comes as
+                # its own class (MPI_ERR_PROC_FAILED, _REVOKED), which Comm.lost knows,
+                # not as MPI_ERR_IN_STATUS
+                self._reqs = [r for r in self._reqs if not r.Test()]
+                if self._reqs:
                     return False
-                self._reqs = []
             stage = self._stage
             if stage == self.COUNTS1:
                 self._counts1_in()

@@ -137,11 +137,6 @@ class FakeRequest:
 class FakeMPI:
     INT64_T, INT32_T, UINT16_T, UINT8_T, FLOAT, DOUBLE, BYTE = range(7)
 
-    class Request:
-        @staticmethod
-        def Testall(reqs):
-            return all(r.Test() for r in reqs)
-
 
 @pytest.fixture(autouse=True)
 def _fake_mpi(monkeypatch):
