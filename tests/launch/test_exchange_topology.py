@@ -56,6 +56,15 @@ def test_kvcolls_communicator_two_level_on_pretended_hosts():
     assert " passed" in out, out[-4000:]
 
 
+def start_crashed(code: int, out: str) -> bool:
+    """Whether a ULFM launch died inside MPI_Init, before any rank started kvcoll: one rank
+    segfaults and the others crash in ompi_comm_revoke_local while still in
+    ompi_mpi_init. Seen in 1-4% of 4-rank `kvcollrun --elastic` launches on the 2-core
+    test machine, flat or two-level alike (1 of 40 flat launches): Open MPI's, not
+    kvcoll's; nothing of the program ran, so the launch is tried once more."""
+    return code != 0 and '"event": "start"' not in out and "ompi_mpi_init" in out
+
+
 @pytest.mark.faults
 @pytest.mark.parametrize("k", range(10))
 def test_a_lost_rank_plans_the_topology_again(tmp_path, k):
@@ -65,11 +74,14 @@ def test_a_lost_rank_plans_the_topology_again(tmp_path, k):
     aborted the job)."""
     events = tmp_path / "events.json"
     env = {"KVCOLL_EXCHANGE_TOPOLOGY": "two-level", "KVCOLL_TEST_HOSTS": "a,a,b,b"}
-    code, out = run(4, [JOB, "--steps", 20, "--ckpt", tmp_path / "ck", "--full-every", 10,
-                        "--incremental-every", 5, "--events", events, "--kill-rank", 3,
-                        "--kill-at", 12, "--kill-wait", k], 180,
-                    "a lost rank of a two-level world", env_extra=env,
-                    launcher=[KVCOLLRUN, "--elastic", "--min-np", 2])
+    for attempt in range(2):
+        code, out = run(4, [JOB, "--steps", 20, "--ckpt", tmp_path / f"ck{attempt}",
+                            "--full-every", 10, "--incremental-every", 5, "--events", events,
+                            "--kill-rank", 3, "--kill-at", 12, "--kill-wait", k], 180,
+                        "a lost rank of a two-level world", env_extra=env,
+                        launcher=[KVCOLLRUN, "--elastic", "--min-np", 2])
+        if not start_crashed(code, out):
+            break
     assert code == 0, out[-6000:]
     (ev,) = json.loads(events.read_text())
     assert ev["ranks"] == [3] and ev["world"] == [4, 3], ev
