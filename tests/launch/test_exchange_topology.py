@@ -2,13 +2,13 @@
 
 - on 4 ranks of this host, 2 "hosts" x 2 pretended with KVCOLL_TEST_HOSTS (kvcoll's
   tests only): tests/mpi/test_exchange_topology.py (every layout equals the flat
-  all-to-all bit for bit); and kvcoll's own all-to-all, BSP-exchange and pipelined-step
-  tests (tests/mpi/test_comm.py, test_bsp_exchange.py, test_pipeline.py) with kvcoll's
-  communicator itself two-level, on hosts filled round robin (the receiver's reorder
-  into rank order is not a no-op there);
+  all-to-all bit for bit); and kvcoll's own all-to-all, BSP-exchange, pipelined-step and
+  SSP/ASP tests (tests/mpi/test_comm.py, test_bsp_exchange.py, test_pipeline.py,
+  test_ssp.py) with kvcoll's communicator itself two-level, on hosts filled round robin
+  (the receiver's reorder into rank order is not a no-op there);
 - elastic (a fault trial, marked `faults`): 4 ranks on 2 pretended hosts x 2, two-level
-  forced, rank 3 killed in each of its waits of a step; the 3 survivors' hosts are uneven, so their
-  new communicator is flat (not an error), and they finish the run;
+  forced, rank 3 killed in each of its first 10 waits from a step on; the 3 survivors'
+  hosts are uneven, so their new communicator is flat (not an error), and they finish;
 - on three network-namespace hosts of 2 ranks each (tests/launch/netns.py, Open MPI
   over TCP only): auto chooses two-level (3 hosts x 2), and a BSP training run
   (tests/launch/elastic_job.py through topology_job.py) gives the same losses
@@ -47,10 +47,10 @@ def test_every_layout_equals_flat_on_four_ranks():
 
 def test_kvcolls_communicator_two_level_on_pretended_hosts():
     """kv.init's communicator itself two-level (2 hosts x 2, round robin): the all-to-all,
-    BSP exchange and pipelined step tests pass on it unchanged."""
+    BSP exchange, pipelined step and SSP/ASP tests pass on it unchanged."""
     env = {"KVCOLL_EXCHANGE_TOPOLOGY": "two-level", "KVCOLL_TEST_HOSTS": "a,b,a,b"}
     code, out = run(4, pytest_args("test_exchange_topology.py", "test_comm.py",
-                                   "test_bsp_exchange.py", "test_pipeline.py"),
+                                   "test_bsp_exchange.py", "test_pipeline.py", "test_ssp.py"),
                     TIMEOUT * 2, "kvcoll's tests on a two-level communicator", env_extra=env)
     assert code == 0, f"failed on 4 ranks, two-level (exit {code}):\n{out[-8000:]}"
     assert " passed" in out, out[-4000:]
