@@ -15,14 +15,14 @@ import sys
 
 from . import (async_bench, checkpoint_bench, data_bench, elastic_bench, fit_bench,
                lifecycle_bench, online_bench, peers_bench, soak_bench, table_bench, threads_bench,
-               train_bench, wire_bench)
+               topology_bench, train_bench, wire_bench)
 
 BENCHMARKS = {"table": table_bench, "train": train_bench, "fit": fit_bench,
               "checkpoint": checkpoint_bench, "async": async_bench,
               "lifecycle": lifecycle_bench, "soak": soak_bench, "data": data_bench,
               "peers": peers_bench, "threads": threads_bench, "online": online_bench,
-              "elastic": elastic_bench, "wire": wire_bench}
-OPT_IN = {"peers", "online", "elastic"}
+              "elastic": elastic_bench, "wire": wire_bench, "topology": topology_bench}
+OPT_IN = {"peers", "online", "elastic", "topology"}
 
 
 def _common(p: argparse.ArgumentParser, default=None) -> None:

@@ -49,9 +49,19 @@ import time
 import numpy as np
 
 from ._buffers import aligned_empty
+from ._topology import (
+    TOPOLOGIES,
+    Topology,
+    level1_order,
+    level2_order,
+    permute_blocks,
+    plan,
+    source_order,
+)
 from .errors import CommError, CommTimeoutError, PeerLostError
 
-__all__ = ["AllToAllHandle", "Comm", "SendHandle", "announce", "paused", "run_time"]
+__all__ = ["AllToAllHandle", "Comm", "SendHandle", "TwoLevelHandle", "announce", "paused",
+           "run_time"]
 
 _MPI = None
 
@@ -286,6 +296,21 @@ def _identity() -> dict:
             "start": _start_time(os.getpid()), "launch_rank": _launch_rank()[0]}
 
 
+def _topology_host() -> str | None:
+    """This process's host as the exchange's topology groups ranks: its host name; or,
+    for kvcoll's own tests only, its label in KVCOLL_TEST_HOSTS (one comma-separated
+    label per launch rank, e.g. "a,a,b,b": a host split pretended on one machine).
+    None: that variable has no label for this rank (every rank then refuses it)."""
+    labels = os.environ.get("KVCOLL_TEST_HOSTS")
+    if not labels:
+        return socket.gethostname()
+    rank, _ = _launch_rank()
+    try:
+        return labels.split(",")[int(rank)] or None
+    except (TypeError, ValueError, IndexError):
+        return None
+
+
 def _proc_state(ident: dict, me: dict | None = None) -> str | None:
     """What the process `ident` (see _identity) is doing, seen from this one (`me`:
     this process's identity): "stopped", "running" (or sleeping: not stopped), "exited",
@@ -470,10 +495,21 @@ class Comm:
     elastic: the run survives a lost peer (Open MPI's ULFM, `mpirun --with-ft ulfm`): an
     error of a lost peer in any wait revokes the communicator (so that every rank's
     waits on it end at once) and raises PeerLostError; `consensus`, `revoke` and
-    `shrink` are what the survivors recover with (kvcoll.elastic)."""
+    `shrink` are what the survivors recover with (kvcoll.elastic).
+
+    topology: how its all-to-alls go (kvcoll._topology): "auto" (default; two-level when
+    the world spans several hosts of the same number of ranks, more than one), "flat" or
+    "two-level" (InvalidArgumentError, on every rank alike, where hosts differ in size).
+    `self.topology` says what was chosen and why; a two-level Comm makes its two
+    sub-communicators (by host, by local rank) with it, and a dup its own. Every rank
+    must pass the same setting (else CommError on every rank).
+
+    messages: per operation, the point-to-point messages this rank sent to other ranks
+    for its all-to-alls (a flat one's MPI all-to-all counts one per peer and phase)."""
 
     def __init__(self, parent=None, timeout: float = 300.0, timeouts: dict | None = None,
-                 _live: _Liveness | None = None, elastic: bool = False):
+                 _live: _Liveness | None = None, elastic: bool = False,
+                 topology: str = "auto", _strict: bool = True):
         self.timeouts = {"step": float(timeout), "io": float(timeout),
                          "startup": float(timeout), **(timeouts or {})}
         MPI = _mpi(self.timeouts["startup"])
@@ -482,7 +518,13 @@ class Comm:
         self.size = 0
         self.step: int | None = None
         self.calls: dict[str, int] = {}  # per operation name: how many times issued
+        self.messages: dict[str, int] = {}  # per operation name: messages sent to peers
         self.elastic = bool(elastic)
+        if topology not in TOPOLOGIES:
+            plan([], topology)  # raises InvalidArgumentError naming the choices
+        self._topology_setting = topology
+        self.topology: Topology = Topology("flat", None, "not planned yet")
+        self._two: _TwoLevel | None = None
         self.gate = None    # elastic: the step's commit vote (kvcoll.elastic), or None
         self._live, self._owns_live = _live, False
         self._comm = None
@@ -499,13 +541,68 @@ class Comm:
                 live, req = comm.Idup()
                 self.wait(req, "dup (the liveness channel: every rank must create it)")
                 self._live, self._owns_live = _Liveness(live), True
-                self._live.peers = self.allgather_json(_identity(), op="dup:identities")
+                self._live.peers = self.allgather_json(
+                    {**_identity(), "topology_host": _topology_host(),
+                     "exchange_topology": topology}, op="dup:identities")
+            self.thread_level = MPI.Query_thread()
+            self._plan_topology(topology, _strict)
         except (CommError, CommTimeoutError):
             if first and _ABORT["comm"] is None:  # uncaught, end the job (else MPI_Finalize
                 install_abort_hook(_ParentAbort(parent))  # at exit waits for the lost rank)
             raise
         self.timeout, self.kind = self.timeouts["step"], "step"
-        self.thread_level = MPI.Query_thread()
+
+    def _plan_topology(self, setting: str, strict: bool) -> None:
+        """Choose flat or two-level from every rank's host (the same list on every rank,
+        so every rank decides alike, raising alike) and make the sub-communicators."""
+        peers = self.peers
+        settings = sorted({str(p.get("exchange_topology", setting)) for p in peers})
+        if len(settings) > 1:
+            raise CommError(f"rank {self.rank}: the ranks were given different "
+                            f"exchange_topology settings {settings}; give every rank the same "
+                            "(kv.init(exchange_topology=...), --exchange-topology or "
+                            "KVCOLL_EXCHANGE_TOPOLOGY)")
+        labels = [p.get("topology_host", p["host"]) for p in peers]
+        if any(h is None for h in labels):
+            raise CommError(f"rank {self.rank}: KVCOLL_TEST_HOSTS (kvcoll's tests only) must "
+                            "give a host label to every launch rank, comma-separated, e.g. "
+                            f"a,a,b,b; got {os.environ.get('KVCOLL_TEST_HOSTS')!r}")
+        self.topology = plan(labels, setting, strict)
+        if self.topology.two_level and self.size > 1:
+            self._two = _TwoLevel(self)
+
+    def _split(self, color: int, key: int, op: str):
+        """MPI_Comm_split of this communicator, waited with the current deadline like
+        every collective here: in a helper thread when MPI runs threaded (the blocking
+        call has no non-blocking form), while this thread answers liveness pings and
+        names the ranks that did not come; else after a barrier with the deadline."""
+        MPI = _mpi()
+        self._count(op)
+        if self.thread_level < MPI.THREAD_MULTIPLE:
+            self.barrier(op)
+            return self._comm.Split(color, key)
+        box: list = []
+
+        def run():
+            try:
+                box.append(self._comm.Split(color, key))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                box.append(exc)
+
+        threading.Thread(target=run, name="kvcoll-split", daemon=True).start()
+        with self.waiting(op):
+            before = _run_paused
+            _poll_until(lambda: bool(box), self.timeout,
+                        lambda: self._timed_out(op, None, paused() - before), spin=SPIN,
+                        idle=self.answer_liveness)
+        if isinstance(box[0], MPI.Exception):
+            raise self.lost(box[0], op)
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0]
+
+    def _sent(self, op: str, n: int) -> None:
+        self.messages[op] = self.messages.get(op, 0) + n
 
     @property
     def peers(self) -> list[dict]:
@@ -519,7 +616,7 @@ class Comm:
         return [p["host"] for p in self.peers]
 
     @classmethod
-    def local(cls, timeout: float = 300.0) -> "Comm":
+    def local(cls, timeout: float = 300.0) -> Comm:
         """A one-rank communicator of this process alone (reference runs, tests)."""
         return cls(_mpi().COMM_SELF, timeout)
 
@@ -562,12 +659,19 @@ class Comm:
         `timeout` s, naming the ranks that gave no sign of life (see `liveness`); `peer`:
         the rank a point-to-point request goes to."""
         since = time.monotonic()
+        two = self._two
+        if two is None:
+            ready = req.Test
+        else:  # the two-level all-to-alls in flight go on meanwhile (see _TwoLevel)
+            def ready():
+                two.progress()
+                return req.Test()
         try:
-            if req.Test():
+            if ready():
                 return
             with self.waiting(op):
                 before = _run_paused  # read by waiting() just now
-                _poll_until(req.Test, self.timeout,
+                _poll_until(ready, self.timeout,
                             lambda: self._timed_out(op, peer, paused() - before), spin=SPIN,
                             idle=self._idle_elastic if self.elastic else self.answer_liveness)
         except _mpi().Exception as exc:
@@ -655,11 +759,11 @@ class Comm:
         return (f"; and this rank itself did not run for {length:.0f}s until {ago:.0f}s ago "
                 "(it was stopped or paused: its peers' deadlines ran on meanwhile)")
 
-    def dup(self) -> "Comm":
+    def dup(self) -> Comm:
         """Another private communicator over the same ranks (e.g. for a service thread):
         a collective, with the startup deadline. It shares this one's liveness channel."""
         c = Comm(self._comm, self.timeouts["step"], self.timeouts, _live=self._live,
-                 elastic=self.elastic)
+                 elastic=self.elastic, topology=self._topology_setting)
         c.gate = self.gate
         return c
 
@@ -696,6 +800,8 @@ class Comm:
                 self._comm.Revoke()
         except _mpi().Exception:  # pragma: no cover - a runtime without ULFM
             pass
+        if self._two is not None:
+            self._two.revoke()
 
     def failed_ranks(self) -> list[int]:
         """The ranks of this communicator this process knows have failed (ULFM)."""
@@ -736,7 +842,7 @@ class Comm:
             failed = True
         return bool(buf[0]), failed
 
-    def shrink(self, op: str = "shrink") -> tuple["Comm", list[int]]:
+    def shrink(self, op: str = "shrink") -> tuple[Comm, list[int]]:
         """The survivors' communicator (ULFM's MPI_Comm_shrink, after `revoke`): a new
         elastic Comm over the ranks that have not failed, in the same order, with a
         liveness channel of its own; and the ranks of this one that are not in it. A
@@ -767,15 +873,22 @@ class Comm:
         old.Free()
         new.Free()
         lost = sorted(set(range(self.size)) - {int(r) for r in kept})
-        try:
-            comm = Comm(shrunk, self.timeouts["step"], self.timeouts, elastic=True)
+        try:  # the topology is planned again: lost hosts may leave them uneven (flat)
+            comm = Comm(shrunk, self.timeouts["step"], self.timeouts, elastic=True,
+                        topology=self._topology_setting, _strict=False)
         finally:
             shrunk.Free()
+        if self._two is not None:  # this world's sub-communicators are done with
+            self._two.free()
+            self._two = None
         comm.gate = self.gate
         comm.step = self.step
         return comm, lost
 
     def free(self) -> None:
+        if self._two is not None:
+            self._two.free()
+            self._two = None
         if self._comm is not None:
             self._comm.Free()
             self._comm = None
@@ -892,7 +1005,7 @@ class Comm:
     # SSP/ASP exchange gives its service thread and its training thread different
     # communicators (dup()), so a probe on one is never matched by a receive on another.
 
-    def isend(self, buf: np.ndarray, dest: int, tag: int, op: str = "isend") -> "SendHandle":
+    def isend(self, buf: np.ndarray, dest: int, tag: int, op: str = "isend") -> SendHandle:
         """Start sending a uint8 buffer to `dest`; the handle keeps it alive until done.
 
         rank 0: c.isend(np.frombuffer(b"hi", np.uint8), dest=1, tag=7).wait()
@@ -960,7 +1073,7 @@ class Comm:
         return box[0]
 
     def alltoallv(self, send: np.ndarray, counts, op: str = "alltoallv",
-                  recv_counts=None, header=None) -> "AllToAllHandle":
+                  recv_counts=None, header=None) -> AllToAllHandle:
         """Start a two-phase all-to-all: counts first, then the payload (one phase
         when the caller already knows `recv_counts`, e.g. replies to an earlier
         all-to-all: then it must be what the peers send, in the shape of counts, and
@@ -982,10 +1095,15 @@ class Comm:
         handle: the payload is never posted). Only without recv_counts.
 
             rank 0: header=[1, 0]   rank 1: header=[0, 0]  ->  both: [[1, 0], [0, 0]]
+
+        On a two-level topology (self.topology) it goes in two levels, inside each host
+        and then across hosts, with the same results (TwoLevelHandle).
         """
+        if self._two is not None:
+            return TwoLevelHandle(self, send, counts, op, recv_counts, header)
         return AllToAllHandle(self, send, counts, op, recv_counts, header)
 
-    def iallreduce(self, arr: np.ndarray, op: str = "allreduce") -> "ReduceHandle":
+    def iallreduce(self, arr: np.ndarray, op: str = "allreduce") -> ReduceHandle:
         """Start an elementwise sum over all ranks (see allreduce); `.wait()` returns it.
         Another collective may be started before waiting for this one."""
         self._count(op)
@@ -1011,6 +1129,322 @@ class ReduceHandle:
         return self._recv
 
 
+def _alltoallv_args(comm: Comm, send, counts, op: str, recv_counts, header):
+    """An all-to-all's arguments checked (see Comm.alltoallv): (send, counts as given,
+    counts (world, k), whether counts were 1-D, recv_counts or None, header or None).
+    Raises CommError naming the rank, the operation and the mismatch."""
+    send = np.ascontiguousarray(send)
+    counts = np.asarray(counts, dtype=np.int64)
+    if counts.shape[:1] != (comm.size,):
+        raise CommError(f"rank {comm.rank}: {op}: counts must have one row per rank "
+                        f"({comm.size}), got shape {counts.shape}")
+    send_counts = np.ascontiguousarray(counts.reshape(comm.size, -1))
+    if int(send_counts.sum()) != send.shape[0]:
+        raise CommError(f"rank {comm.rank}: {op}: counts sum to "
+                        f"{int(send_counts.sum())} but send has {send.shape[0]} rows")
+    known = None if recv_counts is None else np.asarray(recv_counts, dtype=np.int64)
+    if known is not None and known.shape != counts.shape:
+        raise CommError(f"rank {comm.rank}: {op}: recv_counts must have the shape of "
+                        f"counts {counts.shape}, got {known.shape}")
+    hdr = None if header is None else np.ascontiguousarray(header, np.int64).reshape(-1)
+    if hdr is not None and known is not None:
+        raise CommError(f"rank {comm.rank}: {op}: a header needs the counts phase "
+                        "(no recv_counts)")
+    _mpi_type(send.dtype)
+    return send, counts, send_counts, counts.ndim == 1, known, hdr
+
+
+class _TwoLevel:
+    """A communicator's two-level exchange (kvcoll._topology): its two sub-communicators,
+    made with it and freed with it, and its all-to-alls in flight.
+
+    intra: the ranks of this rank's host (rank = local rank l); inter: the ranks of this
+    rank's local rank on every host (rank = host index h). On both, an all-to-all is
+    point-to-point messages with tags of its own (a sequence number per all-to-all), not
+    an MPI collective: its stages are posted as earlier ones complete, and an
+    all-to-all that one rank waits for while another waits in something else (the push's
+    gradients, waited before or after the step's allreduce by rank) must still progress
+    in any order; every wait on the communicator advances them all (`progress`)."""
+
+    _TAGS = 4096   # all-to-alls whose tags may be in use at once (4 tags each)
+
+    def __init__(self, comm: Comm):
+        topo = comm.topology
+        self.grid = topo.grid
+        self.hosts, self.per_host = topo.hosts, topo.per_host
+        self.h, self.l = topo.where(comm.rank)
+        self.order1 = level1_order(self.grid)
+        self.order2 = level2_order(self.hosts, self.per_host)
+        self.order3 = source_order(self.grid)
+        self.intra = self.inter = None
+        self.seq = 0
+        self.inflight: list = []
+        self.intra = comm._split(self.h, self.l, "topology:split-by-host")
+        try:
+            self.inter = comm._split(self.l, self.h, "topology:split-by-local-rank")
+        except BaseException:
+            self.free()
+            raise
+        got = (self.intra.Get_size(), self.intra.Get_rank(), self.inter.Get_size(),
+               self.inter.Get_rank())
+        if got != (self.per_host, self.l, self.hosts, self.h):  # pragma: no cover - MPI bug
+            self.free()
+            raise CommError(f"rank {comm.rank}: the exchange's sub-communicators came out "
+                            f"as (size, rank) {got[:2]} and {got[2:]}, expected "
+                            f"{(self.per_host, self.l)} and {(self.hosts, self.h)}")
+
+    def next_tag(self) -> int:
+        tag = (self.seq % self._TAGS) * 4
+        self.seq += 1
+        return tag
+
+    def progress(self) -> None:
+        """Advance every all-to-all in flight as far as it goes without waiting."""
+        for handle in list(self.inflight):
+            if handle._advance():
+                self.inflight.remove(handle)
+
+    def revoke(self) -> None:
+        for c in (self.intra, self.inter):
+            if c is not None:
+                try:
+                    if not c.Is_revoked():
+                        c.Revoke()
+                except (_mpi().Exception, AttributeError, NotImplementedError):
+                    pass
+
+    def free(self) -> None:
+        """Free the sub-communicators (local; after a loss too: a revoked one may be
+        freed)."""
+        self.inflight.clear()
+        for name in ("intra", "inter"):
+            c = getattr(self, name)
+            setattr(self, name, None)
+            if c is not None:
+                try:
+                    c.Free()
+                except _mpi().Exception:  # pragma: no cover - a communicator of a lost world
+                    pass
+
+
+class _Reached:
+    """What Comm.wait tests for a two-level all-to-all: advance it, then whether it has
+    reached `stage`."""
+
+    def __init__(self, handle: TwoLevelHandle, stage: int):
+        self.handle, self.stage = handle, stage
+
+    def Test(self) -> bool:
+        self.handle._advance()
+        return self.handle._stage >= self.stage
+
+
+class TwoLevelHandle:
+    """A two-level all-to-all in flight (see kvcoll._topology and _TwoLevel): what
+    Comm.alltoallv returns when the communicator's topology is two-level, with the
+    interface and the results of AllToAllHandle (`headers()`, `wait()`), bit for bit.
+
+    Stages: the counts inside the host (posted at creation), the counts across hosts
+    (with every rank's header; skipped when the receive counts are known), then, once
+    the caller waits (at once when the receive counts are known), the payload inside the
+    host and the payload across hosts. Each stage is one message to each other rank of a
+    sub-communicator; an empty payload message is not sent (both sides know its size)."""
+
+    COUNTS1, COUNTS2, COUNTED, PAYLOAD1, PAYLOAD2, DONE = range(6)
+
+    def __init__(self, comm: Comm, send: np.ndarray, counts, op: str, recv_counts=None,
+                 header=None):
+        self._c, self._op = comm, op
+        two = comm._two
+        self._t = two
+        self._send, _, self._send_counts, self._flat, known, hdr = \
+            _alltoallv_args(comm, send, counts, op, recv_counts, header)
+        comm._count(op)
+        self._k = self._send_counts.shape[1]
+        self._hdr = hdr
+        self._known = None if known is None else known.reshape(comm.size, -1)
+        self._go = known is not None           # the payload may go (see wait())
+        self._tag = two.next_tag()
+        self._reqs: list = []                  # the current stage's requests
+        self._keep: list = []                  # buffers MPI reads or writes meanwhile
+        self._result = None
+        self._headers = None
+        self._recv_counts = None
+        self._stage = self.COUNTS1
+        self._post_counts1()
+        two.inflight.append(self)
+
+    # -- the stages -------------------------------------------------------------------
+
+    def _exchange(self, comm, me: int, send, send_rows, recv, recv_rows, tag: int,
+                  skip_empty: bool) -> list:
+        """One message of send's rows to each rank of `comm` (send_rows[p] rows for rank
+        p, one block after another) and one from each into recv (recv_rows[p]); this
+        rank's own block is copied. Returns the requests."""
+        dt = _mpi_type(send.dtype)
+        sd = np.zeros(len(send_rows) + 1, np.int64)
+        np.cumsum(send_rows, out=sd[1:])
+        rd = np.zeros(len(recv_rows) + 1, np.int64)
+        np.cumsum(recv_rows, out=rd[1:])
+        reqs = []
+        sent = 0
+        for p in range(len(send_rows)):
+            if p == me:
+                recv[rd[p]:rd[p + 1]] = send[sd[p]:sd[p + 1]]
+                continue
+            if recv_rows[p] or not skip_empty:
+                reqs.append(comm.Irecv([recv[rd[p]:rd[p + 1]], dt], p, tag))
+            if send_rows[p] or not skip_empty:
+                reqs.append(comm.Isend([send[sd[p]:sd[p + 1]], dt], p, tag))
+                sent += 1
+        self._keep += [send, recv]
+        self._c._sent(self._op, sent)
+        return reqs
+
+    def _post_counts1(self) -> None:
+        t, k = self._t, self._k
+        H, L = t.hosts, t.per_host
+        m = 0 if self._hdr is None else self._hdr.size
+        msg = np.empty((L, H * k + m), np.int64)
+        msg[:, :H * k] = self._send_counts[t.grid.T].reshape(L, H * k)
+        if m:
+            msg[:, H * k:] = self._hdr
+        self._rc1 = np.empty_like(msg)
+        self._reqs = self._exchange(t.intra, t.l, msg, np.ones(L, np.int64), self._rc1,
+                                    np.ones(L, np.int64), self._tag, False)
+
+    def _counts1_in(self) -> None:
+        t, k = self._t, self._k
+        H, L = t.hosts, t.per_host
+        rc1 = self._rc1
+        self._c1 = np.ascontiguousarray(rc1[:, :H * k]).reshape(L, H, k)  # (h,l)->(h',me.l)
+        self._c1rows = self._c1.sum(axis=2)
+        if self._known is not None:
+            self._counted(self._known[t.grid], None)
+            return
+        m = rc1.shape[1] - H * k
+        msg = np.empty((H, L * k + L * m), np.int64)
+        msg[:, :L * k] = self._c1.transpose(1, 0, 2).reshape(H, L * k)
+        if m:
+            msg[:, L * k:] = rc1[:, H * k:].reshape(1, L * m)
+        self._rc2 = np.empty_like(msg)
+        self._reqs = self._exchange(t.inter, t.h, msg, np.ones(H, np.int64), self._rc2,
+                                    np.ones(H, np.int64), self._tag + 1, False)
+        self._stage = self.COUNTS2
+
+    def _counts2_in(self) -> None:
+        t, k = self._t, self._k
+        H, L = t.hosts, t.per_host
+        rc2 = self._rc2
+        c2 = np.ascontiguousarray(rc2[:, :L * k]).reshape(H, L, k)   # (h, l) -> this rank
+        m = (rc2.shape[1] - L * k) // L
+        hdr = np.ascontiguousarray(rc2[:, L * k:]).reshape(H, L, m) if m else None
+        self._counted(c2, hdr)
+
+    def _counted(self, c2: np.ndarray, hdr) -> None:
+        """The counts are in: c2[h, l] = what rank grid[h, l] sends here."""
+        t = self._t
+        P = self._c.size
+        at = t.grid.reshape(-1)
+        self._c2rows = c2.sum(axis=2)
+        if self._known is not None:
+            self._recv_counts = self._known
+        else:
+            rc = np.empty((P, self._k), np.int64)
+            rc[at] = c2.reshape(P, self._k)
+            self._recv_counts = rc
+        if hdr is not None:
+            heads = np.empty((P, hdr.shape[2]), np.int64)
+            heads[at] = hdr.reshape(P, -1)
+            self._headers = heads
+        self._rc1 = self._rc2 = None
+        self._keep = []
+        self._stage = self.COUNTED
+
+    def _post_payload1(self) -> None:
+        t = self._t
+        send, shape = self._send, self._send.shape[1:]
+        rows = self._send_counts.sum(axis=1)
+        s1 = permute_blocks(send, rows, t.order1)
+        r1 = np.empty((int(self._c1rows.sum()),) + shape, send.dtype)
+        self._r1 = r1
+        self._reqs = self._exchange(t.intra, t.l, s1, rows[t.grid.T].sum(axis=1), r1,
+                                    self._c1rows.sum(axis=1), self._tag + 2, True)
+        n2 = int(self._c2rows.sum())
+        # the last stage's buffer is the result when no reorder follows: aligned
+        r2 = (aligned_empty(n2 * int(np.prod(shape, dtype=np.int64)), send.dtype)
+              .reshape((n2,) + shape) if t.order3 is None else np.empty((n2,) + shape, send.dtype))
+        self._r2 = r2
+        self._stage = self.PAYLOAD1
+
+    def _post_payload2(self) -> None:
+        t = self._t
+        s2 = permute_blocks(self._r1, self._c1rows.reshape(-1), t.order2)
+        self._r1 = None
+        self._reqs = self._exchange(t.inter, t.h, s2, self._c1rows.sum(axis=0), self._r2,
+                                    self._c2rows.sum(axis=1), self._tag + 3, True)
+        self._stage = self.PAYLOAD2
+
+    def _finish(self) -> None:
+        t = self._t
+        r2, self._r2 = self._r2, None
+        if t.order3 is None:
+            recv = r2
+        else:
+            width = int(np.prod(r2.shape[1:], dtype=np.int64))
+            recv = aligned_empty(r2.shape[0] * width, r2.dtype).reshape(r2.shape)
+            permute_blocks(r2, self._c2rows.reshape(-1), t.order3, out=recv)
+        counts = self._recv_counts[:, 0] if self._flat else self._recv_counts
+        self._result = (recv, counts)
+        self._keep = []
+        self._send = None
+        self._stage = self.DONE
+
+    def _advance(self) -> bool:
+        """Go on as far as possible without waiting; True when nothing more happens
+        until the caller acts (done, or counted and not yet waited for)."""
+        while True:
+            if self._reqs:
+                # one Test per request, not Testall: a lost peer's error then comes as
+                # its own class (MPI_ERR_PROC_FAILED, _REVOKED), which Comm.lost knows,
+                # not as MPI_ERR_IN_STATUS
+                self._reqs = [r for r in self._reqs if not r.Test()]
+                if self._reqs:
+                    return False
+            stage = self._stage
+            if stage == self.COUNTS1:
+                self._counts1_in()
+            elif stage == self.COUNTS2:
+                self._counts2_in()
+            elif stage == self.COUNTED:
+                if not self._go:
+                    return True
+                self._post_payload1()
+            elif stage == self.PAYLOAD1:
+                self._post_payload2()
+            elif stage == self.PAYLOAD2:
+                self._finish()
+            else:
+                return True
+
+    # -- the interface of AllToAllHandle ------------------------------------------------
+
+    def headers(self) -> np.ndarray:
+        """Every rank's header, (world, m), once the counts are in (see Comm.alltoallv)."""
+        self._c.wait(_Reached(self, self.COUNTED), self._op + ":counts")
+        if self._headers is None:
+            raise CommError(f"rank {self._c.rank}: {self._op}: no header was sent")
+        return self._headers
+
+    def wait(self):
+        if self._result is None:
+            self._go = True
+            if self not in self._t.inflight:
+                self._t.inflight.append(self)
+            self._c.wait(_Reached(self, self.DONE), self._op)
+        return self._result
+
+
 class AllToAllHandle:
     """An all-to-all in flight; `wait()` finishes it. The counts exchange (unless the
     receive counts are known) is posted at creation, the payload as soon as the counts
@@ -1020,25 +1454,8 @@ class AllToAllHandle:
                  header=None):
         self._c = comm
         self._op = op
-        self._send = np.ascontiguousarray(send)
-        counts = np.asarray(counts, dtype=np.int64)
-        self._flat = counts.ndim == 1
-        if counts.shape[:1] != (comm.size,):
-            raise CommError(f"rank {comm.rank}: {op}: counts must have one row per rank "
-                            f"({comm.size}), got shape {counts.shape}")
-        self._send_counts = np.ascontiguousarray(counts.reshape(comm.size, -1))
-        if int(self._send_counts.sum()) != self._send.shape[0]:
-            raise CommError(f"rank {comm.rank}: {op}: counts sum to "
-                            f"{int(self._send_counts.sum())} but send has {self._send.shape[0]} rows")
-        known = None if recv_counts is None else np.asarray(recv_counts, dtype=np.int64)
-        if known is not None and known.shape != counts.shape:
-            raise CommError(f"rank {comm.rank}: {op}: recv_counts must have the shape of "
-                            f"counts {counts.shape}, got {known.shape}")
-        hdr = None if header is None else np.ascontiguousarray(header, np.int64).reshape(-1)
-        if hdr is not None and known is not None:
-            raise CommError(f"rank {comm.rank}: {op}: a header needs the counts phase "
-                            "(no recv_counts)")
-        _mpi_type(self._send.dtype)
+        self._send, counts, self._send_counts, self._flat, known, hdr = \
+            _alltoallv_args(comm, send, counts, op, recv_counts, header)
         comm._count(op)
         self._result = None
         self._req = None
@@ -1064,6 +1481,7 @@ class AllToAllHandle:
         w = sc.shape[1]
         self._req = comm._comm.Ialltoall([self._send_all, w, MPI.INT64_T],
                                          [self._recv_all, w, MPI.INT64_T])
+        comm._sent(op, comm.size - 1)
 
     def _counts_in(self) -> None:
         if self._req is not None:
@@ -1096,6 +1514,7 @@ class AllToAllHandle:
         send = self._send if self._send.size else np.zeros(1, self._send.dtype)
         rbuf = recv if recv.size else np.zeros(1, recv.dtype)
         req = c._comm.Ialltoallv([send, (sc, sd), dt], [rbuf, (rc, rd), dt])
+        c._sent(self._op, c.size - 1)
         # MPI reads and writes these until the request completes: keep them alive
         self._payload = (req, recv, (send, rbuf, sc, sd, rc, rd))
 

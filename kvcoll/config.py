@@ -21,6 +21,7 @@ __all__ = ["Config", "StepMode", "BSP", "ASP", "ssp", "DEFAULT_STALENESS"]
 STEP_MODES = ("bsp", "ssp", "asp")
 ID_HASH_SETTINGS = ("auto", "farmhash64", "xxh64")
 WIRE_DTYPES = ("fp32", "fp16", "bf16")
+EXCHANGE_TOPOLOGIES = ("auto", "flat", "two-level")
 
 
 DEFAULT_STALENESS = 4   # SSP's bound when none is given: the one place it is written
@@ -114,6 +115,11 @@ class Config:
     wire_dtype: "fp32" (default), "fp16" or "bf16": the width of the rows and row
         gradients the exchange sends (kvcoll.exchange.wire). 16 bits halve those bytes;
         tables, gradient sums and optimizers stay float32. See docs/wire-dtype.md.
+    exchange_topology: "auto" (default), "flat" or "two-level": how the all-to-alls go.
+        Two-level (inside each host, then across hosts between ranks of the same local
+        rank: (L-1) + (H-1) messages a phase instead of P-1, the same results) is what
+        "auto" chooses when the world spans several hosts of the same number of ranks,
+        more than one. See docs/exchange-topology.md.
     elastic_min_np: 0 (default): a lost rank ends the job. N >= 1: the run is elastic
         (kvcoll.elastic; the elastic launcher, `kvcollrun --elastic --min-np N`, sets it):
         the survivors of a lost rank continue in memory while at least N ranks are left.
@@ -129,6 +135,7 @@ class Config:
     pipeline: str = "on"
     xla: str = "off"
     wire_dtype: str = "fp32"
+    exchange_topology: str = "auto"
     elastic_min_np: int = 0
 
     def __post_init__(self):
@@ -154,6 +161,11 @@ class Config:
                 f"wire_dtype {self.wire_dtype!r} is unknown; use one of "
                 f"{', '.join(WIRE_DTYPES)} (kv.init(wire_dtype=...), --wire-dtype, "
                 "KVCOLL_WIRE_DTYPE)")
+        if self.exchange_topology not in EXCHANGE_TOPOLOGIES:
+            raise InvalidArgumentError(
+                f"exchange_topology {self.exchange_topology!r} is unknown; use one of "
+                f"{', '.join(EXCHANGE_TOPOLOGIES)} (kv.init(exchange_topology=...), "
+                "--exchange-topology, KVCOLL_EXCHANGE_TOPOLOGY)")
         if isinstance(self.elastic_min_np, bool) or not isinstance(self.elastic_min_np, int) \
                 or self.elastic_min_np < 0:
             raise InvalidArgumentError(

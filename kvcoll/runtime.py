@@ -61,7 +61,7 @@ def init(argv: list[str] | None = None, **settings) -> Config:
         skip_finalize()
     try:
         comm = Comm(timeout=cfg.comm_timeout, timeouts=cfg.timeouts,
-                    elastic=cfg.elastic_min_np > 0)
+                    elastic=cfg.elastic_min_np > 0, topology=cfg.exchange_topology)
     except CommError as exc:     # a peer lost or not started before anything began:
         if cfg.elastic_min_np:   # the elastic launcher starts the job again
             announce({"event": "start_failed", "error": str(exc)})
