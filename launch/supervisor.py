@@ -388,7 +388,7 @@ class Outcome:
             if ev.get("event") == "start":
                 self.starts += 1
             if ev.get("event") == "start_failed" and self.start_failed is None:
-                self.start_failed = str(ev.get("error") or "kv.init failed")
+                self.start_failed = "kv.init: " + str(ev.get("error") or "failed")
             if ev.get("event") == "fenced":
                 self.fenced += 1
             return
@@ -707,16 +707,11 @@ def run(argv: list, *, command, watchdog, say, takes_one, takes_two, kill_after:
             return code or 1
         why = f"lost {_describe_lost(outcome)}" if outcome.lost else \
             f"the {'relaunch' if launches > 1 else 'job'} did not come up ({outcome.starts} " \
-            f"of {n} rank(s) started" + (f"; {_start_failure(outcome.start_failed)}"
+            f"of {n} rank(s) started" + (f"; {outcome.start_failed}"
                                          if outcome.start_failed else "") + ")"
         say(f"{why}: relaunching on {n} rank(s) ({_describe(hosts)}) from the latest "
             f"checkpoint (relaunch {failures} of at most {o.max_relaunches})")
         time.sleep(RELAUNCH_PAUSE)
-
-
-def _start_failure(reason: str) -> str:
-    """How the relaunch message names a failed start: Open MPI's own, or kv.init's."""
-    return reason if reason.startswith("Open MPI") else f"kv.init: {reason}"
 
 
 def _cooling(cooling: dict, outcome: Outcome, cooldown: float) -> dict:

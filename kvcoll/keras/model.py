@@ -74,7 +74,6 @@ class _Run:
         self.ended = {"train": False, "test": False, "predict": False}
         self.epoch_steps = None     # train: steps per epoch when every rank knows it
         self.steps = 0              # train: steps taken this epoch
-        self.data_ended = False     # train: the epoch ended at the end of every rank's data
         self.outputs_given = False  # predict: this call returned outputs
         # a Python iterable of batches kvcoll reads itself (Keras gets a stand-in)
         self.source = {"train": None, "test": None, "predict": None}
@@ -472,7 +471,7 @@ def _train_step(model, iterator):
     while out is IDLE:             # every rank waits for data: keep the ranks in step
         out = step()
     if out is None:                # every rank is out of data, or a stop was agreed
-        run.ended["train"], run.data_ended = True, loop.data_ended
+        run.ended["train"] = True
         if loop.stop_asked:
             model.__dict__["_kv_stop_agreed"] = True
         if not loop.synchronous:
@@ -545,7 +544,9 @@ def progress_of(model) -> dict | None:
     if run is None or eng is None or eng.loop is None:
         return None
     # a stop or preemption ends the epoch early, unless it came with the data's end
-    stopped = bool(model.__dict__.get("_kv_stop_agreed", False)) and not run.data_ended
+    # (the loop's last step that did not happen is the one that ended the pass)
+    stopped = bool(model.__dict__.get("_kv_stop_agreed", False)) and \
+        not (run.ended["train"] and eng.loop.data_ended)
     complete = (run.ended["train"] and not stopped) or (run.epoch_steps is not None
                                                         and run.steps >= run.epoch_steps)
     position = None
@@ -667,7 +668,7 @@ class _EpochHooks(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         run = _run(self.model)
-        ran_out, run.ended["train"], run.data_ended = run.ended["train"], False, False
+        ran_out, run.ended["train"] = run.ended["train"], False
         first, run.first_epoch = run.first_epoch, False
         run.epoch, run.steps, run.keras_skipped = epoch, 0, 0
         if run.resume is not None:
