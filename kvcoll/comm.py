@@ -526,6 +526,7 @@ class Comm:
         self.topology: Topology = Topology("flat", None, "not planned yet")
         self._two: _TwoLevel | None = None
         self.gate = None    # elastic: the step's commit vote (kvcoll.elastic), or None
+        self.agree_error: str | None = None  # the last consensus's MPI error, if any
         self._live, self._owns_live = _live, False
         self._comm = None
         parent = parent if parent is not None else MPI.COMM_WORLD
@@ -786,7 +787,7 @@ class Comm:
         self.revoke()
         ranks = self.failed_ranks()
         who = (f"lost {self.describe(ranks)}" if ranks else
-               "another rank lost a peer and revoked the communicator")
+               f"{_mpi_error_text(exc)}: another rank lost a peer and revoked the communicator")
         return PeerLostError(f"rank {self.rank}/{self.size}: {op}{_at(self.step)}: {who}",
                              ranks, op, since)
 
@@ -832,14 +833,16 @@ class Comm:
         self._count(op)
         buf = np.array([1 if flag else 0], np.int32)
         failed = False
+        self.agree_error = None
         try:
             req = self._comm.Iagree(buf)
             _poll_until(req.Test, self.timeout,
                         lambda: f"rank {self.rank}/{self.size}: {op}{_at(self.step)}: the "
                                 f"survivors' agreement did not complete within "
                                 f"{self.timeout:g}s ({self.hint})", spin=SPIN)
-        except MPI.Exception:
+        except MPI.Exception as exc:
             failed = True
+            self.agree_error = _mpi_error_text(exc)
         return bool(buf[0]), failed
 
     def shrink(self, op: str = "shrink") -> tuple[Comm, list[int]]:
@@ -1575,6 +1578,14 @@ def announce(event: dict) -> None:
 
 
 _ABORT = {"comm": None}     # the communicator an uncaught exception aborts (the latest)
+
+
+def _mpi_error_text(exc) -> str:
+    """An MPI error as a log line names it: its error class and Open MPI's text."""
+    try:
+        return f"MPI error class {exc.Get_error_class()} ({exc.Get_error_string()})"
+    except Exception:  # noqa: BLE001 - not an MPI error object
+        return str(exc)
 
 
 def _peer_lost(exc) -> bool:

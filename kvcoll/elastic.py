@@ -120,6 +120,7 @@ class Session:
         self.save_on_loss = bool(save_on_loss)
         self._voted = True
         self._t: dict = {}       # this attempt's moments of detection and agreement
+        self._cause: str | None = None  # what this rank saw first of the loss (the event's)
         self._pending = None     # the last event, until the first step after it commits
         self.comm.gate = self._gate
 
@@ -140,6 +141,7 @@ class Session:
                 out = attempt()
             except PeerLostError as exc:
                 self._t.setdefault("detect", time.time())
+                self._cause = self._cause or str(exc)
                 if not self._voted:
                     self._vote(False)
                 self.recover(exc)
@@ -166,7 +168,11 @@ class Session:
         if not agreed:
             self._t.setdefault("detect", time.time())
             self._t["agree"] = time.time()
+            self._cause = self._cause or (
+                "another rank voted that it lost a peer" if ok else None)
         elif failed:
+            self._cause = self._cause or (f"the step's vote was unanimous but reported a "
+                                          f"failure ({self.comm.agree_error})")
             self.comm.revoke()
         return agreed
 
@@ -327,7 +333,9 @@ class Session:
         def since(x):
             return round(max(0.0, x - t_loss), 3)
 
+        cause, self._cause = self._cause, None
         ev = {"kind": "lost", "ranks": [p["rank"] for p in lost], "hosts": hosts,
+              "cause": cause,
               "mode": "in-memory", "step": step, "world": [old.size, new.size],
               "detect_s": since(t["detect"]), "agree_s": since(t["agree"]),
               "shrink_s": since(t["shrink"]), "refill_s": since(t.get("refill", t_loss)),
@@ -343,7 +351,7 @@ class Session:
                  f"rank(s), {tail}")
         announce({"event": "lost", "mode": "in-memory", "ranks": ev["ranks"],
                   "hosts": hosts, "world": ev["world"],
-                  "procs": [[p["host"], p["pid"]] for p in lost]})
+                  "procs": [[p["host"], p["pid"]] for p in lost], "cause": cause})
         for cb in (self.callbacks() if self.callbacks is not None else ()):
             hook = getattr(cb, "on_world_change", None)
             if hook is not None:

@@ -229,6 +229,9 @@ def lose_a_rank(hosts, tmp_path, cleanup, fault: str, delay: float, at: int = 30
         ev["first_step_after_s"] < 10, ev
     assert ev["reverted_to_step"] == s - s % 5 or ev["reverted_to_step"] == s - s % 5 - 5, ev
     assert ev["rows_reverted"] > 0 and "world change 3 -> 2" in out
+    # what the rank saw first: an MPI error class or another rank's vote (never empty)
+    assert ev["cause"] and ("MPI error class" in ev["cause"] or "lost" in ev["cause"]
+                            or "vote" in ev["cause"]), ev
     assert len(job.events("exit")) == 2 and re.search(rf"step {STEPS} loss", out)
     print(f"\n{fault}: rank 2 lost at step {s}: the progress line {t_line - t_kill:.2f}s "
           f"later; event {ev}")
