@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -349,6 +350,49 @@ def memory_child(spec: dict) -> None:
 
 # -- serving load (a child process: 8 requests in flight) --------------------------------------
 
+def _server_histograms(rest: str) -> dict:
+    """The server's latency histograms (cumulative counts per bucket): {"request": ...
+    (gRPC requests, arrival to response), "queue" / "dispatch" / "predict": ...} as
+    {name: [(le seconds, count), ...]}, read from its /metrics."""
+    import urllib.request
+
+    with urllib.request.urlopen(rest + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out: dict = {}
+    for line in text.splitlines():
+        m = re.match(r'kvcoll_serve_(request|stage)_seconds_bucket\{(.*)\} (\S+)$', line)
+        if not m:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m[2]))
+        name = "request" if m[1] == "request" else labels["stage"]
+        if m[1] == "request" and labels.get("api") != "grpc":
+            continue
+        out.setdefault(name, []).append((float(labels["le"]), float(m[3])))
+    return out
+
+
+def _histogram_p(before: dict, after: dict, q: float) -> dict:
+    """Per histogram, the q-th percentile (ms) of what was observed between two scrapes,
+    interpolated within its bucket (None when nothing was)."""
+    out = {}
+    for name, buckets in after.items():
+        prev = dict(before.get(name, []))
+        les = [le for le, _ in buckets]
+        counts = [c - prev.get(le, 0.0) for le, c in buckets]
+        total = counts[-1] if counts else 0
+        if not total:
+            out[name] = None
+            continue
+        want, lo, below = q / 100 * total, 0.0, 0.0
+        for le, c in zip(les, counts):
+            if c >= want:
+                hi = le if le != float("inf") else lo
+                out[name] = 1e3 * (lo + (hi - lo) * (want - below) / max(c - below, 1e-9))
+                break
+            lo, below = le, c
+    return out
+
+
 def load_child(spec: dict) -> None:
     """Windows of load, one after another, each {"api", "batch", "seconds", "deltas"}:
     requests/s and latencies; with "deltas", a delta is released into the served
@@ -472,6 +516,7 @@ def load_child(spec: dict) -> None:
     # still running are counted per window.
     settle()
     for i, w in enumerate(spec["windows"]):
+        hist0 = _server_histograms(spec["rest"])  # (includes the window's warm-up second)
         pauses = Pauses()   # this load process's own full collections (it sends late)
         stop, released = threading.Event(), []
         th = None
@@ -483,8 +528,10 @@ def load_child(spec: dict) -> None:
         if th is not None:
             th.join()
         pauses.close()
+        server_p99 = _histogram_p(hist0, _server_histograms(spec["rest"]), 99)
         lat = np.array(lat)
         common.emit({"part": "load", "window": i, **w, "requests": int(lat.size),
+                     "server_p99_ms": server_p99,
                      "client_gc_pauses": pauses.count,
                      "client_gc_ms_max": round(1000.0 * pauses.longest, 1),
                      "errors": errors, "wall_s": seconds,
@@ -935,7 +982,19 @@ def _applying_summary(ws) -> dict:
             "released": sum(len(r["released"]) for r in ws),
             "released_min_per_window": min(len(r["released"]) for r in busy_ws),
             "rps": statistics.median(r["rps"] for r in ws),
-            "errors": sum(r["errors"] for r in ws)}
+            "errors": sum(r["errors"] for r in ws),
+            "server_p99_ms": {side: _median_p99s(w) for side, w in
+                              (("quiet", quiet_ws), ("applying", busy_ws))}}
+
+
+def _median_p99s(ws) -> dict:
+    """Per server-side histogram, the median over windows of each window's p99 (ms)."""
+    names = sorted({n for r in ws for n in (r.get("server_p99_ms") or {})})
+    out = {}
+    for n in names:
+        got = [r["server_p99_ms"][n] for r in ws if (r.get("server_p99_ms") or {}).get(n)]
+        out[n] = statistics.median(got) if got else None
+    return out
 
 
 def _memory_part(root, d, setup, items, quick, log) -> dict:
@@ -1143,6 +1202,27 @@ def markdown(res: dict) -> str:
                              f"{v['released']} ({_f(v.get('released_min_per_window'), '{}')}) | "
                              f"{v['errors']} | "
                              f"{'met' if v['ratio'] <= TARGET_DELTA_P99 else 'NOT met'} |")
+            sides = [(k, v["server_p99_ms"]) for k, v in dl if v.get("server_p99_ms")]
+            if sides:
+                lines += ["", "Where the p99 goes on the server (its histograms read before and "
+                          "after each window, `kvcoll_serve_request_seconds` for gRPC and "
+                          "`kvcoll_serve_stage_seconds`; each window's p99 interpolated in "
+                          "its bucket, median over windows; quiet / applying, ms): the "
+                          "request from its arrival to its response, its wait for a batch "
+                          "(queue), per merged batch the hand-off to a worker (dispatch) and "
+                          "the lookups and serving graph (predict). What the client measured "
+                          "beyond the request is the network, gRPC's client and its own "
+                          "process.", "",
+                          "| load | batch | request | queue | dispatch | predict |",
+                          "|---|---|---|---|---|---|"]
+                for k, sp in sides:
+                    mode = "2 in flight" if k.startswith("deltas-") else "open loop"
+
+                    def pair(n, sp=sp):
+                        q, a = sp["quiet"].get(n), sp["applying"].get(n)
+                        return f"{_f(q, '{:.2f}')} / {_f(a, '{:.2f}')}"
+                    lines.append(f"| {mode} | {k.split('-')[1]} | " + " | ".join(
+                        pair(n) for n in ("request", "queue", "dispatch", "predict")) + " |")
             lines += ["", f"The server applied {st['applied']} deltas; the longest C call of "
                       f"an apply took {st['apply_lock_ms_max']:.2f} ms of CPU "
                       f"({st['apply_call_ms_max']:.2f} ms of wall time)."]
