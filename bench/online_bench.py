@@ -1210,11 +1210,13 @@ def markdown(res: dict) -> str:
                           "its bucket, median over windows; quiet / applying, ms): the "
                           "request from its arrival to its response, its wait for a batch "
                           "(queue), per merged batch the hand-off to a worker (dispatch) and "
-                          "the lookups and serving graph (predict). What the client measured "
+                          "the work on it (predict: the ids' rows, lookup, and the serving "
+                          "graph, graph). What the client measured "
                           "beyond the request is the network, gRPC's client and its own "
                           "process.", "",
-                          "| load | batch | request | queue | dispatch | predict |",
-                          "|---|---|---|---|---|---|"]
+                          "| load | batch | request | queue | dispatch | predict | lookup | "
+                          "graph |",
+                          "|---|---|---|---|---|---|---|---|"]
                 for k, sp in sides:
                     mode = "2 in flight" if k.startswith("deltas-") else "open loop"
 
@@ -1222,7 +1224,8 @@ def markdown(res: dict) -> str:
                         q, a = sp["quiet"].get(n), sp["applying"].get(n)
                         return f"{_f(q, '{:.2f}')} / {_f(a, '{:.2f}')}"
                     lines.append(f"| {mode} | {k.split('-')[1]} | " + " | ".join(
-                        pair(n) for n in ("request", "queue", "dispatch", "predict")) + " |")
+                        pair(n) for n in ("request", "queue", "dispatch", "predict", "lookup",
+                                          "graph")) + " |")
             lines += ["", f"The server applied {st['applied']} deltas; the longest C call of "
                       f"an apply took {st['apply_lock_ms_max']:.2f} ms of CPU "
                       f"({st['apply_call_ms_max']:.2f} ms of wall time)."]

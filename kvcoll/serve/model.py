@@ -333,13 +333,16 @@ class ServedModel:
         self.call_seconds_max = max(self.call_seconds_max, wall)
         self._drop_old()
 
-    def predict(self, batch: Batch) -> tuple[dict, int]:
+    def predict(self, batch: Batch, spent: dict | None = None) -> tuple[dict, int]:
         """The model's outputs (name -> numpy array) on a checked batch, and the version
-        that computed them: every row and the dense weights of that one version."""
+        that computed them: every row and the dense weights of that one version. spent:
+        a dict to receive the seconds of its "lookup" (the ids' rows, the overlay's
+        included) and "graph" (the serving graph) parts."""
         import tensorflow as tf
 
         from ..keras.batch import pad_positions
 
+        t0 = time.perf_counter()
         ver = self._pin()
         try:
             sig = self.sig
@@ -368,8 +371,12 @@ class ServedModel:
                 if overlay is not None:
                     overlay.restore(t["name"], k, rows)
                 args[t["graph_arg"]] = tf.constant(rows)
+            t1 = time.perf_counter()
             out = ver.dense.call(args)
-            return {k: v.numpy() for k, v in out.items()}, ver.number
+            out = {k: v.numpy() for k, v in out.items()}
+            if spent is not None:
+                spent["lookup"], spent["graph"] = t1 - t0, time.perf_counter() - t1
+            return out, ver.number
         finally:
             self._unpin(ver)
 

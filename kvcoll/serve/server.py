@@ -61,8 +61,9 @@ class _Metrics:
             "kvcoll_serve_stage_seconds", "where a request's time goes on the server: "
             "queue (per request: from its arrival at the batcher to its merged batch "
             "starting); per merged batch: dispatch (handing it to a worker thread and the "
-            "result back) and predict (its lookups and serving graph on the worker); the "
-            "rest of kvcoll_serve_request_seconds is decoding and encoding", ["stage"],
+            "result back), predict (on the worker), and predict's parts lookup (the ids' "
+            "rows) and graph (the serving graph); the rest of kvcoll_serve_request_seconds "
+            "is decoding and encoding", ["stage"],
             buckets=STAGE_BUCKETS, registry=reg)
         self.requests = pc.Counter("kvcoll_serve_requests", "requests by outcome",
                                    ["api", "code"], registry=reg)
@@ -143,12 +144,12 @@ class _Batcher:
                 stage.labels("queue").observe(t0 - arrived)
             merged, bounds = merge([b for b, _, _ in items])
             self.metrics.batch.observe(merged.n)
-            took = []
+            took, spent = [], {}
 
             def predict():
                 t = time.perf_counter()
                 try:
-                    return self.model.predict(merged)
+                    return self.model.predict(merged, spent)
                 finally:
                     took.append(time.perf_counter() - t)
             try:
@@ -159,6 +160,8 @@ class _Batcher:
                         fut.set_exception(exc)
                 return
             finally:
+                for part, seconds in spent.items():
+                    stage.labels(part).observe(seconds)
                 if took:
                     stage.labels("predict").observe(took[0])
                     stage.labels("dispatch").observe(time.perf_counter() - t0 - took[0])

@@ -121,7 +121,8 @@ def test_same_predictions_over_grpc_rest_and_predict(published):
         stages = dict(re.findall(r'^kvcoll_serve_stage_seconds_count\{stage="(\w+)"\} (\S+)$',
                                  text, re.M))
         assert float(stages["queue"]) >= 4 and 1 <= float(stages["predict"]) <= \
-            float(stages["queue"]) and stages["dispatch"] == stages["predict"], stages
+            float(stages["queue"]) and stages["dispatch"] == stages["predict"] == \
+            stages["lookup"] == stages["graph"], stages
         # what was loaded at start is out of the cycle collector's reach (a full
         # collection walking TensorFlow's objects stalled every request for 0.15 s)
         frozen = float(re.search(r"^kvcoll_serve_gc_frozen_objects (\S+)$", text, re.M)[1])
