@@ -61,6 +61,10 @@ def add_arguments(p) -> None:
                         "runs (default: a third of one measured BSP step)")
     g.add_argument("--async-rounds", type=int, default=2,
                    help="rounds of the four modes without a straggler")
+    g.add_argument("--async-baseline", metavar="DIR", default=None,
+                   help="another kvcoll checkout (its C extension built) whose SSP/ASP runs "
+                        "(mode names ending in -before) are interleaved with this one's in "
+                        "every scenario: a change's before and after in one run")
     g.add_argument("--async-quiet-wait", type=float, default=300,
                    help="seconds each run may wait for the machine to be quiet")
 
@@ -78,19 +82,21 @@ def _children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _train(args: list[str], out: str, timeout: float) -> dict:
-    """One launch of examples/train.py on 2 ranks; its metrics, with others_busy_cores:
-    the CPUs other processes used meanwhile (machine busy time less this launch's)."""
+def _train(args: list[str], out: str, timeout: float, root: str = common.ROOT) -> dict:
+    """One launch of examples/train.py (of the checkout at `root`) on 2 ranks; its
+    metrics, with others_busy_cores: the CPUs other processes used meanwhile (the
+    machine's busy time less this launch's)."""
     mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
-    cmd = [mpirun, "--oversubscribe", "--bind-to", "none", "-np", "2", sys.executable, TRAIN,
+    train = os.path.join(root, "examples", "train.py")
+    cmd = [mpirun, "--oversubscribe", "--bind-to", "none", "-np", "2", sys.executable, train,
            "--no-progress", "--log-every", "100000", "--metrics-out", out, *args]
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=common.ROOT)
+               TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=root)
     env.pop("KVCOLL_STEP_MODE", None)
     env.pop("KVCOLL_STALENESS", None)
     b0, t0, c0, w0 = *_machine_busy(), _children_cpu(), time.monotonic()
     proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True,
-                          cwd=common.ROOT)
+                          cwd=root)
     b1, t1, c1, w1 = *_machine_busy(), _children_cpu(), time.monotonic()
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -114,12 +120,16 @@ def run(args) -> None:
     base = ["--steps", str(steps), "--batch-size", str(batch), "--eval-samples", str(evals)]
     records = []
     delay = {"straggler": args.slow_ms, "jitter": args.jitter_ms}
-    plan = [("none", rnd, MODES[rnd % len(MODES):] + MODES[:rnd % len(MODES)])
+    modes = [(m, f, common.ROOT) for m, f in MODES]
+    if args.async_baseline:
+        modes += [(f"{m}-before", f, os.path.abspath(args.async_baseline))
+                  for m, f in MODES if m != "bsp"]
+    plan = [("none", rnd, modes[rnd % len(modes):] + modes[:rnd % len(modes)])
             for rnd in range(rounds)]
-    plan += [(sc, 0, MODES) for sc in ("straggler", "jitter")]
+    plan += [(sc, 0, modes) for sc in ("straggler", "jitter")]
     with tempfile.TemporaryDirectory() as tmp:
-        for scenario, rnd, modes in plan:
-            for name, flags in modes:
+        for scenario, rnd, order in plan:
+            for name, flags, root in order:
                 extra, note = [], ""
                 if scenario == "straggler":
                     extra = ["--slow-rank", "1", "--slow-ms", f"{delay['straggler']:g}"]
@@ -131,13 +141,14 @@ def run(args) -> None:
                 print(f"[async] {name}{note} (round {rnd}; other processes busy: "
                       f"{busy:.1f} cores)", flush=True)
                 m = _train(base + flags + extra,
-                           os.path.join(tmp, f"{name}-{scenario}-{rnd}.json"), timeout=3600)
+                           os.path.join(tmp, f"{name}-{scenario}-{rnd}.json"), timeout=3600,
+                           root=root)
                 rec = {k: m.get(k) for k in (
                     "step_mode", "staleness", "world_size", "global_batch_size", "steps",
                     "local_steps", "samples_per_sec", "steps_per_sec", "max_staleness_observed",
                     "max_clock_lead", "eval_auc", "planted_auc", "eval_samples",
                     "timings_ms_per_step", "train_seconds", "others_busy_cores")}
-                rec.update(mode=name, scenario=scenario, round=rnd,
+                rec.update(mode=name, scenario=scenario, round=rnd, root=root,
                            straggler=scenario == "straggler",
                            slow_ms=delay["straggler"] if scenario == "straggler" else 0.0,
                            jitter_ms=delay["jitter"] if scenario == "jitter" else 0.0,
@@ -187,12 +198,29 @@ def _annotate(records, batch) -> None:
             r["vs_ideal"] = r["samples_per_sec"] / r["ideal_samples_per_sec"]
 
 
+def _before_line(records, before: list[str], rounds: list[int]) -> list[str]:
+    """The summary line of the baseline checkout's runs (modes named x-before), if any."""
+    if not before:
+        return []
+    worst = statistics.median(
+        min(_get(records, m, "none", k)["vs_bsp_samples_per_sec"] for m in before)
+        for k in rounds)
+    jitter = ", ".join(f"{NAMES[m[:-len('-before')]]} "
+                       f"{_get(records, m, 'jitter')['vs_bsp_samples_per_sec']:.2f}x"
+                       for m in before)
+    return [f"- before this change (the SSP/ASP runs of "
+            f"{_get(records, before[0], 'none')['root']}, interleaved in this run): the "
+            f"slowest of SSP/ASP without a straggler at {worst:.2f}x BSP; with transient "
+            f"delays on every rank {jitter} BSP's throughput"]
+
+
 def markdown(records, steps, batch, machine) -> str:
     slow = _get(records, "bsp", "straggler")["slow_ms"]
     jitter = _get(records, "bsp", "jitter")["jitter_ms"]
     rounds = sorted({r["round"] for r in records if r["scenario"] == "none"})
     median = _median_round(records)
     others = [r["others_busy_cores"] for r in records if r.get("others_busy_cores") is not None]
+    names = list(dict.fromkeys(r["mode"] for r in records))   # bsp, ssp1, ..., x-before
     lines = [
         "# Step modes without and with delays (DeepFM, synthetic CTR data, 2 ranks)",
         "",
@@ -211,11 +239,11 @@ def markdown(records, steps, batch, machine) -> str:
         f"Without a straggler: {len(rounds)} round(s) of the four modes (order rotated); each "
         "ratio to BSP is within its round:",
         "",
-        "| round | " + " | ".join(m for m, _ in MODES[1:]) + " | BSP samples/s | others' CPUs |",
-        "|---|" + "---|" * (len(MODES) - 1) + "---|---|",
+        "| round | " + " | ".join(names[1:]) + " | BSP samples/s | others' CPUs |",
+        "|---|" + "---|" * (len(names) - 1) + "---|---|",
     ]
     for k in rounds:
-        rs = [_get(records, m, "none", k) for m, _ in MODES]
+        rs = [_get(records, m, "none", k) for m in names]
         lines.append(f"| {k}{' (median)' if k == median else ''} | "
                      + " | ".join(f"{r['vs_bsp_samples_per_sec']:.2f}x" for r in rs[1:])
                      + f" | {rs[0]['samples_per_sec']:,.0f} | "
@@ -228,7 +256,7 @@ def markdown(records, steps, batch, machine) -> str:
     ]
     label = {"none": "none", "straggler": "straggler", "jitter": "jitter (all ranks)"}
     for scenario in SCENARIOS:
-        for m, _ in MODES:
+        for m in names:
             r = _get(records, m, scenario)
             ideal = f"{r['vs_ideal']:.0%}" if "vs_ideal" in r else ""
             sps = " / ".join(f"{x:.1f}" for x in r["steps_per_sec"])
@@ -241,6 +269,7 @@ def markdown(records, steps, batch, machine) -> str:
     worst_free = [min(_get(records, m, "none", k)["vs_bsp_samples_per_sec"]
                       for m in ("ssp1", "ssp4", "asp")) for k in rounds]
     jit = {m: _get(records, m, "jitter") for m in ("ssp1", "ssp4", "asp")}
+    before = [m for m in names if m.endswith("-before")]
     lines += [
         "",
         f"- with the straggler, ASP reaches {asp['vs_ideal']:.0%} of the ideal throughput "
@@ -251,6 +280,7 @@ def markdown(records, steps, batch, machine) -> str:
         f"- without a straggler, the slowest of SSP/ASP runs at "
         f"{statistics.median(worst_free):.2f}x BSP (median of {len(rounds)} round(s): "
         + ", ".join(f"{w:.2f}x" for w in worst_free) + "; target >= 0.98x)",
+        *_before_line(records, before, rounds),
         "- with transient delays on every rank: "
         + ", ".join(f"{NAMES[m]} {r['vs_bsp_samples_per_sec']:.2f}x BSP's throughput "
                     f"({r['auc_minus_bsp']:+.4f} AUC)" for m, r in jit.items()),
