@@ -24,7 +24,8 @@ straggler-free rate and a mode can exceed 100% of this ideal. Every run ends wit
 evaluation AUC on the same held-out samples. Each run waits (up to --async-quiet-wait
 seconds) for the machine to be quiet and records how busy it was before, and how many
 CPUs other processes used during the run (the machine's busy time less this run's
-own processes', over its wall time).
+own processes', over its wall time); a run during which they used more than 0.3 CPUs
+is run again (--async-retries times at most; the least disturbed attempt is kept).
 
 Writes bench/results/async.json and async.md.
 """
@@ -65,6 +66,10 @@ def add_arguments(p) -> None:
                    help="another kvcoll checkout (its C extension built) whose SSP/ASP runs "
                         "(mode names ending in -before) are interleaved with this one's in "
                         "every scenario: a change's before and after in one run")
+    g.add_argument("--async-retries", type=int, default=2,
+                   help="times a run disturbed by other processes (more than "
+                        "0.3 CPUs of theirs during it) is run again; the least disturbed "
+                        "attempt is kept")
     g.add_argument("--async-quiet-wait", type=float, default=300,
                    help="seconds each run may wait for the machine to be quiet")
 
@@ -108,6 +113,7 @@ def _train(args: list[str], out: str, timeout: float, root: str = common.ROOT) -
 
 
 SCENARIOS = ("none", "straggler", "jitter")
+DISTURBED = 0.3   # other processes' CPUs during a run above which it is run again
 
 
 def run(args) -> None:
@@ -116,6 +122,7 @@ def run(args) -> None:
     evals = 8192 if args.quick else 50_000
     rounds = 1 if args.quick else max(1, args.async_rounds)
     wait = 0 if args.quick else args.async_quiet_wait
+    retries = 0 if args.quick else args.async_retries
     out_dir = args.out or (tempfile.mkdtemp() if args.quick else common.RESULTS)
     base = ["--steps", str(steps), "--batch-size", str(batch), "--eval-samples", str(evals)]
     records = []
@@ -137,17 +144,26 @@ def run(args) -> None:
                 elif scenario == "jitter":
                     extra = ["--jitter-ms", f"{delay['jitter']:g}"]
                     note = f" with every rank delayed {delay['jitter']:g} ms on average"
-                busy = common.wait_until_quiet(wait, below=0.5)
-                print(f"[async] {name}{note} (round {rnd}; other processes busy: "
-                      f"{busy:.1f} cores)", flush=True)
-                m = _train(base + flags + extra,
-                           os.path.join(tmp, f"{name}-{scenario}-{rnd}.json"), timeout=3600,
-                           root=root)
+                m = None
+                for attempt in range(1 + retries):
+                    busy = common.wait_until_quiet(wait, below=0.5)
+                    print(f"[async] {name}{note} (round {rnd}; other processes busy: "
+                          f"{busy:.1f} cores)", flush=True)
+                    got = _train(base + flags + extra,
+                                 os.path.join(tmp, f"{name}-{scenario}-{rnd}.json"),
+                                 timeout=3600, root=root)
+                    got["attempts"] = attempt + 1
+                    if m is None or got["others_busy_cores"] < m["others_busy_cores"]:
+                        m = got
+                    if m["others_busy_cores"] <= DISTURBED:
+                        break
+                    print(f"[async] others used {got['others_busy_cores']:.2f} CPUs during "
+                          "that run: run again", flush=True)
                 rec = {k: m.get(k) for k in (
                     "step_mode", "staleness", "world_size", "global_batch_size", "steps",
                     "local_steps", "samples_per_sec", "steps_per_sec", "max_staleness_observed",
                     "max_clock_lead", "eval_auc", "planted_auc", "eval_samples",
-                    "timings_ms_per_step", "train_seconds", "others_busy_cores")}
+                    "timings_ms_per_step", "train_seconds", "others_busy_cores", "attempts")}
                 rec.update(mode=name, scenario=scenario, round=rnd, root=root,
                            straggler=scenario == "straggler",
                            slow_ms=delay["straggler"] if scenario == "straggler" else 0.0,
