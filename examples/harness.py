@@ -157,14 +157,17 @@ class DemoRun(keras.callbacks.Callback):
     """Watches a fit: this rank's own steps and their losses, where a step's time goes
     (data, the engine's phases, evictions; not evaluations or saves), a log line every
     `log_every` steps (BSP: with a quick evaluation over all ranks, a collective every
-    rank makes at the same global step), TensorBoard scalars, and a straggler's sleep.
+    rank makes at the same global step), TensorBoard scalars, a straggler's sleep and
+    every rank's random per-step delay (--jitter-ms).
     Pass the training batches through `timed(batches)` so their reading is timed."""
 
     def __init__(self, args, data, features, progress, writer, evict=None, slow_s=0.0,
-                 total=None):
+                 total=None, jitter_s=0.0, jitter_seed=0):
         super().__init__()
         self.args, self.data, self.features = args, data, features
         self.progress, self.writer, self.evict, self.slow_s = progress, writer, evict, slow_s
+        self.jitter_s = jitter_s    # --jitter-ms: mean of a random sleep every step
+        self._jitter = np.random.default_rng(jitter_seed) if jitter_s else None
         self.total = total
         self._fetch = 0.0           # seconds the current batch took to read
         self.data_seconds = 0.0
@@ -198,6 +201,8 @@ class DemoRun(keras.callbacks.Callback):
         self._own = self.eng.local_steps
         if self.slow_s:
             time.sleep(self.slow_s)  # --slow-rank: a straggler
+        if self._jitter is not None:  # --jitter-ms: a transient delay on every rank
+            time.sleep(self._jitter.exponential(self.jitter_s))
 
     def on_train_batch_end(self, batch, logs=None):
         now = time.perf_counter()

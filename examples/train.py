@@ -79,6 +79,11 @@ def parse_args(argv=None):
                         "benchmarks)")
     p.add_argument("--slow-ms", type=float, default=0.0, metavar="M",
                    help="milliseconds --slow-rank sleeps per step")
+    p.add_argument("--jitter-ms", type=float, default=0.0, metavar="M",
+                   help="debug: every rank sleeps a random time before each step, "
+                        "exponential with a mean of M ms, drawn from a generator seeded "
+                        "by --seed and the rank (transient delays, for the step modes' "
+                        "benchmark)")
     p.add_argument("--steps", type=int, default=None,
                    help=f"training steps (default {DEFAULTS['steps']} on synthetic data; "
                         "with --data, until the data ends)")
@@ -157,6 +162,8 @@ def parse_args(argv=None):
         p.error("--steps must be >= 1")
     if args.slow_ms < 0 or (args.slow_ms and args.slow_rank is None):
         p.error("--slow-ms must be >= 0 and needs --slow-rank")
+    if not 0 <= args.jitter_ms < float("inf"):
+        p.error(f"--jitter-ms must be a number >= 0, got {args.jitter_ms}")
     args.hidden = tuple(int(u) for u in args.hidden.split(",") if u.strip())
     return args
 
@@ -324,6 +331,7 @@ def main(argv=None):
     evict = kv.callbacks.Evict(args.evict_every) if evicting else None  # kvcoll: staggered
     demo = DemoRun(args, data, features, progress, writer, evict=evict,
                    slow_s=args.slow_ms / 1e3 if args.slow_rank == rank else 0.0,
+                   jitter_s=args.jitter_ms / 1e3, jitter_seed=(args.seed, rank),
                    total=data.steps)
     callbacks = [demo] + ([evict] if evict else [])
     ck = None
@@ -381,7 +389,7 @@ def main(argv=None):
         "steps_per_sec": [float(x) for x in rates[:, 0]],
         "max_staleness_observed": int(rates[:, 3].max()),
         "max_clock_lead": int(rates[:, 4].max()),
-        "slow_rank": args.slow_rank, "slow_ms": args.slow_ms,
+        "slow_rank": args.slow_rank, "slow_ms": args.slow_ms, "jitter_ms": args.jitter_ms,
         "global_batch_size": args.batch_size, "dim": args.dim, "hidden": list(args.hidden),
         "lr": args.lr, "sparse_lr": args.sparse_lr, "seed": args.seed,
         "data": args.data or "synthetic",

@@ -212,6 +212,16 @@ class SspExchange:
         self._apply_lock = threading.Lock()  # a push's learning rates and its update go together
         self._dense_kernels: dict = {}       # learning rate -> the dense kernel with it
         self._lookups: BspExchange | None = None
+        # the profile service_stats() reads: the service side's counters (updated by the
+        # service thread, or under _serve_lock), the training thread's own
+        self._stats = collections.Counter()
+        self._wstats = collections.Counter()
+        # Receiving and handling requests: by whoever holds _serve_lock (the service
+        # thread, or the training thread while it waits for replies); deferred pulls
+        # and replies in flight go with it.
+        self._serve_lock = threading.Lock()
+        self._deferred: collections.deque = collections.deque()
+        self._replies: collections.deque = collections.deque()
         self._thread = threading.Thread(target=self._serve, name=f"kvcoll-service-{rank}",
                                          daemon=True)
         self._thread.start()
@@ -323,8 +333,11 @@ class SspExchange:
             raise InvalidArgumentError(f"pull: ids must name every table exactly; got {sorted(ids)}, "
                              f"tables {self._names}")
         given = [np.ascontiguousarray(ids[n], np.int64) for n in self._names]
+        t_plan0 = time.perf_counter()
         plan = self._set.plan(given, self.owners)
         send, counts = plan[0], plan[1]                     # ids by owner, then table
+        t_plan = time.perf_counter()
+        self._wstats["plan_s"] += t_plan - t_plan0
         id_at, fl_at = self._offsets(counts)
         flags = (_F_CREATE if create else 0) | (_F_DENSE if dense and self.dense_size else 0)
         owners = []
@@ -339,6 +352,8 @@ class SspExchange:
             owners.append(r)
         payload = aligned_empty(int(fl_at[-1]), np.float32)
         flat = np.empty(self.dense_size, np.float32) if flags & _F_DENSE else None
+        t_own = time.perf_counter()
+        self._wstats["send_s"] += t_own - t_plan
         # This rank's own share, served here while the peers work on theirs: the gate
         # (wait_turn) has already checked, on this owner's clocks, what serving needs.
         lo, hi = self._bounds[me], self._bounds[me + 1]
@@ -358,8 +373,10 @@ class SspExchange:
                 flat[lo:hi] = self._master[0]
             slow = self._min_active()
         stale = 0 if slow is None else step - 1 - slow
+        tw = time.perf_counter()
+        self._wstats["own_s"] += tw - t_own
         for r in owners:
-            _, _, buf = self._rep.recv(r, _TAG_REPLY, poll=self._check, spin=SPIN,
+            _, _, buf = self._rep.recv(r, _TAG_REPLY, poll=self._help, spin=SPIN,
                                        op=f"ssp:pull of step {step} from rank {r}")
             rd = _Reader(buf)
             slow = int(rd.ints(1)[0])
@@ -372,6 +389,7 @@ class SspExchange:
                                  out=payload[fl_at[r]:fl_at[r + 1]])
             if got >= 0 and (bad < 0 or fl_at[r] + got < bad):
                 bad = int(fl_at[r]) + got
+        self._wstats["replies_s"] += time.perf_counter() - tw
         stale = max(0, stale)
         self.staleness_observed = max(self.staleness_observed, stale)
         if self.trace and self.trace[-1].step == step:
@@ -618,36 +636,102 @@ class SspExchange:
 
     # -- service side (its own thread) ---------------------------------------------------
 
+    def service_stats(self) -> dict:
+        """Where this rank's SSP/ASP time went so far (a profile; seconds are wall time):
+
+        service: its service thread's cpu (CPU seconds), polls, sleeps, slept (seconds
+            of sleep asked), late (seconds woken beyond them: the scheduler's and the
+            GIL's delay), msgs and handle_s (requests it received and the time handling
+            them; poll_s the time in the receive calls), answers/answer_s (pulls
+            served, by either thread) and pushes/push_s (peers' pushes applied);
+        worker: its training thread's plan_s (planning pulls), send_s (posting them),
+            own_s (serving its own share), replies_s (waiting for the owners' replies),
+            and msgs/handle_s/helped: peers' requests it served itself while waiting.
+        """
+        return {"service": dict(self._stats), "worker": dict(self._wstats)}
+
     def _serve(self) -> None:
-        deferred: collections.deque = collections.deque()
-        replies: collections.deque = collections.deque()
+        """The service thread: poll for requests and answer them, sleeping with back-off
+        (20 us doubling to 1 ms) while there are none. Whoever holds _serve_lock receives
+        and handles requests: this thread, or the training thread while it waits for
+        its pull's replies (_help), so an owner whose worker is itself waiting answers
+        at once instead of after its service thread's next wake-up."""
         pause = 20e-6
+        st = self._stats
+        clock = time.perf_counter
+        cpu0 = time.thread_time()
         try:
-            while not self._stop:
-                got = self._req.try_recv(-1, _TAG_REQ)
-                if got is not None:
+            while not self._stop and self._error is None:
+                st["polls"] += 1
+                busy = False
+                if self._serve_lock.acquire(blocking=False):
+                    try:
+                        busy = self._serve_once(st)
+                    finally:
+                        self._serve_lock.release()
+                if busy:
                     pause = 20e-6
-                    src, _, buf = got
-                    self._handle(src, buf, deferred, replies)
-                elif deferred:
-                    if not self._serve_ready(deferred, replies):
-                        time.sleep(pause)
-                        pause = min(pause * 2, 1e-3)
                 else:
+                    t2 = clock()
                     time.sleep(pause)
+                    st["sleeps"] += 1
+                    st["slept"] += pause
+                    st["late"] += clock() - t2 - pause
                     pause = min(pause * 2, 1e-3)
-                while replies and replies[0][0].done():
-                    replies.popleft()
-                if replies and run_time() - replies[0][1] > self._rep.timeout:
-                    handle, _, dest, clock = replies[0]
-                    raise CommTimeoutError(
-                        f"rank {self._rank}/{self._world}: ssp:reply to rank {dest}'s pull of "
-                        f"step {clock} was not taken within {self._rep.timeout:g}s; "
-                        f"{self._rep.describe([dest])} (raise the limit with KVCOLL_COMM_TIMEOUT)")
+                st["cpu"] = time.thread_time() - cpu0
         except BaseException as exc:  # noqa: BLE001 - reported to the training thread
-            with self._cv:
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._cv:
+            if self._error is None:
                 self._error = exc
-                self._cv.notify_all()
+            self._cv.notify_all()
+
+    def _serve_once(self, st) -> bool:
+        """Receive and handle one request, or answer deferred pulls that may now be
+        served; retire replies that were taken. Returns whether anything was done.
+        Needs _serve_lock."""
+        t0 = time.perf_counter()
+        got = self._req.try_recv(-1, _TAG_REQ)
+        t1 = time.perf_counter()
+        st["poll_s"] += t1 - t0
+        deferred, replies = self._deferred, self._replies
+        busy = False
+        if got is not None:
+            src, _, buf = got
+            st["msgs"] += 1
+            self._handle(src, buf, deferred, replies)
+            st["handle_s"] += time.perf_counter() - t1
+            busy = True
+        elif deferred:
+            busy = self._serve_ready(deferred, replies)
+        while replies and replies[0][0].done():
+            replies.popleft()
+        if replies and run_time() - replies[0][1] > self._rep.timeout:
+            handle, _, dest, clock = replies[0]
+            raise CommTimeoutError(
+                f"rank {self._rank}/{self._world}: ssp:reply to rank {dest}'s pull of "
+                f"step {clock} was not taken within {self._rep.timeout:g}s; "
+                f"{self._rep.describe([dest])} (raise the limit with KVCOLL_COMM_TIMEOUT)")
+        return busy
+
+    def _help(self) -> None:
+        """Called by the training thread between its polls for replies: serve the
+        requests that have arrived, unless the service thread is serving now. An error
+        while serving is the service's (the training thread raises it, wrapped, as it
+        would the service thread's)."""
+        self._check()
+        if not self._serve_lock.acquire(blocking=False):
+            return
+        try:
+            while self._serve_once(self._wstats):
+                self._wstats["helped"] += 1
+        except BaseException as exc:  # noqa: BLE001 - ends the run like the service's
+            self._fail(exc)
+        finally:
+            self._serve_lock.release()
+        self._check()
 
     def _handle(self, src: int, buf: np.ndarray, deferred, replies) -> None:
         rd = _Reader(buf)
@@ -700,6 +784,14 @@ class SspExchange:
         return served
 
     def _answer(self, src, clock, flags, rd, slow, replies) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._answer_(src, clock, flags, rd, slow, replies)
+        finally:
+            self._stats["answer_s"] += time.perf_counter() - t0
+            self._stats["answers"] += 1
+
+    def _answer_(self, src, clock, flags, rd, slow, replies) -> None:
         counts = rd.ints(len(self._names))
         ids = rd.ints(int(counts.sum()))
         n_rows = int((counts * self._dims).sum())
@@ -727,6 +819,14 @@ class SspExchange:
                         run_time(), src, clock))
 
     def _apply_push(self, src, clock, has_dense, rd) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._apply_push_(src, clock, has_dense, rd)
+        finally:
+            self._stats["push_s"] += time.perf_counter() - t0
+            self._stats["pushes"] += 1
+
+    def _apply_push_(self, src, clock, has_dense, rd) -> None:
         counts = rd.ints(len(self._names))
         rates = rd.floats(len(self._names) + 1)
         lo, hi = self._bounds[self._rank], self._bounds[self._rank + 1]

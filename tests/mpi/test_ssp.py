@@ -6,6 +6,7 @@
   reaches exactly S and never more, checked against the other ranks' recorded step times, and the staleness
   observed stays <= S (S = 0: BSP's schedule);
 - ASP: a rank held at its first step holds nobody back: the others run all their steps;
+- a training thread waiting for its replies serves its peers' requests itself;
 - (no sleep decides an outcome: a rank is held back by waiting for the others' messages);
 - the Trainer in SSP/ASP: uneven data and a rank finishing early end without a hang and
   with the same final dense model on every rank; unsupported dense optimizers are
@@ -93,6 +94,55 @@ def test_no_update_is_lost(comm, staleness, owners):
         np.testing.assert_allclose(t.find(mine), want, rtol=1e-5, atol=1e-5, err_msg=n)
         assert len(t) == mine.size
     total = sum((r + 1.0) * steps_of(r) for r in range(world))
+    np.testing.assert_allclose(ex.dense(), dense0 - LR * total, rtol=1e-6, atol=1e-5)
+    ex.close()
+    for t in tables.values():
+        t.close()
+
+
+def test_a_waiting_worker_serves_its_peers(comm):
+    """While a training thread waits for its pull's replies it serves the requests that
+    have arrived (the service thread's work, under the same lock): with every service
+    thread kept from serving, the ranks' training threads alone answer each other's
+    pulls and apply each other's pushes, and no update is lost."""
+    import threading
+
+    world, rank = comm.size, comm.rank
+    tables = make_tables()
+    dense0 = np.linspace(-1, 1, DENSE).astype(np.float32)
+    ex = SspExchange(comm, tables, None, dense_size=DENSE,
+                     dense_optimizer=kv.optimizers.SGD(LR))
+    serve_once = ex._serve_once
+
+    def training_thread_only(st):
+        if threading.current_thread() is ex._thread:
+            return False
+        return serve_once(st)
+
+    ex._serve_once = training_thread_only
+    steps = 4
+    ex.start_dense(dense0)
+    for step in range(1, steps + 1):
+        pulled = ex.pull(ids_of(rank, step))
+        grads = {n: grad_of(p.uniq, DIMS[n]) for n, p in pulled.items()}
+        ex.push(pulled, grads, np.full(DENSE, rank + 1.0, np.float32))
+    helped = ex.service_stats()["worker"].get("helped", 0)
+    del ex._serve_once      # the service thread serves again (a peer's last pull may wait)
+    ex.finish()
+    if world > 1:
+        assert helped > 0
+    for n, t in tables.items():
+        pushes = {}
+        for r in range(world):
+            for s in range(1, steps + 1):
+                for k in np.unique(ids_of(r, s)[n]):
+                    pushes[int(k)] = pushes.get(int(k), 0) + 1
+        mine = np.array(sorted(k for k in pushes if owner_of(np.array([k]), ex.owners)[0] == rank),
+                        np.int64)
+        times = np.array([pushes[int(k)] for k in mine], np.float32)
+        want = t.initial_values(mine) - LR * grad_of(mine, DIMS[n]) * times[:, None]
+        np.testing.assert_allclose(t.find(mine), want, rtol=1e-5, atol=1e-5, err_msg=n)
+    total = sum((r + 1.0) * steps for r in range(world))
     np.testing.assert_allclose(ex.dense(), dense0 - LR * total, rtol=1e-6, atol=1e-5)
     ex.close()
     for t in tables.values():
