@@ -15,7 +15,9 @@
   scaling: the per-rank batch is fixed). Per rank: the loop's own phase timers
   (Loop.timings: exchange, tables, compute, allreduce, apply; seconds per step after
   --warmup), the wall seconds per step, the messages per step (Comm.messages), the bytes
-  sent (BspExchange.wire_bytes) and the unique ids per step.
+  sent (BspExchange.wire_bytes), the unique ids per step, the rank's CPU seconds per
+  step and the whole machine's busy cores over the timed steps (so the bench knows what
+  other processes used meanwhile: the machine is shared).
 
 Rank 0 prints one `@@record {json}` line. TensorFlow-free.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -209,10 +212,15 @@ def step(args) -> dict:
             comm.barrier("scale:timed")
             t0 = time.perf_counter()
             msgs0, bytes0, tm0 = dict(comm.messages), dict(ex.wire_bytes), dict(loop.timings)
+            cpu0, stat0 = time.process_time(), _machine_busy()
         loop.train_next(it)
     wall = time.perf_counter() - t0
+    cpu, stat1 = time.process_time() - cpu0, _machine_busy()
+    # the whole machine's busy cores over the timed steps (/proc/stat is not per
+    # namespace): with every rank's own CPU, what the other processes used meanwhile
+    busy = (os.cpu_count() or 1) * (stat1[0] - stat0[0]) / max(1, stat1[1] - stat0[1])
     n = args.steps
-    mine = {"rank": me, "wall_s": wall / n,
+    mine = {"rank": me, "wall_s": wall / n, "cpu_s": cpu / n, "machine_busy_cores": busy,
             "timings_s": {k: (loop.timings[k] - tm0.get(k, 0.0)) / n for k in loop.timings
                           if k != "tables"},
             "tables_s": (loop.timings["tables"] - tm0.get("tables", 0.0)) / n,
@@ -254,8 +262,15 @@ def main(argv=None) -> int:
     return 0
 
 
+def _machine_busy() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine so far (/proc/stat's first line)."""
+    with open("/proc/stat", encoding="ascii") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + (v[4] if len(v) > 4 else 0)
+    return sum(v[:8]) - idle, sum(v[:8])
+
+
 def _rank() -> int:
-    import os
     return int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
 
 

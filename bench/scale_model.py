@@ -45,9 +45,21 @@ from __future__ import annotations
 import dataclasses
 import math
 
-__all__ = ["Link", "Workload", "Cluster", "Step", "step_seconds", "efficiency",
-           "samples_per_sec", "messages", "stages", "two_level_wins", "allreduce_seconds", "two_level_threshold",
-           "GBIT"]
+__all__ = [
+    "GBIT",
+    "Cluster",
+    "Link",
+    "Step",
+    "Workload",
+    "allreduce_seconds",
+    "efficiency",
+    "messages",
+    "samples_per_sec",
+    "stages",
+    "step_seconds",
+    "two_level_threshold",
+    "two_level_wins",
+]
 
 GBIT = 1e9 / 8   # bytes/s of 1 Gb/s
 
