@@ -53,7 +53,8 @@ def _records(out: str) -> list[dict]:
 
 def exchange_steps(hosts, args, steps: int) -> dict:
     code, out = _run(hosts, ["-np", 6, sys.executable, JOB, "--steps", steps,
-                             "--warmup", min(20, steps // 4)], args, "exchange steps")
+                             "--warmup", min(20, steps // 4)], args, "exchange steps",
+                     {"KVCOLL_EXCHANGE_TOPOLOGY": "two-level"})   # auto: flat at 6 ranks
     rec = _records(out)
     if code != 0 or not rec:
         raise SystemExit(f"[topology] the exchange job failed (exit {code}):\n{out[-4000:]}")
@@ -87,7 +88,9 @@ def training_steps(hosts, args, steps: int, rounds: int, tmp: str) -> dict:
             path = os.path.join(tmp, f"losses-{topo}-{i}.json")
             code, out = _run(hosts, ["-np", 6, sys.executable, TRAIN, "--steps", steps,
                                      "--batch-size", 1200, "--losses", path], args,
-                             f"training, {topo}", {"KVCOLL_EXCHANGE_TOPOLOGY": topo})
+                             f"training, {topo}",    # "auto" is two-level set (auto: flat
+                             {"KVCOLL_EXCHANGE_TOPOLOGY":    # below AUTO_TWO_LEVEL_MIN_RANKS)
+                              "two-level" if topo == "auto" else topo})
             m = re.search(r"seconds per step ([0-9.]+)", out)
             if code != 0 or m is None:
                 raise SystemExit(f"[topology] the training job ({topo}) failed (exit {code}):"

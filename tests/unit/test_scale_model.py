@@ -2,6 +2,7 @@
 closed form, and the shape of its answers (one rank has no exchange, a CPU share
 stretches a step, fp16 halves the rows' bytes, two-level pays at scale only)."""
 
+import itertools
 import math
 
 import pytest
@@ -107,7 +108,7 @@ def test_the_pipeline_hides_the_id_exchange_at_most_behind_compute():
 
 def test_efficiency_falls_with_ranks_and_two_level_pays_at_scale():
     flat = [sm.efficiency(W, cluster(P), "flat") for P in (8, 64, 512, 1024)]
-    assert all(a > b for a, b in zip(flat, flat[1:])) and flat[0] < 1
+    assert all(a > b for a, b in itertools.pairwise(flat)) and flat[0] < 1
     # many hosts: (L-1) + (H-1) messages instead of P-1 win
     assert sm.two_level_wins(W, cluster(1024, 8))
     # two hosts of 2: the extra stages cost more than the 2 messages a stage it saves
