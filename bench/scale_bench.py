@@ -56,12 +56,12 @@ def add_arguments(p) -> None:
     g = p.add_argument_group("scale")
     g.add_argument("--scale-steps", type=int, default=200, help="timed steps per launch")
     g.add_argument("--scale-warmup", type=int, default=30)
-    g.add_argument("--scale-batch", type=int, default=1024, help="samples per rank a step")
+    g.add_argument("--scale-batch", type=int, default=2048, help="samples per rank a step")
     g.add_argument("--scale-deepfm-steps", type=int, default=60,
                    help="DeepFM steps on 1 and 2 ranks (0: skip; the curves then use the "
                    "numpy job's workload)")
     g.add_argument("--scale-timeout", type=float, default=900.0)
-    g.add_argument("--scale-quiet-wait", type=float, default=60.0,
+    g.add_argument("--scale-quiet-wait", type=float, default=30.0,
                    help="seconds to wait before each launch for the other processes to use "
                    "less than 0.3 cores (the machine is shared)")
 

@@ -30,6 +30,11 @@ import os
 import statistics
 import time
 
+# one BLAS thread a rank (before numpy loads it): the ranks share the machine's cores, and
+# a BLAS pool per rank would oversubscribe them and spin (as bench/common.run_child does)
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_var] = "1"
+
 import numpy as np
 
 import kvcoll as kv
@@ -250,7 +255,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1024, help="samples per rank per step")
     p.add_argument("--fields", type=int, default=8)
     p.add_argument("--dim", type=int, default=16)
-    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--vocab", type=int, default=100_000, help="ids per field")
     p.add_argument("--zipf", type=float, default=1.2)
     p.add_argument("--pool", type=int, default=24, help="distinct batches, cycled")
