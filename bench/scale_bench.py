@@ -423,9 +423,12 @@ def markdown(r: dict, machine: dict, command: str, png: str | None) -> str:
     lines = [
         "# How far it scales: the scale model, measured and checked", "",
         (f"`{command}` on {machine.get('cpu', '?')} ({machine.get('cores', '?')} cores), "
-         f"{machine.get('date', '?')}. The machine is shared: other sessions were running; "
-         "the CPU the others used just before each launch (cores, from /proc/stat) is in "
-         "the tables. Model: bench/scale_model.py; driver: bench/scale_bench.py."), "",
+         f"{machine.get('date', '?')}. The machine is shared: other sessions were running "
+         "(each launch waited up to --scale-quiet-wait seconds for them to quiet down). The "
+         "CPU the other processes used during each run's timed steps (the machine's busy "
+         "cores from /proc/stat less the job's ranks' own CPU), and just before it, is in "
+         "the tables; the model's CPU share counts it. Model: bench/scale_model.py; "
+         "driver: bench/scale_bench.py."), "",
         "## Measured inputs", "",
         ("| link | a stage's latency (kvcoll all-to-all, 1 message) | a message's cost "
         "(raw MPI, slope of k-message ping-pong) | bandwidth (kvcoll, 8 MiB) |"),
@@ -437,7 +440,7 @@ def markdown(r: dict, machine: dict, command: str, png: str | None) -> str:
     one, two = cal["one"], cal["two"]
     lines += [
         "", ("Step phases of the numpy job (kvcoll.step.Loop's timers, ms a step; batch "
-             f"{w['batch']} a rank, 8 fields, dim 16, MLP 256; 1 rank, "
+             f"{w['batch']} a rank, 8 fields, dim 16, MLP 512; 1 rank, "
              "and 2 ranks on two netns hosts):"), "",
         ("| | exchange | of it, tables | compute | allreduce | apply | wall | others' CPU "
         "during |"), "|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -454,9 +457,11 @@ def markdown(r: dict, machine: dict, command: str, png: str | None) -> str:
     lines += [
         "## Predicted vs measured: 3 to 6 ranks on netns hosts", "",
         ("Calibrated on the 1- and 2-rank runs above only. The netns hosts run on this "
-         f"machine's {r['cores']} cores, so P ranks get a CPU share of cores / P each (the "
-         "model's explicit CPU-share term); inside a netns host the ranks talk TCP too "
-         "(no shared memory). Measured: the loop's phases summed, mean over ranks."), "",
+         f"machine's {r['cores']} cores, so each of P ranks gets a CPU share of "
+         "min(1, cores / (P + the others' cores)) (the model's explicit CPU-share term; "
+         "the column 'at share cores / P' leaves the others out); inside a netns host the "
+         "ranks talk TCP too (no shared memory). Measured: the loop's phases summed, mean "
+         "over ranks. Every run is the numpy job, unpipelined, fp32 rows."), "",
         ("| hosts x ranks, exchange | others' CPU during (before) | CPU share | predicted "
         "ms | measured ms | measured / predicted | predicted at share cores / P | messages "
         "a step (measured / model) |"),
@@ -465,11 +470,14 @@ def markdown(r: dict, machine: dict, command: str, png: str | None) -> str:
         meas = sum(c["messages_per_step"].get(k, 0) for k in ("pull:ids", "pull:rows",
                                                                "push:grads"))
         model = sum(c["model_messages"])
+        mc = c["measured_phases_ms"]["compute"]
+        pc = 1e3 * w["compute_s"] / c["cpu_share"]
+        mr, pr = c["measured_ms"] - mc, c["predicted_ms"] - pc
         lines.append(f"| {c['label']} ({c['mode_seen']}) | {c['others_cores']:.2f} "
                      f"({c['others_busy_cores']:.2f}) | {c['cpu_share']:.2f} | "
                      f"{c['predicted_ms']:.1f} | {c['measured_ms']:.1f} | "
-                     f"**{c['ratio']:.2f}** | {c['predicted_alone_ms']:.1f} | "
-                     f"{meas:.0f} / {model} |")
+                     f"**{c['ratio']:.2f}** | {mc:.1f} / {pc:.1f} | {mr:.1f} / {pr:.1f} | "
+                     f"{c['predicted_alone_ms']:.1f} | {meas:.0f} / {model} |")
     worst = max(r["checks"], key=lambda c: abs(c["ratio"] - 1))
     lines += ["", (f"Within 20% of every measured configuration: "
                    f"**{all(abs(c['ratio'] - 1) <= 0.2 for c in r['checks'])}** (the "
