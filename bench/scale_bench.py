@@ -94,9 +94,16 @@ def _one(out: str, what: str) -> dict:
 def _on_hosts(hosts, n_hosts: int, per_host: int, argv: list, args, what: str,
               topology: str = "flat") -> str:
     hf = hosts.hostfile_for(range(n_hosts), [per_host] * n_hosts)
-    code, out = hosts.run(["-np", n_hosts * per_host, sys.executable, JOB, *argv],
-                          args.scale_timeout, what,
-                          env_extra={"KVCOLL_EXCHANGE_TOPOLOGY": topology}, hostfile=hf)
+    for attempt in range(3):
+        code, out = hosts.run(["-np", n_hosts * per_host, sys.executable, JOB, *argv],
+                              args.scale_timeout, what,
+                              env_extra={"KVCOLL_EXCHANGE_TOPOLOGY": topology}, hostfile=hf)
+        # PRRTE's daemon on a netns host did not report back in time (a loaded machine):
+        # nothing of the job ran, so it is launched again
+        if code == 0 or "failed to report back" not in out or attempt == 2:
+            break
+        print(f"[scale] {what}: a daemon did not start (exit {code}); launching again",
+              flush=True)
     if code != 0:
         raise SystemExit(f"[scale] {what} failed (exit {code}):\n{out[-4000:]}")
     return out
