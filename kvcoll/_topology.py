@@ -47,7 +47,7 @@ _HOW = ("kv.init(exchange_topology=...), --exchange-topology or KVCOLL_EXCHANGE_
 # "When two-level beats flat": the smallest P from which two-level is faster on every
 # host size of 2 to 32 ranks, for the DeepFM workload); bench/results/topology.md
 # measured two-level 1.4x slower at 3 hosts x 2.
-AUTO_TWO_LEVEL_MIN_RANKS = 256
+AUTO_TWO_LEVEL_MIN_RANKS = 76
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
