@@ -1,7 +1,8 @@
 """The scale model, measured and checked: samples/s per rank from 1 to 1,024 ranks.
 
     python -m bench scale            # opt-in (makes network-namespace hosts: root)
-    python -m bench scale --quick    # a smoke test (a minute or so)
+    python -m bench scale --quick    # a smoke test (about 30 s: 3 netns hosts, one check,
+                                     # no DeepFM; the curves use the numpy job's workload)
 
 1. Measured inputs (bench/scale_job.py):
    - this MPI between two ranks, over shared memory (one host) and over TCP between two
@@ -173,7 +174,7 @@ def measured_step_s(summary: dict) -> float:
 
 def deepfm(args, quick: bool, tmp: str) -> dict | None:
     """DeepFM's phases on 1 and 2 ranks of this machine (bench/train_worker.py)."""
-    steps = 15 if quick else args.scale_deepfm_steps
+    steps = 0 if quick else args.scale_deepfm_steps    # --quick: no TensorFlow
     if steps <= 0:
         return None
     out = {"busy": {}}
@@ -321,14 +322,14 @@ def run(args) -> None:
     import netns
 
     quick = args.quick
-    steps = 40 if quick else args.scale_steps
-    warm = 10 if quick else args.scale_warmup
+    steps = 20 if quick else args.scale_steps
+    warm = 5 if quick else args.scale_warmup
     out_dir = args.out or (tempfile.mkdtemp() if quick else common.RESULTS)
     reason = netns.Hosts.unavailable()
     if reason:
         raise SystemExit(f"[scale] cannot make the test hosts: {reason}")
     cores = os.cpu_count() or 1
-    quiet_wait = 5 if quick else args.scale_quiet_wait
+    quiet_wait = 0 if quick else args.scale_quiet_wait
     job = ["--mode", "step", "--steps", steps, "--warmup", warm, "--batch", args.scale_batch]
     reps = ["--reps", 300 if quick else 2000]
     busy = {}
@@ -341,7 +342,9 @@ def run(args) -> None:
         busy["step:1"] = common.wait_until_quiet(quiet_wait, below=0.3)
         one_rec = _one(_mpirun_local(1, [JOB, *job], args.scale_timeout, "step, 1 rank"),
                        "step, 1 rank")
-        hosts = netns.Hosts.create(6, os.path.join(tmp, "hosts"), slots=[2] * 6)
+        checks = CHECKS[:1] if quick else CHECKS      # --quick: 3 hosts x 1 alone
+        hosts = netns.Hosts.create(3 if quick else 6, os.path.join(tmp, "hosts"),
+                                   slots=[2] * (3 if quick else 6))
         runs = {}
         try:
             busy["net:tcp"] = common.wait_until_quiet(quiet_wait, below=0.3)
@@ -350,7 +353,7 @@ def run(args) -> None:
             busy["step:2"] = common.wait_until_quiet(quiet_wait, below=0.3)
             two_rec = _one(_on_hosts(hosts, 2, 1, job, args, "step, 2 hosts x 1"),
                            "step, 2 ranks")
-            for H, L, topo in CHECKS:
+            for H, L, topo in checks:
                 key = f"{H}x{L} {topo}"
                 busy[key] = common.wait_until_quiet(quiet_wait, below=0.3)
                 runs[key] = _one(_on_hosts(hosts, H, L, job, args, f"step, {key}", topo),
@@ -365,8 +368,8 @@ def run(args) -> None:
     c2 = sm.Cluster(2, 1, tcp, tcp)
     w = workload_of(one, two, two_rec, c2, two_rec["fields"], two_rec["dim"],
                     two_rec["n_dense"], cores)
-    checks = []
-    for (H, L, topo) in CHECKS:
+    results = []
+    for (H, L, topo) in checks:
         key = f"{H}x{L} {topo}"
         s = step_summary(runs[key])
         P = H * L
@@ -376,7 +379,7 @@ def run(args) -> None:
         alone = sm.step_seconds(w, sm.Cluster(P, L, tcp, tcp, cpu_share=share(cores, P)),
                                 topo)
         meas = measured_step_s(s)
-        checks.append({"label": key, "hosts": H, "per_host": L, "ranks": P,
+        results.append({"label": key, "hosts": H, "per_host": L, "ranks": P,
                        "topology": topo, "mode_seen": runs[key]["topology"]["mode"],
                        "cpu_share": c.cpu_share, "predicted_ms": st.total * 1e3,
                        "measured_ms": meas * 1e3, "measured_wall_ms": s["wall_s"] * 1e3,
@@ -401,7 +404,7 @@ def run(args) -> None:
         "links": {"shm": shm.__dict__, "netns_tcp": tcp.__dict__},
         "net": {"shm": shm_rec, "tcp": tcp_rec},
         "calibration": {"one": one, "two": two, "workload": w.__dict__},
-        "checks": checks, "others_busy_cores": busy,
+        "checks": results, "others_busy_cores": busy,
         "deepfm": None if dfm is None else {
             "one": dfm[1]["ms_per_step"], "two": dfm[2]["ms_per_step"], "busy": dfm["busy"],
             "unique_frac": frac, "workload": wd.__dict__},
@@ -410,7 +413,7 @@ def run(args) -> None:
         "quick": quick})
     png = os.path.join(out_dir, "scale.png")
     os.makedirs(out_dir, exist_ok=True)
-    drawn = plot(cur, checks, png)
+    drawn = plot(cur, results, png)
     command = "./dev bench scale" + (" --quick" if quick else "")
     common.publish(out_dir, "scale", [records],
                    lambda m: markdown(records, m, command, drawn))
@@ -513,8 +516,12 @@ def markdown(r: dict, machine: dict, command: str, png: str | None) -> str:
                if quiet else "")), ""]
     d = r.get("deepfm")
     cur = r["curves"]
-    lines += ["## DeepFM from 1 to 1,024 ranks (predicted)", ""]
-    if d is not None:
+    lines += [(f"## {'DeepFM' if d is not None else 'The numpy job'} from 1 to 1,024 ranks "
+              "(predicted)"), ""]
+    if d is None:
+        lines += [("Workload: the numpy job's above (no DeepFM run: --quick or "
+                  "--scale-deepfm-steps 0), so these are not DeepFM's figures."), ""]
+    else:
         wd = d["workload"]
         lines += [
             ("Workload: bench/train_worker.py --impl kvcoll (DeepFM, 26 fields, dim 8, MLP "
