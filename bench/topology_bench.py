@@ -13,7 +13,8 @@ the result. Two measurements, each a ratio to a baseline from the same run:
   phase the messages each rank sent (pull:ids, pull:rows, push:grads), and the seconds
   of a step (the slowest rank's, median over the steps) for each;
 - training steps (tests/launch/topology_job.py: the TensorFlow-free BSP job of the
-  elastic tests, not pipelined), launched with exchange_topology auto (two-level) and flat
+  elastic tests, not pipelined), launched with exchange_topology two-level (set: auto is
+  flat below AUTO_TWO_LEVEL_MIN_RANKS; the records still call it "auto") and flat
   in turn, --topology-rounds times: seconds per step after step 50 (rank 0's), and the
   losses of the two, which must be equal.
 
