@@ -1,26 +1,34 @@
 """The scale model: a training step's seconds on P ranks, from measured phase costs and
 measured (or stated) network figures. Pure Python, no MPI, no numpy.
 
-    w = Workload(batch=4096, ids_per_sample=26, unique_frac=0.35, dim=8, n_dense=80_000,
-                 compute_s=0.034, tables_s=0.010, plan_s=0.0015, apply_s=0.0015)
-    c = Cluster(ranks=256, per_host=8, intra=SHM, inter=Link("25 Gb/s", 20e-6, 25e9 / 8))
+    w = Workload(batch=4096, ids_per_sample=26, unique_frac=0.5, dim=9, n_dense=90_000,
+                 compute_s=0.025, tables_s=0.013, plan_s=0.002, apply_s=0.002, multi_s=0.008)
+    shm = Link("shared memory", stage_s=20e-6, message_s=0.4e-6, bandwidth=6e9)
+    tcp = Link("25 Gb/s TCP", stage_s=47e-6, message_s=7.5e-6, bandwidth=25 * GBIT)
+    c = Cluster(ranks=256, per_host=8, intra=shm, inter=tcp)
     step_seconds(w, c, "two-level", wire_bytes=2).total   # seconds a step
     efficiency(w, c, "two-level", wire_bytes=2)              # samples/s per rank vs 1 rank
 
 What a step on one rank costs (bench/results/scale.md says where each figure comes from):
 
-- CPU terms, measured on 1 rank: the dense compute (per-sample work at this batch), the
-  tables' C work (lookups, gradient apply: per id this rank serves; in expectation a rank
-  serves as many ids as it asks for, whatever P), the exchange's own CPU (dedup/route,
-  packing: `plan_s`), the dense apply; and on more than one rank the per-step CPU that
-  only a multi-rank step has (`multi_s`: counts, headers, wire packing), measured on 2
-  ranks. All of them are divided by the rank's CPU share (cores / ranks when ranks
-  outnumber cores, as on the oversubscribed netns hosts; 1 on hosts of their own).
-- message terms: messages a rank sends x the link's per-message latency. Flat: each of
-  the 4 all-to-all stages of a step (ids' counts, ids, rows, row gradients) sends one
-  message to each of the P - 1 others (L - 1 on its host, P - L across hosts). Two-level
-  (kvcoll/_topology.py, as kvcoll.comm counts them): ids 2(L-1) + 2(H-1), rows and
-  gradients 2(L-1) + (H-1) each (the counts inside the host go first).
+- CPU terms, measured on 1 and 2 ranks: the dense compute (per-sample work at this
+  batch), the tables' C work (lookups, gradient apply: per id this rank serves; in
+  expectation a rank serves as many ids as it asks for, whatever P), the exchange's own
+  CPU (dedup/route: `plan_s`, on 1 rank), the dense apply; and on more than one rank
+  the per-step CPU and waits that only a multi-rank step has (`multi_s`: counts,
+  headers, wire packing, the Python around each all-to-all, the wait for the slower
+  rank), measured on 2 ranks beyond what the message and byte terms below account for.
+  All of them are divided by the rank's CPU share (1 on hosts of their own; below 1 when
+  ranks and other processes outnumber the cores, as on the oversubscribed netns hosts).
+- stage and message terms: each all-to-all stage waits for its link's latency
+  (`Link.stage_s`), and each message it sends adds the link's per-message cost
+  (`Link.message_s`); on a shared core all of it takes 1/share as long. Flat: 4 stages
+  a step (ids' counts, ids, rows, row gradients), each a message to each of the P - 1
+  others (L - 1 on its host, P - L across hosts), waiting for the slower link. Two-level
+  (kvcoll.comm's TwoLevelHandle, as Comm.messages counts it): 10 stages, one after
+  another, inside the host (L - 1 messages) or across hosts (H - 1): ids 2(L-1) + 2(H-1)
+  messages, rows and gradients 2(L-1) + (H-1) each (the counts inside the host go
+  first).
 - byte terms: bytes / bandwidth. A rank's batch has U = batch x ids_per_sample x
   unique_frac unique ids; a fraction (P-1)/P of them is owned elsewhere. It sends their
   ids (8 bytes), receives their rows and sends their gradients (dim x wire_bytes each),
