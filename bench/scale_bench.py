@@ -139,9 +139,12 @@ def step_summary(rec: dict) -> dict:
 
 
 def share(cores: int, ranks: int, others: float = 0.0) -> float:
-    """A rank's share of a core when `ranks` ranks and other processes using `others`
-    cores share `cores` cores fairly (1 when they fit)."""
-    return min(1.0, cores / (ranks + others))
+    """A rank's share of a core: the cores the other processes left (they used `others`
+    of the machine's `cores`, as measured), split evenly over `ranks` ranks; 1 when they
+    fit. (Not cores / (ranks + others), a fair share that counts the others as ranks:
+    the others here are multi-threaded TensorFlow jobs that take what they use, and that
+    form undercorrected a calibration run during which they used 1.2 cores.)"""
+    return min(1.0, max(cores - others, 0.1 * cores) / ranks)
 
 
 def workload_of(one: dict, two: dict, rec: dict, two_cluster: sm.Cluster,
@@ -468,7 +471,7 @@ def markdown(r: dict, machine: dict, command: str, png: str | None) -> str:
         "## Predicted vs measured: 3 to 6 ranks on netns hosts", "",
         ("Calibrated on the 1- and 2-rank runs above only. The netns hosts run on this "
          f"machine's {r['cores']} cores, so each of P ranks gets a CPU share of "
-         "min(1, cores / (P + the others' cores)) (the model's explicit CPU-share term; "
+         "min(1, (cores - the others' cores) / P) (the model's explicit CPU-share term; "
          "the column 'at share cores / P' leaves the others out); inside a netns host the "
          "ranks talk TCP too (no shared memory). Measured: the loop's phases summed, mean "
          "over ranks. Every run is the numpy job, unpipelined, fp32 rows."), "",
