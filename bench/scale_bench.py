@@ -464,7 +464,7 @@ def markdown(r: dict, machine: dict, command: str, png: str | None) -> str:
                      f"{p['apply'] * 1e3:.2f} | {s['wall_s'] * 1e3:.2f} | "
                      f"{s['others_cores']:.2f} |")
     lines += ["", ("Each run's figures are brought to a core of its own by its CPU share, "
-                   "min(1, cores / (ranks + the others' cores)); model workload (s): "
+                   "min(1, (cores - the others' cores) / ranks); model workload (s): "
                    + ", ".join(
         f"{k} {v:.4g}" for k, v in w.items())), ""]
     lines += [
