@@ -497,26 +497,27 @@ def markdown(r: dict, machine: dict, command: str, png: str | None) -> str:
                    f"**{all(abs(c['ratio'] - 1) <= 0.2 for c in r['checks'])}** (the "
                    f"farthest: {worst['label']}, {worst['ratio']:.2f})."), ""]
     off = [c for c in r["checks"] if abs(c["ratio"] - 1) > 0.2]
-    quiet = [c for c in r["checks"] if c["others_cores"] <= 0.1]
     if off:
         why = []
         for c in off:
             mc = c["measured_phases_ms"]["compute"]
             pc = 1e3 * w["compute_s"] / c["cpu_share"]
+            mr, pr = c["measured_ms"] - mc, c["predicted_ms"] - pc
+            waits = len(sm.stages(c["ranks"], c["per_host"], c["topology"])) + 1
             why.append(f"{c['label']}: compute {mc:.1f} ms measured, {pc:.1f} predicted "
-                       f"({mc / pc:.2f}x), the rest {c['measured_ms'] - mc:.1f} against "
-                       f"{c['predicted_ms'] - pc:.1f} ({(c['measured_ms'] - mc) / (c['predicted_ms'] - pc):.2f}x), "
-                       f"while the other processes used {c['others_cores']:.2f} cores")
+                       f"({mc / pc:.2f}x); the rest {mr:.1f} against {pr:.1f} ({mr / pr:.2f}x: "
+                       f"{(mr - pr) / waits:.1f} ms more in each of its {waits} collective "
+                       f"waits a step); the other processes used {c['others_cores']:.2f} cores")
         lines += [(
-            "Why the misses (not tuned away): " + "; ".join(why) + ". The compute is "
-            "predicted within the noise; what grows is the exchange's wait. In BSP every "
-            "rank waits in the all-to-alls for the slowest one, and the other processes' "
-            "CPU does not fall on the ranks evenly (the model's CPU share spreads it "
-            "fairly over all of them), so the slowest rank is slower than the mean one, "
-            "and every rank's exchange waits for it."
-            + (" The runs during which the others used at most 0.1 cores: "
-               + ", ".join(f"{c['label']} {c['ratio']:.2f}" for c in quiet) + "."
-               if quiet else "")), ""]
+            "Why the misses (not tuned away): " + "; ".join(why) + ". What the model misses "
+            "is the wait in the collectives, not the compute. With more ranks than cores, "
+            "a BSP all-to-all stage or allreduce ends only when its last rank has been on a "
+            "core: at any moment P - cores ranks are off one, so each collective waits "
+            "for the scheduler (milliseconds), where the model stretches the stage's "
+            "microseconds of latency by 1/share. Two-level stages involve fewer ranks each, "
+            "and lose less per stage. Other processes' CPU, when there is some, adds to it: "
+            "it does not fall on the ranks evenly, and every rank waits for the slowest "
+            "one. Neither happens on hosts with a core per rank."), ""]
     d = r.get("deepfm")
     cur = r["curves"]
     lines += [(f"## {'DeepFM' if d is not None else 'The numpy job'} from 1 to 1,024 ranks "
