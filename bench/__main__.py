@@ -3,7 +3,8 @@ python -m bench BENCHMARK [--quick] [--out DIR] [flags]  one, with its own flags
 
 Opt-in (run only when named): peers, which builds a venv per peer framework first;
 online, which runs training jobs and servers for about 20 minutes; elastic, which makes
-network-namespace hosts (root) and runs a training job per event (about 10 minutes).
+network-namespace hosts (root) and runs a training job per event (about 10 minutes);
+topology and scale, which make network-namespace hosts too (scale: about 10 minutes).
 
 --quick runs small sizes in seconds and, unless --out is given, writes its results to a
 temporary directory rather than bench/results/. `python -m bench BENCHMARK -h` lists a
@@ -14,15 +15,16 @@ import argparse
 import sys
 
 from . import (async_bench, checkpoint_bench, data_bench, elastic_bench, fit_bench,
-               lifecycle_bench, online_bench, peers_bench, soak_bench, table_bench, threads_bench,
-               topology_bench, train_bench, wire_bench)
+               lifecycle_bench, online_bench, peers_bench, scale_bench, soak_bench, table_bench,
+               threads_bench, topology_bench, train_bench, wire_bench)
 
 BENCHMARKS = {"table": table_bench, "train": train_bench, "fit": fit_bench,
               "checkpoint": checkpoint_bench, "async": async_bench,
               "lifecycle": lifecycle_bench, "soak": soak_bench, "data": data_bench,
               "peers": peers_bench, "threads": threads_bench, "online": online_bench,
-              "elastic": elastic_bench, "wire": wire_bench, "topology": topology_bench}
-OPT_IN = {"peers", "online", "elastic", "topology"}
+              "elastic": elastic_bench, "wire": wire_bench, "topology": topology_bench,
+              "scale": scale_bench}
+OPT_IN = {"peers", "online", "elastic", "topology", "scale"}
 
 
 def _common(p: argparse.ArgumentParser, default=None) -> None:

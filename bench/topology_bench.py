@@ -13,7 +13,8 @@ the result. Two measurements, each a ratio to a baseline from the same run:
   phase the messages each rank sent (pull:ids, pull:rows, push:grads), and the seconds
   of a step (the slowest rank's, median over the steps) for each;
 - training steps (tests/launch/topology_job.py: the TensorFlow-free BSP job of the
-  elastic tests, not pipelined), launched with exchange_topology auto (two-level) and flat
+  elastic tests, not pipelined), launched with exchange_topology two-level (set: auto is
+  flat below AUTO_TWO_LEVEL_MIN_RANKS; the records still call it "auto") and flat
   in turn, --topology-rounds times: seconds per step after step 50 (rank 0's), and the
   losses of the two, which must be equal.
 
@@ -53,7 +54,8 @@ def _records(out: str) -> list[dict]:
 
 def exchange_steps(hosts, args, steps: int) -> dict:
     code, out = _run(hosts, ["-np", 6, sys.executable, JOB, "--steps", steps,
-                             "--warmup", min(20, steps // 4)], args, "exchange steps")
+                             "--warmup", min(20, steps // 4)], args, "exchange steps",
+                     {"KVCOLL_EXCHANGE_TOPOLOGY": "two-level"})   # auto: flat at 6 ranks
     rec = _records(out)
     if code != 0 or not rec:
         raise SystemExit(f"[topology] the exchange job failed (exit {code}):\n{out[-4000:]}")
@@ -87,7 +89,9 @@ def training_steps(hosts, args, steps: int, rounds: int, tmp: str) -> dict:
             path = os.path.join(tmp, f"losses-{topo}-{i}.json")
             code, out = _run(hosts, ["-np", 6, sys.executable, TRAIN, "--steps", steps,
                                      "--batch-size", 1200, "--losses", path], args,
-                             f"training, {topo}", {"KVCOLL_EXCHANGE_TOPOLOGY": topo})
+                             f"training, {topo}",    # "auto" is two-level set (auto: flat
+                             {"KVCOLL_EXCHANGE_TOPOLOGY":    # below AUTO_TWO_LEVEL_MIN_RANKS)
+                              "two-level" if topo == "auto" else topo})
             m = re.search(r"seconds per step ([0-9.]+)", out)
             if code != 0 or m is None:
                 raise SystemExit(f"[topology] the training job ({topo}) failed (exit {code}):"

@@ -28,6 +28,7 @@ from .config import EXCHANGE_TOPOLOGIES as TOPOLOGIES
 from .errors import InvalidArgumentError
 
 __all__ = [
+    "AUTO_TWO_LEVEL_MIN_RANKS",
     "TOPOLOGIES",
     "Topology",
     "level1_order",
@@ -38,6 +39,17 @@ __all__ = [
 ]
 
 _HOW = ("kv.init(exchange_topology=...), --exchange-topology or KVCOLL_EXCHANGE_TOPOLOGY")
+
+# The world size from which "auto" chooses two-level (on several hosts of the same number
+# of ranks, more than one): below it the two-level exchange's extra rounds (10 a step
+# instead of 4, each a wait of its own) cost more than the messages it saves. From the
+# scale model on the measured TCP and shared-memory figures (bench/results/scale.md,
+# "When two-level beats flat": the smallest P from which two-level is faster on every
+# host size of 2 to 32 ranks, for the DeepFM workload). It moves with the measured
+# shared-memory stage latency and TCP message cost: four runs of the bench on the shared
+# 2-core machine put it at 46, 76, 80 and 108 ranks; this is the committed run's.
+# bench/results/topology.md measured two-level 1.4x slower at 3 hosts x 2.
+AUTO_TWO_LEVEL_MIN_RANKS = 108
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -95,14 +107,16 @@ def describe_shape(labels: list[str], most: int = 6) -> str:
 def plan(labels: list[str], setting: str = "auto", strict: bool = True) -> Topology:
     """The topology of a world whose rank r runs on host labels[r].
 
-    setting: "auto" (two-level when the world spans more than one host and every host
-    runs the same number of ranks, more than one; flat otherwise), "flat", or
+    setting: "auto" (two-level when the world spans more than one host, every host runs
+    the same number of ranks, more than one, and there are at least
+    AUTO_TWO_LEVEL_MIN_RANKS ranks; flat otherwise), "flat", or
     "two-level" (two-level on any even shape, even one host or one rank per host; on
     hosts of different sizes an InvalidArgumentError naming the shape and the fix, or,
     with strict=False (a world that changed after a loss), flat).
 
-        plan(["a", "a", "b", "b"])  ->  two-level, grid [[0, 1], [2, 3]]
-        plan(["a", "b", "a", "b"])  ->  two-level, grid [[0, 2], [1, 3]]
+        plan(["a", "a", "b", "b"], "two-level")  ->  two-level, grid [[0, 1], [2, 3]]
+        plan(["a", "b", "a", "b"], "two-level")  ->  two-level, grid [[0, 2], [1, 3]]
+        plan(["a", "a", "b", "b"])  ->  flat (4 ranks: fewer than AUTO_TWO_LEVEL_MIN_RANKS)
         plan(["a", "a", "b"])       ->  flat (hosts of 2 and 1 ranks)
     """
     if setting not in TOPOLOGIES:
@@ -130,7 +144,14 @@ def plan(labels: list[str], setting: str = "auto", strict: bool = True) -> Topol
             return Topology("flat", None, "one host")
         if grid.shape[1] == 1:
             return Topology("flat", None, "one rank per host")
-        return Topology("two-level", grid, "chosen by auto: several hosts of equal size")
+        if len(labels) < AUTO_TWO_LEVEL_MIN_RANKS:
+            return Topology("flat", None, (
+                f"chosen by auto: {len(labels)} ranks, fewer than {AUTO_TWO_LEVEL_MIN_RANKS}, "
+                "where the two-level exchange's extra rounds cost more than the messages it "
+                "saves (bench/results/scale.md)"))
+        return Topology("two-level", grid, (
+            f"chosen by auto: several hosts of equal size and {len(labels)} ranks, at "
+            f"least {AUTO_TWO_LEVEL_MIN_RANKS}"))
     return Topology("two-level", grid, "set to two-level")
 
 

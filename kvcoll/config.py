@@ -119,7 +119,8 @@ class Config:
         Two-level (inside each host, then across hosts between ranks of the same local
         rank: (L-1) + (H-1) messages a phase instead of P-1, the same results) is what
         "auto" chooses when the world spans several hosts of the same number of ranks,
-        more than one. See docs/exchange-topology.md.
+        more than one, and has at least kvcoll._topology.AUTO_TWO_LEVEL_MIN_RANKS ranks.
+        See docs/exchange-topology.md and docs/scaling.md.
     elastic_min_np: 0 (default): a lost rank ends the job. N >= 1: the run is elastic
         (kvcoll.elastic; the elastic launcher, `kvcollrun --elastic --min-np N`, sets it):
         the survivors of a lost rank continue in memory while at least N ranks are left.

@@ -10,7 +10,8 @@
   forced, rank 3 killed in each of its first 10 waits from a step on; the 3 survivors'
   hosts are uneven, so their new communicator is flat (not an error), and they finish;
 - on three network-namespace hosts of 2 ranks each (tests/launch/netns.py, Open MPI
-  over TCP only): auto chooses two-level (3 hosts x 2), and a BSP training run
+  over TCP only): auto stays flat at 6 ranks (fewer than AUTO_TWO_LEVEL_MIN_RANKS), and
+  a BSP training run with two-level set (3 hosts x 2)
   (tests/launch/elastic_job.py through topology_job.py) gives the same losses
   and the same rows, bit for bit, as the same run with exchange_topology=flat.
 
@@ -122,11 +123,12 @@ def train(hosts, tmp_path, topology: str, steps: int = 30) -> dict:
 
 def test_bsp_training_on_three_hosts_equals_flat(hosts, tmp_path):
     sys.path.insert(0, str(HERE))
-    two = train(hosts, tmp_path, "auto")
-    flat = train(hosts, tmp_path, "flat")
+    two = train(hosts, tmp_path, "two-level")
+    flat = train(hosts, tmp_path, "auto")
     for t in two["topology"]:
         assert (t["mode"], t["shape"]) == ("two-level", [3, 2]), t
-        assert "auto" in t["why"], t
+    for t in flat["topology"]:      # auto: 6 ranks are too few for two-level to pay
+        assert "chosen by auto: 6 ranks, fewer than" in t["why"], t
     assert {t["mode"] for t in flat["topology"]} == {"flat"}
     # fewer messages: 1 + 2 peers a round instead of 5
     for a, b in zip(sorted(two["topology"], key=lambda t: t["rank"]),

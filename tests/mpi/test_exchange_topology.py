@@ -2,10 +2,11 @@
 KVCOLL_TEST_HOSTS (kvcoll's tests only: a host label per launch rank): on every even
 shape of the world (H hosts x L ranks, filled in order or round robin) its results equal
 the flat all-to-all's bit for bit (counts, rows, order, headers; empty blocks and an
-empty rank included); auto chooses it only on several hosts of more than one rank; a
-forced two-level on hosts of different sizes is refused on every rank; exchanges in
-flight progress whatever a rank waits in; a dup has sub-communicators of its own and runs
-beside its parent; a BSP exchange over it equals one over the flat communicator.
+empty rank included); auto chooses it only on several hosts of more than one rank, and
+from AUTO_TWO_LEVEL_MIN_RANKS ranks; a forced two-level on hosts of different sizes is
+refused on every rank; exchanges in flight progress whatever a rank waits in; a dup has
+sub-communicators of its own and runs beside its parent; a BSP exchange over it equals
+one over the flat communicator.
 
 tests/launch/test_mpi.py runs it on 2 and 3 ranks, tests/launch/test_exchange_topology.py
 on 4 (2 "hosts" x 2).
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 from kvcoll import KvTable, optimizers
+from kvcoll._topology import AUTO_TWO_LEVEL_MIN_RANKS
 from kvcoll.comm import Comm, TwoLevelHandle
 from kvcoll.errors import InvalidArgumentError
 from kvcoll.exchange import BspExchange
@@ -139,7 +141,8 @@ def test_auto_chooses_from_the_shape(comm):
     if world > 1:
         shapes.append(([f"h{r}" for r in range(world)], False))          # one rank per host
     if world >= 4 and world % 2 == 0:
-        shapes.append(([f"h{r * 2 // world}" for r in range(world)], True))  # 2 hosts
+        shapes.append(([f"h{r * 2 // world}" for r in range(world)],    # 2 hosts: two-level
+                       world >= AUTO_TWO_LEVEL_MIN_RANKS))               # from that many
     if world >= 3:
         shapes.append((["h0"] * (world - 1) + ["h1"], False))            # uneven
     for labels, two in shapes:

@@ -16,6 +16,7 @@ import pytest
 import kvcoll.comm as kc
 from kvcoll import Config, InvalidArgumentError
 from kvcoll._topology import (
+    AUTO_TWO_LEVEL_MIN_RANKS,
     describe_shape,
     level1_order,
     level2_order,
@@ -28,18 +29,36 @@ from kvcoll._topology import (
 
 
 def test_auto_is_two_level_on_several_equal_hosts_only():
-    t = plan(["a", "a", "b", "b"])
-    assert t.two_level and t.grid.tolist() == [[0, 1], [2, 3]]
-    assert (t.hosts, t.per_host) == (2, 2) and t.where(2) == (1, 0)
-    t = plan(["a", "b", "a", "b", "a", "b"])           # round robin
-    assert t.two_level and t.grid.tolist() == [[0, 2, 4], [1, 3, 5]]
-    assert not plan(["a", "a", "a"]).two_level          # one host
+    n = AUTO_TWO_LEVEL_MIN_RANKS
+    t = plan(["a"] * (n // 2) + ["b"] * (n // 2))
+    assert t.two_level and t.grid.tolist() == [list(range(n // 2)), list(range(n // 2, n))]
+    assert (t.hosts, t.per_host) == (2, n // 2) and t.where(n // 2) == (1, 0)
+    t = plan(["a", "b"] * (n // 2))                     # round robin
+    assert t.two_level and t.grid.tolist() == [list(range(0, n, 2)), list(range(1, n, 2))]
+    assert not plan(["a"] * n).two_level                # one host
     assert "one host" in plan(["a", "a"]).why
-    assert not plan(["a", "b", "c"]).two_level          # one rank per host
+    assert not plan([f"h{i}" for i in range(n)]).two_level     # one rank per host
     assert not plan(["x"]).two_level
-    uneven = plan(["a", "a", "b"])
+    uneven = plan(["a"] * n + ["b"])
     assert not uneven.two_level and "different sizes" in uneven.why
-    assert not plan(["a", "a", "b", "b"], "flat").two_level
+    assert not plan(["a"] * (n // 2) + ["b"] * (n // 2), "flat").two_level
+
+
+def test_auto_stays_flat_below_the_worlds_where_two_level_pays():
+    """bench/results/scale.md: below AUTO_TWO_LEVEL_MIN_RANKS ranks the two-level
+    exchange's extra rounds cost more than the messages it saves (measured 1.4x slower
+    at 3 hosts x 2, bench/results/topology.md)."""
+    n = AUTO_TWO_LEVEL_MIN_RANKS
+    assert 4 < n <= 1024
+    for labels in (["a", "a", "b", "b"], ["a", "b"] * 3,
+                   [f"h{i // 2}" for i in range(2 * ((n - 1) // 2))]):   # just below n
+        t = plan(labels)
+        assert not t.two_level, labels
+        assert f"{len(labels)} ranks, fewer than {n}" in t.why and "scale.md" in t.why
+        assert plan(labels, "two-level").two_level                 # forced: as before
+    m = 2 * ((n + 1) // 2)                                            # n, or n + 1
+    t = plan([f"h{i // 2}" for i in range(m)])
+    assert t.two_level and f"{m} ranks, at least {n}" in t.why
 
 
 def test_forced_two_level():
