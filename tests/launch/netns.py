@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import pytest
+from mpirun import LAUNCH_FAILED
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 KVCOLLRUN = ROOT / "launch" / "kvcollrun"
@@ -250,7 +251,15 @@ class Hosts:
     def run(self, argv: list, timeout: float, what: str, env_extra: dict | None = None,
             hostfile: Path | None = None) -> tuple[int, str]:
         """Run a job to its end; (exit code, output). Past `timeout` the test fails and
-        every process of the job is killed."""
+        every process of the job is killed. A launch that failed before any rank started
+        (mpirun.LAUNCH_FAILED: Open MPI's own start-up) is tried once more."""
+        code, out = self._run(argv, timeout, what, env_extra, hostfile)
+        if code != 0 and any(m in out for m in LAUNCH_FAILED):
+            print(f"{what}: mpirun could not start ({out.strip()[:200]!r}); trying again")
+            code, out = self._run(argv, timeout, what, env_extra, hostfile)
+        return code, out
+
+    def _run(self, argv, timeout, what, env_extra, hostfile) -> tuple[int, str]:
         proc = self.start(argv, env_extra, hostfile)
         try:
             out, _ = proc.communicate(timeout=timeout)

@@ -292,7 +292,8 @@ def test_below_min_np_the_survivors_save_and_stop(tmp_path):
                        120, "below --min-np",
                        launcher=[ROOT / "launch" / "kvcollrun", "--elastic", "--min-np", 2])
     assert code == 3, out[-5000:]
-    assert time.monotonic() - t0 < 60
+    took = time.monotonic() - t0   # 3 s alone; 62 s once in a suite run: say what ran
+    assert took < 60, f"{took:.0f} s\n{out[-5000:]}"
     assert re.search(r"kvcoll: rank 1 \(host \S+\) lost at step 32: 1 rank\(s\) left, fewer "
                      r"than --min-np 2; saved what the survivors hold in \S+ckpt-0000000032; "
                      r"exiting", out), out[-4000:]
