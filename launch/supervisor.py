@@ -348,6 +348,7 @@ class Outcome:
     starts: int = 0         # ranks that said they started (kv.init)
     start_failed: str | None = None  # kv.init failed on a lost or missing peer, or Open
                                      # MPI's own start-up failed (the first such reason)
+    mpi_start_crashed: bool = False  # Open MPI's own start-up failed (MPI_START_FAILED)
     stopped: int = 0        # ranks that ended because they were asked to stop (SIGUSR2)
     crashed: bool = False   # a rank crashed or called MPI_Abort
     fenced: int = 0         # ranks that exited outside the survivors' majority
@@ -399,6 +400,8 @@ class Outcome:
         if CRASHED.search(line):
             self.crashed = True
         m = MPI_START_FAILED.search(line)
+        if m:
+            self.mpi_start_crashed = True
         if m and self.start_failed is None:
             self.start_failed = "Open MPI's start-up failed: " + (
                 "a rank crashed in MPI_Init" if "Init" in m.group(0) else
@@ -671,6 +674,12 @@ def run(argv: list, *, command, watchdog, say, takes_one, takes_two, kill_after:
         if outcome.below_min:
             say(f"the job stopped below --min-np {o.min_np}: {outcome.below_min}")
             return code or 1
+        if outcome.mpi_start_crashed and not outcome.starts:
+            # Open MPI's own start-up crashed before any rank began (ULFM's defect, 1-4%
+            # of elastic launches): no host or rank is to blame, though mpirun reports
+            # the crashed ranks' hosts; the relaunch has them all
+            outcome.lost_hosts.clear()
+            outcome.lost_ranks = 0
         # a relaunch that did not come up; or any launch whose kv.init failed on a peer
         # lost or missing before anything began (never an error of the program's own)
         retry = outcome.starts < n and (launches > 1 or outcome.start_failed is not None)
@@ -687,7 +696,7 @@ def run(argv: list, *, command, watchdog, say, takes_one, takes_two, kill_after:
         now = time.monotonic()
         for h in outcome.lost_hosts - outcome.lost_in_memory.keys():  # (those: from the loss)
             cooling[h] = now + o.cooldown
-        if first_hosts is None:
+        if first_hosts is None and outcome.lost:   # (a start that failed lost no slot)
             lost_local += max(1, outcome.lost_ranks)
         deadline = now + o.elastic_timeout
         while True:

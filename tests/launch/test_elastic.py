@@ -83,8 +83,10 @@ class Job(netns.Job):
     def wait_for(self, pattern: str, timeout: float = 120) -> float:
         t = self.wait_line(pattern, timeout=timeout)
         if t is None:
-            pytest.fail(f"no line matching {pattern!r} within {timeout:.0f}s:\n"
-                        f"{self.text()[-5000:]}")
+            text = self.text()
+            said = "\n".join(ln for ln in text.splitlines() if ln.startswith("kvcollrun:"))
+            pytest.fail(f"no line matching {pattern!r} within {timeout:.0f}s; kvcollrun "
+                        f"said:\n{said}\n...\n{text[-5000:]}")
         return t
 
     def end(self, timeout: float) -> int:

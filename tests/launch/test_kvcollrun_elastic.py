@@ -240,7 +240,10 @@ def test_a_job_whose_start_failed_on_a_peer_is_launched_again(tmp_path):
      "[1,1]<stderr>: [vm:22358] Signal: Segmentation fault (11)",
      "[1,1]<stderr>: [vm:22358] [ 1] /v/lib/libmpi.so.40(ompi_comm_revoke_local+0x3f)[0x7f]",
      "[1,1]<stderr>: [vm:22358] [10] /v/lib/libmpi.so.40(ompi_mpi_init+0x385)[0x7fdb]",
-     "[1,1]<stderr>: [vm:22358] [11] /v/lib/libmpi.so.40(PMPI_Init_thread+0xbf)[0x7fdb]"],
+     "[1,1]<stderr>: [vm:22358] [11] /v/lib/libmpi.so.40(PMPI_Init_thread+0xbf)[0x7fdb]",
+     # (were the crashed rank's host named as lost, it is not cooled down)
+     "prterun noticed that process rank 1 exited on signal 11 (Segmentation fault) on "
+     "node b."],
     # the runtime itself did not come up
     ["The PMIx server's listener thread failed to start. We cannot", "continue."],
 ])
@@ -251,7 +254,21 @@ def test_a_job_whose_mpi_start_crashed_is_launched_again(tmp_path, said):
     code, out, runs = launch(tmp_path, ["-H", "a:1,b:1,c:1", "true"], plan)
     assert code == 0 and len(runs) == 2, out
     assert "the job did not come up (0 of 3 rank(s) started; Open MPI's start-up " \
-           "failed: " in out and "relaunching on 3 rank(s)" in out, out
+           "failed: " in out and "relaunching on 3 rank(s) (a:1, b:1, c:1)" in out, out
+
+
+def test_this_host_alone_relaunches_a_failed_start_on_as_many_ranks(tmp_path):
+    """Open MPI's start-up crashed on this host (no hostfile): nothing was lost, so the
+    relaunch has every rank (it used to lose one a failed start, and a test whose job
+    was to lose rank 3 of 4 then ran on 2 ranks and lost none)."""
+    said = ["[1,3]<stderr>: [vm:7] *** Process received signal ***",
+            "[1,3]<stderr>: [vm:7] [10] /v/lib/libmpi.so.40(ompi_mpi_init+0x385)[0x7fdb]"]
+    start = '[1,0]<stderr>: kvcoll-elastic {"event": "start", "rank": 0}'
+    plan = [{"print": said, "code": 1}, {"print": said, "code": 1},
+            {"print": [start, '[1,0]<stderr>: kvcoll-elastic {"event": "exit", "rank": 0}']}]
+    code, out, runs = launch(tmp_path, ["--min-np", "2", "-np", "4", "true"], plan)
+    assert code == 0 and len(runs) == 3, out
+    assert [value(r["argv"], "-np") for r in runs] == ["4", "4", "4"], out
 
 
 def test_a_crash_of_the_program_itself_is_not_relaunched(tmp_path):
