@@ -352,22 +352,24 @@ def memory_child(spec: dict) -> None:
 
 def _server_histograms(rest: str) -> dict:
     """The server's latency histograms (cumulative counts per bucket): {"request": ...
-    (gRPC requests, arrival to response), "queue" / "dispatch" / "predict": ...} as
-    {name: [(le seconds, count), ...]}, read from its /metrics."""
+    (gRPC requests, arrival to response), "queue" / "dispatch" / "predict" / "lookup" /
+    "graph": ...} as {name: [(le seconds, count), ...]}, read from its /metrics."""
     import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(rest + "/metrics", timeout=30) as r:
         text = r.read().decode()
     out: dict = {}
-    for line in text.splitlines():
-        m = re.match(r'kvcoll_serve_(request|stage)_seconds_bucket\{(.*)\} (\S+)$', line)
-        if not m:
+    for family in text_string_to_metric_families(text):
+        if family.name not in ("kvcoll_serve_request_seconds", "kvcoll_serve_stage_seconds"):
             continue
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m[2]))
-        name = "request" if m[1] == "request" else labels["stage"]
-        if m[1] == "request" and labels.get("api") != "grpc":
-            continue
-        out.setdefault(name, []).append((float(labels["le"]), float(m[3])))
+        for sample in family.samples:
+            labels = sample.labels
+            if not sample.name.endswith("_bucket") or labels.get("api", "grpc") != "grpc":
+                continue
+            out.setdefault(labels.get("stage", "request"), []).append(
+                (float(labels["le"]), sample.value))
     return out
 
 
