@@ -938,6 +938,85 @@ int kv_table_set_optim(kv_table_t *t, const kv_optim_t *o) {
     return KV_OK;
 }
 
+/* ---- reserving ahead --------------------------------------------------------------- */
+
+#define PREFAULT_PAGE ((size_t)4096)
+
+static int32_t g_prefault = KV_PREFAULT_AUTO; /* kv_table_set_prefault */
+static int32_t g_populate = -1; /* MADV_POPULATE_WRITE works here: -1 not yet known */
+
+void kv_table_set_prefault(int32_t mode) {
+    if (mode < KV_PREFAULT_AUTO || mode > KV_PREFAULT_OFF) mode = KV_PREFAULT_AUTO;
+    __atomic_store_n(&g_prefault, mode, __ATOMIC_RELAXED);
+}
+
+/* Whether madvise(MADV_POPULATE_WRITE) works (Linux >= 5.14), tried once on a page
+ * of its own. Two threads may both try it: they find the same answer. */
+static int populate_works(void) {
+    int32_t v = __atomic_load_n(&g_populate, __ATOMIC_RELAXED);
+    if (v >= 0) return v;
+    v = 0;
+#ifdef MADV_POPULATE_WRITE
+    void *p = mmap(NULL, PREFAULT_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                   -1, 0);
+    if (p != MAP_FAILED) {
+        v = madvise(p, PREFAULT_PAGE, MADV_POPULATE_WRITE) == 0;
+        munmap(p, PREFAULT_PAGE);
+    }
+#endif
+    __atomic_store_n(&g_populate, v, __ATOMIC_RELAXED);
+    return v;
+}
+
+/* Fault in the whole pages of [p, p + n) for writing, without changing a byte. A
+ * failure (no memory for the pages now) is ignored: the first writes fault them as
+ * they would have anyway. */
+static void populate(unsigned char *p, size_t n) {
+#ifdef MADV_POPULATE_WRITE
+    uintptr_t a = ((uintptr_t)p + PREFAULT_PAGE - 1) & ~(uintptr_t)(PREFAULT_PAGE - 1);
+    uintptr_t e = ((uintptr_t)p + n) & ~(uintptr_t)(PREFAULT_PAGE - 1);
+    if (e > a) (void)madvise((void *)a, (size_t)(e - a), MADV_POPULATE_WRITE);
+#else
+    (void)p, (void)n;
+#endif
+}
+
+/* Write a zero to every 4 KiB page of a fresh (all-zero, not yet handed out) chunk. */
+static void touch_pages(unsigned char *p, size_t n) {
+    volatile unsigned char *v = p;
+    for (size_t o = 0; o < n; o += PREFAULT_PAGE) v[o] = 0;
+}
+
+int kv_table_reserve(kv_table_t *t, int64_t m) {
+    if (!t || m < 0) return KV_EINVAL;
+    if (m == 0) return KV_OK;
+    int32_t mode = __atomic_load_n(&g_prefault, __ATOMIC_RELAXED);
+    int pop = mode == KV_PREFAULT_AUTO && populate_works();
+    if (mode == KV_PREFAULT_AUTO && !pop) mode = KV_PREFAULT_TOUCH;
+    pthread_rwlock_wrlock(&t->lock);
+    uint64_t c0 = t->n_chunks;
+    /* reserve() leaves the table as it was on an error (it frees the chunks it made;
+     * only the array of chunk pointers may have grown, counted in bytes) */
+    int rc = reserve(t, (uint64_t)m);
+    uint64_t c1 = t->n_chunks; /* chunks [c0, c1) are new, zero, and hold no row yet */
+    if (rc == KV_OK && mode == KV_PREFAULT_TOUCH)
+        for (uint64_t c = c0; c < c1; c++) touch_pages(t->chunks[c], chunk_bytes(t, c));
+    pthread_rwlock_unlock(&t->lock);
+    if (rc != KV_OK || !pop) return rc;
+    /* MADV_POPULATE_WRITE without the lock: it changes no byte, so it is safe beside
+     * calls that write rows into these chunks meanwhile, and a chunk stays where it is
+     * until kv_table_destroy (evict, delete and clear keep the arena). Only the array
+     * of chunk pointers may move (a reserve's realloc): read each under the read lock. */
+    for (uint64_t c = c0; c < c1; c++) {
+        pthread_rwlock_rdlock(&t->lock);
+        unsigned char *p = t->chunks[c];
+        size_t n = chunk_bytes(t, c);
+        pthread_rwlock_unlock(&t->lock);
+        if (n >= KV_HUGE_MIN) populate(p, n); /* smaller ones were zeroed by memset */
+    }
+    return KV_OK;
+}
+
 int64_t kv_table_size(kv_table_t *t) {
     if (!t) return 0;
     pthread_rwlock_rdlock(&t->lock);

@@ -54,7 +54,7 @@
  *   read lock  (any number at once): kv_table_find, kv_table_stats, kv_table_export
  *              without KV_EXPORT_CLEAR_DIRTY, kv_table_size
  *   write lock (exclusive): every other kv_table_* call (find_or_create, evict,
- *              take_removed, track_removed, set_optim included)
+ *              take_removed, track_removed, set_optim, reserve included)
  * So any two calls may run on one table from two threads at once, except
  * kv_table_destroy, which must be the last call on a table.
  */
@@ -153,6 +153,36 @@ int32_t kv_table_dim(const kv_table_t *t);
  * per row); KV_EOPTIM (o fails kv_optim_check). On an error nothing changed.
  */
 int kv_table_set_optim(kv_table_t *t, const kv_optim_t *o);
+
+/*
+ * Make room for m more rows (beyond the live ones) ahead of the calls that create
+ * them, e.g. in a pipeline's helper thread while the step before computes: arena
+ * chunks and, when the index's fill limit or its row-id bits need it, an index
+ * rebuild, exactly as a find_or_create creating m rows would make them; then the
+ * chunks it allocated are pre-faulted (MADV_POPULATE_WRITE where the kernel has it,
+ * else one write of a zero per 4 KiB page), so the first writes of new rows take no
+ * page fault (on a VM whose host backs memory lazily a fault of fresh memory is the
+ * larger part of creating a row). The memory stays zero. A reserve is invisible
+ * except for capacity: no key, row, generation, change-tracking state or stats
+ * count other than row_capacity, index_slots, load_factor and bytes changes, so
+ * refs and generations from kv_table_find_or_create_gen stay valid across it.
+ *   t   the table
+ *   m   rows to make room for (>= 0; 0 does nothing). The room is kept until rows
+ *       use it: an unused reservation costs its memory, never correctness.
+ * Write lock for the reserve; the pre-fault by MADV_POPULATE_WRITE runs after it is
+ * released (it changes no byte, and chunks are freed only by kv_table_destroy), so
+ * the table's other calls are not held up by it; the fallback writes under the lock.
+ * Returns KV_OK; KV_EINVAL (t NULL or m < 0); KV_EFULL (m more rows would exceed
+ * the shard's row limit); KV_ENOMEM. On an error no row, index or capacity changed.
+ */
+int kv_table_reserve(kv_table_t *t, int64_t m);
+
+/* How kv_table_reserve pre-faults the chunks it allocates, process-wide (tests and
+ * benchmarks; thread-safe, takes effect at the next reserve). */
+#define KV_PREFAULT_AUTO 0  /* MADV_POPULATE_WRITE if this kernel has it, else TOUCH */
+#define KV_PREFAULT_TOUCH 1 /* one write of a zero per 4 KiB page, under the lock */
+#define KV_PREFAULT_OFF 2   /* none: pages are faulted by the first writes of rows */
+void kv_table_set_prefault(int32_t mode);
 
 /* Number of live keys. Read lock. */
 int64_t kv_table_size(kv_table_t *t);

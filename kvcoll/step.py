@@ -611,7 +611,8 @@ def _check_rows(pull) -> None:
 class _Staged:
     """The next element of a pipelined loop: read, prepared, its ids planned and sent and
     its vote exchanged (BspExchange.send_ids + receive_ids on the helper's
-    communicator), by a helper thread while the step before it computes.
+    communicator), and room made in the tables for the rows its fetch can create
+    (BspExchange.reserve_for), by a helper thread while the step before it computes.
 
     A failure to read or prepare the element is its vote (every rank learns of it at the
     fetch, the next step raises it); anything else the helper raises (a communication
@@ -649,8 +650,10 @@ class _Staged:
         else:
             self.pending = ex.send_ids(ids, self.agreement, step=self.step, comm=self.comm)
         receive = getattr(ex, "receive_ids", None)
-        if receive is not None and self.threaded:
-            receive(self.pending)
+        if receive is not None and self.threaded and receive(self.pending):
+            reserve = getattr(ex, "reserve_for", None)
+            if reserve is not None:     # room for the rows its fetch creates, made here
+                reserve(self.pending)
 
     def join(self, drain: bool = False) -> None:
         """Wait for the helper. drain: the element is being dropped: complete its id

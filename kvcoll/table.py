@@ -379,6 +379,23 @@ class KvTable:
         check(status, f"table {self.name!r}: apply_gradients")
         return int(missing[0])
 
+    def reserve(self, n: int) -> None:
+        """Make room for n more rows (beyond the live ones) ahead of the calls that
+        create them: arena memory, allocated and faulted in now, and the index grown
+        now if n more rows need it, so that creating up to n rows later allocates
+        nothing, takes no page fault and rebuilds no index. For a thread that knows the
+        next batch's ids before they are served (the pipeline's helper, through
+        BspExchange.reserve_for). Invisible but for capacity: no row, key, generation,
+        count or change tracking changes, only stats() row_capacity, index_slots,
+        load_factor and bytes; room that no row uses stays allocated (memory, never a
+        difference in results). Raises TableFullError when n more rows would not fit
+        the shard, CapacityError when memory runs out; then nothing changed."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n < 2**63:
+            raise errors.InvalidArgumentError(
+                f"table {self.name!r}: reserve needs a row count >= 0, got {n!r}")
+        check(lib.kv_table_reserve(self._handle(), int(n)),
+              f"table {self.name!r}: reserve room for {int(n)} more rows")
+
     def update(self, keys, values) -> None:
         """Assign rows (creating absent keys). Duplicate keys: the last row wins."""
         k = as_keys(keys, table=self.name)

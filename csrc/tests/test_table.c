@@ -1330,6 +1330,245 @@ static void test_stats(void) {
     kv_table_destroy(t);
 }
 
+/* ---- kv_table_reserve: room ahead, invisible but for capacity -------------------- */
+
+/* Equal rows in arena order (keys, values, slots, steps, counts, dirty), capacity
+ * aside. */
+static int rows_equal(const snap_t *a, const snap_t *b) {
+    return a->n == b->n && a->st.rows == b->st.rows &&
+           !memcmp(a->keys, b->keys, (size_t)a->n * 8) &&
+           !memcmp(a->values, b->values, (size_t)(a->n * a->dim) * 4) &&
+           !memcmp(a->slots, b->slots, (size_t)(a->n * a->s) * 4) &&
+           !memcmp(a->steps, b->steps, (size_t)a->n * 4) &&
+           !memcmp(a->counts, b->counts, (size_t)a->n * 4) &&
+           !memcmp(a->dirty, b->dirty, (size_t)a->n);
+}
+
+/* The stats counts a reserve must not change. */
+static int counts_equal(const kv_table_stats_t *a, const kv_table_stats_t *b) {
+    return a->rows == b->rows && a->admitted == b->admitted && a->rejected == b->rejected &&
+           a->dropped_grads == b->dropped_grads && a->evicted == b->evicted &&
+           a->pending == b->pending && a->removed_logged == b->removed_logged &&
+           a->row_bytes == b->row_bytes;
+}
+
+/* Resident bytes of this process (/proc/self/statm), or -1. */
+static int64_t rss_bytes(void) {
+    FILE *f = fopen("/proc/self/statm", "r");
+    long size = 0, res = -1;
+    if (!f) return -1;
+    if (fscanf(f, "%ld %ld", &size, &res) != 2) res = -1;
+    fclose(f);
+    return res < 0 ? -1 : (int64_t)res * 4096; /* x86-64 / aarch64 4 KiB base pages */
+}
+
+/* Reserve then insert gives exactly the table insert alone gives; a reserve changes
+ * no row, generation, count or change-tracking state, keeps refs valid, and the rows
+ * it made room for are created without growing the arena or the index. */
+static void test_reserve(void) {
+    enum { D = 8, BASE = 30000, NEW = 70000, DEL = 3000 };
+    kv_table_config_t c = config(D, KV_INIT_UNIFORM, -1.0f, 1.0f);
+    c.admit_min_count = 0;
+    for (int admit = 0; admit < 2; admit++) {
+        c.admit_min_count = admit ? 2 : 0; /* with admission: an upper bound, unused */
+        kv_table_t *a = NULL, *b = NULL;
+        CHECK_EQ_INT(kv_table_create(&c, &a), KV_OK);
+        CHECK_EQ_INT(kv_table_create(&c, &b), KV_OK);
+        int64_t *keys = malloc((BASE + NEW) * 8);
+        float *out_a = malloc((size_t)(BASE + NEW) * D * 4);
+        float *out_b = malloc((size_t)(BASE + NEW) * D * 4);
+        float *g = malloc((size_t)(BASE + NEW) * D * 4);
+        uint32_t *ref = malloc((BASE + NEW) * 4), *ref_b = malloc((BASE + NEW) * 4);
+        uint32_t *ids = malloc((BASE + NEW) * 4);
+        float *prep = malloc((size_t)(BASE + NEW) * (D + 2 * D) * 4);
+        for (int i = 0; i < BASE + NEW; i++) keys[i] = key_of((uint64_t)i);
+        for (int i = 0; i < (BASE + NEW) * D; i++) g[i] = 0.001f * (float)(i % 13 - 6);
+        kv_table_t *both[2] = {a, b};
+        uint64_t gen = 0, gen_b = 0;
+        for (int k = 0; k < 2; k++) {
+            kv_table_t *t = both[k];
+            for (int r = 0; r <= admit; r++) /* admission: the second step's sighting */
+                CHECK_EQ_INT(kv_table_find_or_create_gen(t, keys, BASE, k ? out_b : out_a,
+                                                         (uint32_t)r + 1,
+                                                         NULL, k ? ref_b : ref,
+                                                         k ? &gen_b : &gen), KV_OK);
+            int64_t nd = 0;
+            CHECK_EQ_INT(kv_table_delete(t, keys + 1000, DEL, &nd), KV_OK); /* free list */
+            CHECK_EQ_INT(nd, DEL);
+            CHECK_EQ_INT(kv_table_track_changes(t, 1), KV_OK);
+            CHECK_EQ_INT(kv_table_track_removed(t, 1), KV_OK);
+            CHECK_EQ_INT(kv_table_apply_gradients(t, keys, 500, g, 1, 0, NULL), KV_OK);
+        }
+        /* refs of rows that stay (keys 0 .. 999), taken at the generation now */
+        CHECK_EQ_INT(kv_table_find_or_create_gen(a, keys, 1000, out_a, 2, NULL, ref, &gen), KV_OK);
+        CHECK_EQ_INT(kv_table_find_or_create_gen(b, keys, 1000, out_b, 2, NULL, ref_b, &gen_b),
+                     KV_OK);
+        snap_t s0 = snapshot(a);
+        int64_t nr0, ng0, nr1, ng1;
+        int32_t lost0, lost1;
+        kv_table_changes_pending(a, &nr0, &ng0, &lost0);
+        CHECK_EQ_INT(kv_table_reserve(a, 0), KV_OK);
+        kv_table_stats_t z;
+        kv_table_stats(a, &z);
+        CHECK_EQ_INT(z.bytes, s0.st.bytes);
+        CHECK_EQ_INT(z.row_capacity, s0.st.row_capacity);
+        CHECK_EQ_INT(kv_table_reserve(a, NEW + DEL), KV_OK); /* the next lookup's rows */
+        snap_t s1 = snapshot(a);
+        kv_table_changes_pending(a, &nr1, &ng1, &lost1);
+        CHECK(rows_equal(&s0, &s1));
+        CHECK(counts_equal(&s0.st, &s1.st));
+        CHECK(nr0 == nr1 && ng0 == ng1 && lost0 == lost1);
+        CHECK(s1.st.row_capacity >= s1.st.rows + NEW + DEL);
+        CHECK(s1.st.row_capacity > s0.st.row_capacity);
+        CHECK((double)(s1.st.rows + NEW + DEL) <= 0.85 * (double)s1.st.index_slots);
+        CHECK(s1.st.bytes > s0.st.bytes);
+        CHECK(table_consistent(a));
+        /* the refs and the generation still hold: prepare keeps them as they are */
+        uint64_t pgen = 0;
+        int64_t bad = 0;
+        CHECK_EQ_INT(kv_table_prepare_refs(a, keys, ref, 1000, g, 2, gen, prep, ids, &pgen, &bad),
+                     KV_OK);
+        CHECK(pgen == gen && bad == -1);
+        CHECK(!memcmp(ids, ref, 1000 * 4));
+        CHECK_EQ_INT(kv_table_apply_refs(a, keys, ref, 1000, g, 2, gen, NULL), KV_OK);
+        CHECK_EQ_INT(kv_table_apply_refs(b, keys, ref_b, 1000, g, 2, gen_b, NULL), KV_OK);
+        /* the rows it made room for: no arena or index growth, the same table as b */
+        kv_table_stats_t before, after;
+        kv_table_stats(a, &before);
+        int64_t ca = -1, cb = -2;
+        CHECK_EQ_INT(kv_table_find_or_create(a, keys, BASE + NEW, out_a, 3, &ca, NULL), KV_OK);
+        CHECK_EQ_INT(kv_table_find_or_create(b, keys, BASE + NEW, out_b, 3, &cb, NULL), KV_OK);
+        kv_table_stats(a, &after);
+        CHECK_EQ_INT(ca, cb);
+        CHECK(admit || ca == NEW + DEL);
+        CHECK(!memcmp(out_a, out_b, (size_t)(BASE + NEW) * D * 4));
+        CHECK_EQ_INT(after.row_capacity, before.row_capacity);
+        CHECK_EQ_INT(after.index_slots, before.index_slots);
+        /* and later steps too (more rows than were reserved: the table grows as ever) */
+        CHECK_EQ_INT(kv_table_find_or_create(a, keys, BASE + NEW, out_a, 4, &ca, NULL), KV_OK);
+        CHECK_EQ_INT(kv_table_find_or_create(b, keys, BASE + NEW, out_b, 4, &cb, NULL), KV_OK);
+        CHECK_EQ_INT(kv_table_apply_gradients(a, keys, BASE + NEW, g, 4, 0, NULL), KV_OK);
+        CHECK_EQ_INT(kv_table_apply_gradients(b, keys, BASE + NEW, g, 4, 0, NULL), KV_OK);
+        snap_t sa = snapshot(a), sb = snapshot(b);
+        CHECK(rows_equal(&sa, &sb));
+        CHECK(counts_equal(&sa.st, &sb.st));
+        kv_table_changes_pending(a, &nr0, &ng0, &lost0);
+        kv_table_changes_pending(b, &nr1, &ng1, &lost1);
+        CHECK(nr0 == nr1 && ng0 == ng1 && lost0 == lost1);
+        CHECK(table_consistent(a));
+        snap_free(&s0);
+        snap_free(&s1);
+        snap_free(&sa);
+        snap_free(&sb);
+        /* errors: nothing changes */
+        snap_t e0 = snapshot(a);
+        CHECK_EQ_INT(kv_table_reserve(NULL, 1), KV_EINVAL);
+        CHECK_EQ_INT(kv_table_reserve(a, -1), KV_EINVAL);
+        CHECK_EQ_INT(kv_table_reserve(a, INT64_MAX), KV_EFULL);
+        CHECK_EQ_INT(kv_table_reserve(a, (int64_t)UINT32_MAX), KV_EFULL);
+        snap_t e1 = snapshot(a);
+        CHECK(snap_equal(&e0, &e1));
+        CHECK_EQ_INT(e0.st.bytes, e1.st.bytes);
+        snap_free(&e0);
+        snap_free(&e1);
+        free(keys);
+        free(out_a);
+        free(out_b);
+        free(g);
+        free(ref);
+        free(ref_b);
+        free(ids);
+        free(prep);
+        kv_table_destroy(a);
+        kv_table_destroy(b);
+    }
+}
+
+/* A reserve whose k-th allocation fails leaves the table as it was (rows, capacity,
+ * index), then one that succeeds makes the room. */
+static void test_reserve_oom(void) {
+    kv_table_config_t c = config(4, KV_INIT_UNIFORM, 0, 1);
+    enum { BASE = 3000, M = 60000 };
+    int64_t *keys = malloc(BASE * 8);
+    float *vals = malloc(BASE * 4 * 4);
+    for (int i = 0; i < BASE; i++) keys[i] = key_of((uint64_t)i);
+    for (int i = 0; i < BASE * 4; i++) vals[i] = 0.5f * (float)i;
+    fail_alloc_install();
+    int done = 0, only_nomem = 1, unchanged = 1;
+    for (long k = 1; k <= 200 && !done; k++) {
+        kv_table_t *t = NULL;
+        fail_alloc_arm(0);
+        if (kv_table_create(&c, &t) != KV_OK) {
+            CHECK(0);
+            break;
+        }
+        kv_table_update(t, keys, BASE, vals);
+        snap_t s0 = snapshot(t);
+        fail_alloc_arm(k);
+        int rc = kv_table_reserve(t, M);
+        fail_alloc_arm(0);
+        snap_t s1 = snapshot(t);
+        if (rc == KV_OK) {
+            done = 1;
+            CHECK(rows_equal(&s0, &s1));
+            CHECK(s1.st.row_capacity >= BASE + M);
+        } else {
+            only_nomem &= rc == KV_ENOMEM;
+            unchanged &= snap_equal(&s0, &s1) && table_consistent(t);
+        }
+        snap_free(&s0);
+        snap_free(&s1);
+        kv_table_destroy(t);
+    }
+    kv_set_allocator(NULL, NULL, NULL);
+    CHECK(done);
+    CHECK(only_nomem);
+    CHECK(unchanged);
+    free(keys);
+    free(vals);
+}
+
+/* The chunks a reserve allocates are resident after it (pre-faulted), in each mode
+ * that pre-faults, and not with KV_PREFAULT_OFF; their memory reads zero. */
+static void test_reserve_prefault(void) {
+    if (rss_bytes() < 0) return; /* no /proc: nothing to measure */
+    enum { D = 64, M = 60000 };
+    const int32_t modes[] = {KV_PREFAULT_AUTO, KV_PREFAULT_TOUCH, KV_PREFAULT_OFF};
+    for (size_t i = 0; i < 3; i++) {
+        kv_table_set_prefault(modes[i]);
+        kv_table_config_t c = config(D, KV_INIT_ZEROS, 0, 0);
+        kv_table_t *t = NULL;
+        CHECK_EQ_INT(kv_table_create(&c, &t), KV_OK);
+        kv_table_stats_t s0, s1;
+        kv_table_stats(t, &s0);
+        int64_t r0 = rss_bytes();
+        CHECK_EQ_INT(kv_table_reserve(t, M), KV_OK);
+        int64_t r1 = rss_bytes();
+        kv_table_stats(t, &s1);
+        int64_t arena = (s1.row_capacity - s0.row_capacity) * s1.row_bytes;
+        CHECK(arena > (int64_t)M * s1.row_bytes * 9 / 10);
+        if (modes[i] == KV_PREFAULT_OFF) {
+            CHECK(r1 - r0 < arena / 4); /* only the index the rebuild wrote */
+        } else {
+            if (r1 - r0 < arena * 9 / 10)
+                fprintf(stderr, "prefault mode %d: rss +%lld for %lld arena bytes\n",
+                        (int)modes[i], (long long)(r1 - r0), (long long)arena);
+            CHECK(r1 - r0 >= arena * 9 / 10);
+        }
+        /* the reserved rows start from their initial values (zeros) as ever */
+        int64_t keys[4] = {11, 12, 13, 14};
+        float out[4 * D];
+        memset(out, 0xff, sizeof out);
+        CHECK_EQ_INT(kv_table_find_or_create(t, keys, 4, out, 1, NULL, NULL), KV_OK);
+        int zero = 1;
+        for (int e = 0; e < 4 * D; e++) zero &= out[e] == 0.0f;
+        CHECK(zero);
+        CHECK(table_consistent(t));
+        kv_table_destroy(t);
+    }
+    kv_table_set_prefault(KV_PREFAULT_AUTO);
+}
+
 /* ---- two threads: finds never see a torn or foreign row (and set_optim is locked) - */
 
 typedef struct {
@@ -1368,13 +1607,26 @@ static void *reader(void *arg) {
     return NULL;
 }
 
+/* A third thread reserves room ahead meanwhile (as a pipeline's helper does), in
+ * growing amounts, so that it allocates full chunks (pre-faulted outside the lock)
+ * and rebuilds the index while the writer creates and deletes rows. */
+static void *reserver(void *arg) {
+    thr_t *s = arg;
+    for (int64_t m = 1000; m <= 200000 && !__atomic_load_n(&s->stop, __ATOMIC_ACQUIRE);
+         m += 20000)
+        if (kv_table_reserve(s->t, m) != KV_OK) s->bad++;
+    return NULL;
+}
+
 static void test_threads(void) {
     kv_table_config_t c = config(TDIM, KV_INIT_ZEROS, 0, 0);
     kv_table_t *t = NULL;
     CHECK_EQ_INT(kv_table_create(&c, &t), KV_OK);
     thr_t s = {t, 0, 0, 0};
-    pthread_t th;
+    thr_t r = {t, 0, 0, 0};
+    pthread_t th, tr;
     pthread_create(&th, NULL, reader, &s);
+    pthread_create(&tr, NULL, reserver, &r);
     uint64_t rng = 99;
     int64_t keys[128];
     float v[128 * TDIM];
@@ -1389,7 +1641,10 @@ static void test_threads(void) {
         if (round % 3 == 0 && kv_table_delete(t, keys, 16, NULL) != KV_OK) wbad++;
     }
     __atomic_store_n(&s.stop, 1, __ATOMIC_RELEASE);
+    __atomic_store_n(&r.stop, 1, __ATOMIC_RELEASE);
     pthread_join(th, NULL);
+    pthread_join(tr, NULL);
+    CHECK_EQ_INT(r.bad, 0);
     CHECK_EQ_INT(wbad, 0);
     CHECK_EQ_INT(s.bad, 0);
     CHECK(s.iters > 0);
@@ -1413,11 +1668,13 @@ static void test_full(void) {
     CHECK_EQ_INT(kv_table_import(t, keys + 500, 700, out, NULL, NULL, NULL), KV_EFULL);
     CHECK_EQ_INT(kv_table_apply_gradients(t, keys, 1200, out, 1, KV_APPLY_CREATE_MISSING, NULL),
                  KV_EFULL);
+    CHECK_EQ_INT(kv_table_reserve(t, 11), KV_EFULL);
     snap_t s1 = snapshot(t);
     CHECK(snap_equal(&s0, &s1));
     snap_free(&s0);
     snap_free(&s1);
     /* exactly at the limit is fine, and deleting makes room again */
+    CHECK_EQ_INT(kv_table_reserve(t, 10), KV_OK);
     CHECK_EQ_INT(kv_table_find_or_create(t, keys, 1000, out, 0, NULL, NULL), KV_OK);
     CHECK_EQ_INT(kv_table_size(t), 1000);
     CHECK_EQ_INT(kv_table_find_or_create(t, keys + 1000, 1, out, 0, NULL, NULL), KV_EFULL);
@@ -1668,7 +1925,8 @@ int main(int argc, char **argv) {
     (void)test_admission, (void)test_evict_exact, (void)test_removed_log, (void)test_lifecycle_oom;
     (void)test_apply_ref, (void)test_init_normal_accuracy, (void)test_set_optim;
     (void)test_admission_once_per_step, (void)test_forget_new, (void)test_admission_state;
-    (void)test_nonfinite_updates;
+    (void)test_nonfinite_updates, (void)test_reserve, (void)test_reserve_oom;
+    (void)test_reserve_prefault;
 #else
     test_random_ops();
     test_key_patterns();
@@ -1691,6 +1949,9 @@ int main(int argc, char **argv) {
     test_evict_exact();
     test_removed_log();
     test_lifecycle_oom();
+    test_reserve();
+    test_reserve_oom();
+    test_reserve_prefault();
     test_threads();
 #endif
     return test_summary();

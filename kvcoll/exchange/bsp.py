@@ -313,6 +313,20 @@ class BspExchange:
             pending.received = pending.handle.wait()
         return pending.proceeds
 
+    def reserve_for(self, pending: IdsInFlight) -> None:
+        """Make room ahead in this rank's tables for the rows `pending`'s serve can
+        create (TableSet.reserve: per table, as many rows as ids this rank received for
+        it, an upper bound; over-reservation is bounded by one step's ids per table and
+        the room is kept for later steps). The prefetch helper calls it right after
+        receive_ids, while the step before computes, so that the fetch, on the critical
+        path, creates its rows in memory already allocated and faulted in, with the
+        index already grown. Only for a training pull that proceeds and whose ids are
+        in; nothing otherwise. Safe beside the main thread's prepare and commit of the
+        step in flight: each table's lock serializes them, and a reserve moves no row
+        and changes no generation, so the refs that step holds stay valid."""
+        if pending.create and pending.proceeds and pending.received is not None:
+            self._set.reserve(pending.received[1])
+
     def fetch(self, pending: IdsInFlight) -> Pull | None:
         """The second half of a pull: settle the agreement; when the step proceeds, the
         owners serve the ids and the rows come back (and a training pull's step

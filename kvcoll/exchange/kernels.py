@@ -194,6 +194,25 @@ class TableSet:
                             ptr("uint64_t *", gens)), "exchange: serve")
         return (rc, uidx, ukeys, urefs, ustart, gens)
 
+    def reserve(self, recv_counts: np.ndarray) -> None:
+        """Make room ahead, in each table, for the rows a serve of ids received in these
+        counts (recv_counts: (world, tables), as serve() takes them) can create: per
+        table, as many rows as ids were received for it (KvTable.reserve: the memory is
+        allocated and faulted in, the index grown, now rather than in the serve). The
+        ids received are an upper bound of the rows the serve creates (ids the table
+        holds already, ids sent by several ranks and ids not admitted create none), so
+        a table holds at most one step's ids of rows beyond what it needs: the room is
+        kept for the steps after. One C call per table. A reservation that fails (a
+        full shard, no memory) is skipped: the serve makes its own room as ever, and
+        reports the error if the rows it must create do not fit."""
+        per_table = np.asarray(recv_counts, np.int64).reshape(-1, len(self.tables)).sum(axis=0)
+        for table, n in zip(self.tables, per_table.tolist()):
+            if n:
+                try:
+                    table.reserve(n)
+                except errors.CapacityError:    # TableFullError too
+                    pass
+
     def prepare(self, state, grads: np.ndarray, step: int, scale: float = 1.0) -> "Prepared":
         """Owner side of a push, first half (kv_xprepare): every row and optimizer slot
         scale * grads (float32, payload layout) would give the ids a serve returned
