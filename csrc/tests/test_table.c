@@ -890,7 +890,7 @@ static void test_errors(void) {
 
 /* ---- out of memory at every allocation ------------------------------------------ */
 
-enum { OP_FOC, OP_FOC_REF, OP_UPDATE, OP_IMPORT, OP_APPLY_CREATE, OP_APPLY, OP_FIND, OP_N };
+enum { OP_FOC, OP_FOC_REF, OP_UPDATE, OP_IMPORT, OP_APPLY_CREATE, OP_APPLY, OP_FIND, OP_RESERVE, OP_N };
 static uint32_t g_refs[1 << 14];
 
 static int run_op(kv_table_t *t, int op, const int64_t *keys, int64_t n, float *buf, float *vals) {
@@ -902,6 +902,7 @@ static int run_op(kv_table_t *t, int op, const int64_t *keys, int64_t n, float *
     case OP_IMPORT: return kv_table_import(t, keys, n, vals, NULL, NULL, NULL);
     case OP_APPLY_CREATE: return kv_table_apply_gradients(t, keys, n, vals, 3, KV_APPLY_CREATE_MISSING, NULL);
     case OP_APPLY: return kv_table_apply_gradients(t, keys, n, vals, 3, 0, NULL);
+    case OP_RESERVE: return kv_table_reserve(t, 8 * n); /* room for new chunks and index */
     default: return kv_table_find(t, keys, n, buf, NULL, NULL);
     }
 }
@@ -1484,50 +1485,6 @@ static void test_reserve(void) {
     }
 }
 
-/* A reserve whose k-th allocation fails leaves the table as it was (rows, capacity,
- * index), then one that succeeds makes the room. */
-static void test_reserve_oom(void) {
-    kv_table_config_t c = config(4, KV_INIT_UNIFORM, 0, 1);
-    enum { BASE = 3000, M = 60000 };
-    int64_t *keys = malloc(BASE * 8);
-    float *vals = malloc(BASE * 4 * 4);
-    for (int i = 0; i < BASE; i++) keys[i] = key_of((uint64_t)i);
-    for (int i = 0; i < BASE * 4; i++) vals[i] = 0.5f * (float)i;
-    fail_alloc_install();
-    int done = 0, only_nomem = 1, unchanged = 1;
-    for (long k = 1; k <= 200 && !done; k++) {
-        kv_table_t *t = NULL;
-        fail_alloc_arm(0);
-        if (kv_table_create(&c, &t) != KV_OK) {
-            CHECK(0);
-            break;
-        }
-        kv_table_update(t, keys, BASE, vals);
-        snap_t s0 = snapshot(t);
-        fail_alloc_arm(k);
-        int rc = kv_table_reserve(t, M);
-        fail_alloc_arm(0);
-        snap_t s1 = snapshot(t);
-        if (rc == KV_OK) {
-            done = 1;
-            CHECK(rows_equal(&s0, &s1));
-            CHECK(s1.st.row_capacity >= BASE + M);
-        } else {
-            only_nomem &= rc == KV_ENOMEM;
-            unchanged &= snap_equal(&s0, &s1) && table_consistent(t);
-        }
-        snap_free(&s0);
-        snap_free(&s1);
-        kv_table_destroy(t);
-    }
-    kv_set_allocator(NULL, NULL, NULL);
-    CHECK(done);
-    CHECK(only_nomem);
-    CHECK(unchanged);
-    free(keys);
-    free(vals);
-}
-
 /* The chunks a reserve allocates are resident after it (pre-faulted), in each mode
  * that pre-faults, and not with KV_PREFAULT_OFF; their memory reads zero. */
 static void test_reserve_prefault(void) {
@@ -1925,7 +1882,7 @@ int main(int argc, char **argv) {
     (void)test_admission, (void)test_evict_exact, (void)test_removed_log, (void)test_lifecycle_oom;
     (void)test_apply_ref, (void)test_init_normal_accuracy, (void)test_set_optim;
     (void)test_admission_once_per_step, (void)test_forget_new, (void)test_admission_state;
-    (void)test_nonfinite_updates, (void)test_reserve, (void)test_reserve_oom;
+    (void)test_nonfinite_updates, (void)test_reserve;
     (void)test_reserve_prefault;
 #else
     test_random_ops();
@@ -1950,7 +1907,6 @@ int main(int argc, char **argv) {
     test_removed_log();
     test_lifecycle_oom();
     test_reserve();
-    test_reserve_oom();
     test_reserve_prefault();
     test_threads();
 #endif
