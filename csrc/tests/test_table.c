@@ -111,16 +111,22 @@ static void snap_free(snap_t *s) {
     free(s->dirty);
 }
 
-static int snap_equal(const snap_t *a, const snap_t *b) {
+/* Equal rows in arena order (keys, values, slots, steps, counts, dirty), capacity
+ * aside. */
+static int rows_equal(const snap_t *a, const snap_t *b) {
     return a->n == b->n && a->st.rows == b->st.rows &&
-           a->st.row_capacity == b->st.row_capacity &&
-           a->st.index_slots == b->st.index_slots &&
            !memcmp(a->keys, b->keys, (size_t)a->n * 8) &&
            !memcmp(a->values, b->values, (size_t)(a->n * a->dim) * 4) &&
            !memcmp(a->slots, b->slots, (size_t)(a->n * a->s) * 4) &&
            !memcmp(a->steps, b->steps, (size_t)a->n * 4) &&
            !memcmp(a->counts, b->counts, (size_t)a->n * 4) &&
            !memcmp(a->dirty, b->dirty, (size_t)a->n);
+}
+
+/* Equal rows, and the same capacity and index. */
+static int snap_equal(const snap_t *a, const snap_t *b) {
+    return rows_equal(a, b) && a->st.row_capacity == b->st.row_capacity &&
+           a->st.index_slots == b->st.index_slots;
 }
 
 /* Check that every key of the table finds exactly its exported row. */
@@ -1332,18 +1338,6 @@ static void test_stats(void) {
 }
 
 /* ---- kv_table_reserve: room ahead, invisible but for capacity -------------------- */
-
-/* Equal rows in arena order (keys, values, slots, steps, counts, dirty), capacity
- * aside. */
-static int rows_equal(const snap_t *a, const snap_t *b) {
-    return a->n == b->n && a->st.rows == b->st.rows &&
-           !memcmp(a->keys, b->keys, (size_t)a->n * 8) &&
-           !memcmp(a->values, b->values, (size_t)(a->n * a->dim) * 4) &&
-           !memcmp(a->slots, b->slots, (size_t)(a->n * a->s) * 4) &&
-           !memcmp(a->steps, b->steps, (size_t)a->n * 4) &&
-           !memcmp(a->counts, b->counts, (size_t)a->n * 4) &&
-           !memcmp(a->dirty, b->dirty, (size_t)a->n);
-}
 
 /* The stats counts a reserve must not change. */
 static int counts_equal(const kv_table_stats_t *a, const kv_table_stats_t *b) {
