@@ -596,11 +596,13 @@ def _dense_of(m: dict):
                                             "the version is refused")) from None
 
 
-def load_version(directory, kind: str, version: int, dims: dict | None = None) -> dict:
+def load_version(directory, kind: str, version: int, dims: dict | None = None,
+                 between=None) -> dict:
     """Read and verify everything of one version into memory, applying nothing (a
     delta's staging: its size is the delta's): {"manifest", "tables": {name: {"keys",
     "values", "removed"}}, "dense": list of arrays or None}. dims (table -> dim) are
-    checked against the manifest's. Raises PublishError naming what is wrong."""
+    checked against the manifest's; between(), if given, is called after each page (a
+    server paces its staging with it). Raises PublishError naming what is wrong."""
     m = read_manifest(directory, kind, version)
     parts = {n: {"keys": [], "values": [], "removed": []} for n in _check_tables(m, dims)}
     for name, cols in _pages(m, dims):
@@ -609,6 +611,8 @@ def load_version(directory, kind: str, version: int, dims: dict | None = None) -
         else:
             parts[name]["keys"].append(cols["keys"])
             parts[name]["values"].append(cols["values"])
+        if between is not None:
+            between()
     tables = {}
     for name, p in parts.items():
         dim = m["tables"][name]["dim"]

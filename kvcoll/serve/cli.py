@@ -45,6 +45,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--headroom", type=float, default=1.25,
                    help="table capacity reserved at load, as a multiple of the base's rows "
                         "(growth beyond it rebuilds a table's index while requests wait)")
+    p.add_argument("--apply-share", type=float, default=0.2,
+                   help="the share of a core applying a delta may use while requests are "
+                        "served: it pauses between its pieces so that requests are not "
+                        "delayed behind it (1: no pauses; the apply finishes sooner)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -59,6 +63,10 @@ def main(argv=None) -> int:
         if value < low:
             print(f"kvcoll serve: {name} must be >= {low}, got {value}", file=sys.stderr)
             return 2
+    if not 0 < args.apply_share <= 1:
+        print(f"kvcoll serve: --apply-share must be in (0, 1], got {args.apply_share}",
+              file=sys.stderr)
+        return 2
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from ..publish import PublishError
     from .model import ServedModel
@@ -66,7 +74,7 @@ def main(argv=None) -> int:
 
     try:
         model = ServedModel(args.directory, name=args.model_name, max_batch=args.max_batch,
-                            headroom=args.headroom)
+                            headroom=args.headroom, apply_share=args.apply_share)
     except PublishError as exc:
         print(f"kvcoll serve: {exc}", file=sys.stderr)
         return 1

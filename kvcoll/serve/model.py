@@ -122,8 +122,13 @@ class ServedModel:
     deltas after it)."""
 
     def __init__(self, directory, *, name: str = "model", max_batch: int = 1024,
-                 headroom: float = 1.25):
+                 headroom: float = 1.25, apply_share: float = 0.2):
+        if not 0 < apply_share <= 1:
+            raise ValueError(f"apply_share must be in (0, 1] (the share of a core a "
+                             f"delta's apply may use while requests are served), got "
+                             f"{apply_share}")
         self.directory = os.path.abspath(os.fspath(directory))
+        self.apply_share = float(apply_share)
         self.name = name
         self.headroom = float(headroom)
         self._lock = threading.Lock()      # guards _current and the pin counts
@@ -293,7 +298,8 @@ class ServedModel:
                                "this server fell behind?): restart this server to load the "
                                "newest base")
         t0 = time.perf_counter()
-        staged = load_version(d, "delta", v, self.dims)            # 1. stage (verified)
+        pace = _Pacer(self.apply_share)
+        staged = load_version(d, "delta", v, self.dims, between=pace)  # 1. stage (verified)
         m = staged["manifest"]
         graph = (m.get("dense") or {}).get("graph")
         if graph != self.graph:
@@ -308,7 +314,9 @@ class ServedModel:
             spare = next(s for s in self._slots if s is not cur.dense)
             spare.assign(staged["dense"])  # no request holds it: _drop_old waited
             dense = spare
+        pace()
         overlay = _Overlay(self.tables, staged)                      # 2. keep the old
+        pace()
         with self._lock:
             cur.overlay = overlay
         longest = wall = 0.0
@@ -317,6 +325,7 @@ class ServedModel:
                 t = self.tables[name]
                 arr = part[phase]
                 for s in range(0, arr.size, self.chunk):
+                    pace()
                     c0, w0 = time.thread_time(), time.perf_counter()
                     if phase == "removed":
                         t.delete(arr[s:s + self.chunk])
@@ -385,6 +394,24 @@ class ServedModel:
         for t in self.tables.values():
             t.close()
         self.tables = {}
+
+
+class _Pacer:
+    """Called between the pieces of an apply (a page staged, the overlay, a chunk of
+    rows written): sleeps so that the apply's work is at most `share` of its time. An
+    apply's CPU in one burst delays every request that arrives meanwhile (on a machine
+    whose cores serve requests, the 1% that do set the p99); spread out, each request
+    meets a piece of it at most. A piece is timed on the wall clock, so a busy machine,
+    where a piece takes longer, gets longer pauses."""
+
+    def __init__(self, share: float):
+        self.factor = 1.0 / share - 1.0
+        self.mark = time.perf_counter()
+
+    def __call__(self) -> None:
+        if self.factor > 0:
+            time.sleep((time.perf_counter() - self.mark) * self.factor)
+        self.mark = time.perf_counter()
 
 
 class _Overlay:
