@@ -250,14 +250,16 @@ class ServedModel:
 
     def poll(self) -> dict:
         """Apply every version published since the one served, in order (on the
-        applier's thread). Returns {"applied": n, "refused": [(version, reason)]}."""
+        applier's thread): the newest paced (apply_share), those before it at full
+        speed, so a server that fell behind catches up whenever an unpaced one would.
+        Returns {"applied": n, "refused": [(version, reason)]}."""
         out = {"applied": 0, "refused": []}
         self._drop_old()
         latest = read_latest(self.directory)
         while latest is not None and latest > self.version and self._stuck is None:
             v = self.version + 1
             try:
-                self._apply(v)
+                self._apply(v, paced=v == latest)
                 out["applied"] += 1
             except PublishError as exc:
                 reason = str(exc)
@@ -286,7 +288,7 @@ class ServedModel:
                 return False
             time.sleep(0.0005)
 
-    def _apply(self, v: int) -> None:
+    def _apply(self, v: int, paced: bool = True) -> None:
         d = self.directory
         if not os.path.isfile(os.path.join(d, version_dir("delta", v), "manifest.json")):
             if os.path.isfile(os.path.join(d, version_dir("base", v), "manifest.json")):
@@ -298,7 +300,7 @@ class ServedModel:
                                "this server fell behind?): restart this server to load the "
                                "newest base")
         t0 = time.perf_counter()
-        pace = _Pacer(self.apply_share)
+        pace = _Pacer(self.apply_share if paced else 1.0)
         staged = load_version(d, "delta", v, self.dims, between=pace)  # 1. stage (verified)
         m = staged["manifest"]
         graph = (m.get("dense") or {}).get("graph")

@@ -1,7 +1,8 @@
 """kvcoll serve applying a delta live (kvcoll/serve/model.py): paced by apply_share, it
 pauses between its pieces (pages staged, the overlay, chunks of rows written) so that its
 work is at most that share of its time, and ends with the same rows as an apply without
-pauses; a share outside (0, 1] is refused, by ServedModel and by the CLI."""
+pauses. A server behind by several versions applies all but the newest at full speed.
+A share outside (0, 1] is refused, by ServedModel and by the CLI."""
 
 import os
 import sys
@@ -42,7 +43,8 @@ def _rows(model):
 
 def _serve_then_apply(d, latest, share, monkeypatch):
     """A server loaded at the base (version 1), then every delta after it applied live;
-    returns (its rows, the sleeps the applies asked for, the applies' seconds)."""
+    returns (its rows, the pauses the applies asked for as (deltas applied before it,
+    seconds), the newest delta's apply seconds)."""
     _set_latest(d, 1)
     try:
         model = ServedModel(d, apply_share=share)
@@ -50,29 +52,29 @@ def _serve_then_apply(d, latest, share, monkeypatch):
         _set_latest(d, latest)
     model.chunk = 3                          # several chunks of rows a delta
     asked = []
-    monkeypatch.setattr(time, "sleep", asked.append)   # (the pauses asked, not slept)
-    t0 = time.perf_counter()
+    monkeypatch.setattr(time, "sleep", lambda s: s != 0.0005 and  # (not _drop_old's polls)
+                        asked.append((model.applied, s)))  # (asked, not slept)
     got = model.poll()
-    spent = time.perf_counter() - t0
     monkeypatch.undo()
     assert got == {"applied": latest - 1, "refused": []} and model.version == latest
-    rows = _rows(model)
+    rows, spent = _rows(model), model.apply_seconds[-1]
     model.close()
     return rows, asked, spent
 
 
-def test_a_paced_apply_pauses_between_its_pieces_and_ends_with_the_same_rows(
+def test_the_newest_delta_is_paced_the_ones_before_it_are_not_and_rows_are_equal(
         published, monkeypatch):
     d, latest = published
-    assert latest >= 3
+    assert latest >= 4
     plain, none, _ = _serve_then_apply(d, latest, 1.0, monkeypatch)
     paced, asked, spent = _serve_then_apply(d, latest, 0.2, monkeypatch)
-    assert [s for s in none if s >= 0.0001] == []   # share 1: no pauses (only _drop_old's)
-    pauses = [s for s in asked if s != 0.0005]      # (_drop_old's polls are 0.5 ms)
-    # every delta: its pages, around the overlay, and before each chunk of rows
-    assert len(pauses) >= 4 * (latest - 1)
+    assert [s for _, s in none if s > 0] == []       # share 1: no pauses
+    # behind by several versions: only the newest is paced, after the others applied
+    assert {before for before, _ in asked} == {latest - 2}
+    pauses = [s for _, s in asked]
+    assert len(pauses) >= 4      # its pages, around the overlay, before each chunk of rows
     # 4 s of pause per second of work at a share of 0.2: the pieces are most of the time
-    # the applies took (time.sleep returned at once)
+    # its apply took (time.sleep returned at once)
     assert 4 * 0.5 * spent <= sum(pauses) <= 4 * spent
     assert plain.keys() == paced.keys()
     for name in plain:
