@@ -5,9 +5,14 @@ Multi-rank tests start mpirun (or horovodrun) from this venv with a timeout, thr
 tests/launch/mpirun.py."""
 
 from compat_env import HERE, LANE
+from mpirun import sweep_stale_sessions
 
 # mpi/ holds modules that run under mpirun (tests/compat/test_lanes.py starts them)
 collect_ignore = ["mpi"]
+
+
+def pytest_runtest_setup(item):
+    sweep_stale_sessions()   # mpiruns killed earlier: see tests/launch/mpirun.py
 
 
 def _versions() -> dict:

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from compat_env import HERE, ROOT
+from mpirun import LAUNCH_FAILED, sweep_stale_sessions
 
 pytest.importorskip("horovod.tensorflow", reason="the Horovod lane only (./dev compat tf215)")
 
@@ -70,19 +71,26 @@ def zygote(tmp_path):
 
 
 def _launch(sock, case):
+    sweep_stale_sessions()
     cmd = [str(BIN / "mpirun"), "--oversubscribe", "--bind-to", "none", "-np", "2",
            sys.executable, "-S", str(HERE / "hvd_shutdown.py"), "rank", str(sock), case]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=_env(), cwd=ROOT, start_new_session=True)
 
 
-def _finish(proc, case):
+def _finish(proc, case, sock=None):
+    """None if the job ended well, else what went wrong. A job whose mpirun could not
+    start (LAUNCH_FAILED: no rank ran, so it says nothing of the shutdown) is launched
+    once more, given the zygote's socket."""
     try:
         out, _ = proc.communicate(timeout=RUN_TIMEOUT)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         return f"{case}: did not finish in {RUN_TIMEOUT}s (a hung shutdown?)\n{out[-3000:]}"
+    if proc.returncode != 0 and sock is not None and any(m in out for m in LAUNCH_FAILED):
+        print(f"{case}: mpirun could not start ({out.strip()[:120]!r}); launched again")
+        return _finish(_launch(sock, case), case)
     if proc.returncode != 0:
         return f"{case}: exit code {proc.returncode}\n{out[-3000:]}"
     return None
@@ -96,7 +104,7 @@ def test_shutdown_never_races_horovods(zygote):
             case = todo.pop(0)
             running.append((case, _launch(zygote, case)))
         case, proc = running.pop(0)
-        problem = _finish(proc, case)
+        problem = _finish(proc, case, zygote)
         if problem:
             failed.append(problem)
     seconds = time.monotonic() - t0

@@ -2,6 +2,7 @@
 (the whole process group is killed), it never hangs the suite."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,9 +14,35 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 MPIRUN = Path(sys.executable).parent / "mpirun"
 
 
-# What Open MPI's launcher prints when it could not start at all (seen on a loaded
-# machine running several suites at once); nothing of the program ran, so it is run again.
+# What Open MPI's launcher prints when it could not start at all; nothing of the program
+# ran, so it is run again. Its cause: the session directory (TMPDIR/ompi.<pid>) of an
+# earlier mpirun killed with SIGKILL whose pid the new one got (reproduced in a pid
+# namespace); sweep_stale_sessions removes those before each launch.
 LAUNCH_FAILED = ("The PMIx server's listener thread failed to start",)
+
+
+def sweep_stale_sessions(base: str = "/tmp") -> None:
+    """Remove Open MPI's session directories (ompi.<pid>, prted.<pid>) whose process is
+    gone: mpiruns and launch agents the tests killed leave them, and pids come round
+    again (TensorFlow's threads use them up fast)."""
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return
+    for name in names:
+        kind, _, pid = name.partition(".")
+        if kind in ("ompi", "prted") and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def run(world: int, argv: list, timeout: float, what: str, env_extra=None, launcher=None):
@@ -34,6 +61,7 @@ def start(world: int, argv: list, env_extra=None, launcher=None) -> subprocess.P
     """Start `python argv...` on `world` ranks and return at once: the launcher's process,
     in a session of its own (os.killpg(proc.pid, ...) reaches every rank), its stdout
     and stderr merged into proc.stdout (text)."""
+    sweep_stale_sessions()
     launcher = launcher or [str(MPIRUN), "--oversubscribe", "--bind-to", "none"]
     cmd = [*map(str, launcher), "-np", str(world), sys.executable, *map(str, argv)]
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",

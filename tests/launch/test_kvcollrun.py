@@ -105,13 +105,17 @@ def test_run_as_root_only_for_root():
 
 
 # A stand-in for an mpirun that hangs after a rank aborted: it reports the abort, starts
-# a daemon that detaches (double fork, own session), ignores SIGTERM and never ends.
+# a daemon that detaches (double fork, own session), ignores SIGTERM and never ends. Each
+# makes its session directory in TMPDIR, as Open MPI's runtime does (ompi.<pid>,
+# prted.<pid>).
 HANGS = f"""#!{sys.executable}
 import os, signal, sys, time
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
+os.mkdir(os.path.join(os.environ["TMPDIR"], f"ompi.{{os.getpid()}}"))
 if os.fork() == 0:
     os.setsid()
     if os.fork() == 0:
+        os.mkdir(os.path.join(os.environ["TMPDIR"], f"prted.{{os.getpid()}}"))
         open(sys.argv[-1], "w").write(str(os.getpid()))
         time.sleep(600)
     os._exit(0)
@@ -121,8 +125,13 @@ time.sleep(600)
 
 
 def test_watchdog_kills_a_job_that_does_not_end_after_an_abort(tmp_path):
-    pidfile = tmp_path / "daemon.pid"
-    env = dict(os.environ, MPIRUN=str(fake(tmp_path, HANGS)), KVCOLLRUN_KILL_AFTER="2")
+    """...and removes the session directories of what it killed: left behind, they make a
+    later mpirun given the same pid fail to start."""
+    pidfile, sessions = tmp_path / "daemon.pid", tmp_path / "sessions"
+    sessions.mkdir()
+    env = dict(os.environ, MPIRUN=str(fake(tmp_path, HANGS)), KVCOLLRUN_KILL_AFTER="2",
+               TMPDIR=str(sessions))
+    env.pop("PRTE_MCA_prte_tmpdir_base", None)
     t0 = time.monotonic()
     proc = subprocess.run([str(KVCOLLRUN), "-np", "2", "true", str(pidfile)], env=env,
                           capture_output=True, text=True, timeout=60)
@@ -135,6 +144,7 @@ def test_watchdog_kills_a_job_that_does_not_end_after_an_abort(tmp_path):
     daemon = int(pidfile.read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(daemon, 0)
+    assert list(sessions.iterdir()) == []
 
 
 TERM = f"""#!{sys.executable}
