@@ -31,11 +31,11 @@ def sweep_stale_sessions(base: str = "/tmp") -> None:
         return
     for name in names:
         kind, _, pid = name.partition(".")
-        if kind in ("ompi", "prted") and pid.isdigit() and not _alive(int(pid)):
+        if kind in ("ompi", "prted") and pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(os.path.join(base, name), ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

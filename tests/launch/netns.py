@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 import pytest
-from mpirun import LAUNCH_FAILED
+from mpirun import LAUNCH_FAILED, pid_alive
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 KVCOLLRUN = ROOT / "launch" / "kvcollrun"
@@ -48,26 +48,16 @@ def _ip(*args, check=True) -> subprocess.CompletedProcess:
                           timeout=30)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def cleanup_stale() -> None:
     """Remove the namespaces and bridges of earlier runs whose process is gone."""
     for line in _ip("netns", "list", check=False).stdout.splitlines():
         m = re.match(r"(kvt(\d+)h\d+)\b", line)
-        if m and not _pid_alive(int(m.group(2))):
+        if m and not pid_alive(int(m.group(2))):
             _kill_in(m.group(1))
             _ip("netns", "del", m.group(1), check=False)
     for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
         m = re.search(r"^\d+: (kvt(\d+)b)[:@]", line)
-        if m and not _pid_alive(int(m.group(2))):
+        if m and not pid_alive(int(m.group(2))):
             _ip("link", "del", m.group(1), check=False)
 
 
