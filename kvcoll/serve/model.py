@@ -318,7 +318,6 @@ class ServedModel:
             dense = spare
         pace()
         overlay = _Overlay(self.tables, staged)                      # 2. keep the old
-        pace()
         with self._lock:
             cur.overlay = overlay
         longest = wall = 0.0
