@@ -60,8 +60,8 @@ from ._topology import (
 )
 from .errors import CommError, CommTimeoutError, PeerLostError
 
-__all__ = ["AllToAllHandle", "Comm", "SendHandle", "TwoLevelHandle", "announce", "paused",
-           "run_time"]
+__all__ = ["AllToAllHandle", "Comm", "MessageWaiter", "SendHandle", "TwoLevelHandle", "announce",
+           "paused", "run_time"]
 
 _MPI = None
 
@@ -1031,6 +1031,20 @@ class Comm:
         msg.Recv([buf, MPI.BYTE])
         return status.Get_source(), status.Get_tag(), buf
 
+    def waiter(self, tag: int, source: int = -1, bell=None,
+               shared: bool = False) -> "MessageWaiter | None":
+        """A MessageWaiter for messages of `tag` (from `source`; -1: any) on this
+        communicator, with doorbell `bell` (see MessageWaiter), or None where this MPI's
+        MPI_Iprobe cannot be called from C (the caller polls with try_recv)."""
+        MPI = _mpi()
+        probe = _iprobe_address()
+        size = MPI._sizeof(MPI.Comm)
+        if probe is None or size not in (4, 8) or self._comm is None:
+            return None
+        return MessageWaiter(probe, size == 4, MPI._handleof(self._comm),
+                             MPI.ANY_SOURCE if source < 0 else source, tag,
+                             MPI._sizeof(MPI.Status), bell=bell, shared=shared)
+
     def recv(self, source: int = -1, tag: int = -1, op: str = "recv", timeout: float | None = None,
              poll=None, spin: float = 0.0):
         """Wait for a message (see _poll_until: back to back for `spin` seconds, then
@@ -1557,6 +1571,58 @@ class SendHandle:
         if self._req is not None:
             self._c.wait(self._req, self.op, peer=self.dest)
             self._req, self._buf = None, None
+
+
+_IPROBE: list = []    # [MPI_Iprobe's address or None], looked up once
+
+
+def _iprobe_address() -> int | None:
+    """The address of the MPI_Iprobe of the MPI mpi4py runs on (found through mpi4py's
+    own extension, whose dependencies hold it), or None."""
+    if not _IPROBE:
+        import ctypes
+        try:
+            lib = ctypes.CDLL(_mpi().__file__, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            _IPROBE.append(ctypes.cast(lib.MPI_Iprobe, ctypes.c_void_p).value)
+        except (OSError, AttributeError):
+            _IPROBE.append(None)
+    return _IPROBE[0]
+
+
+class MessageWaiter:
+    """Waits in C, with the GIL released, until a message may be received on a Comm,
+    until its doorbell rings, or until a budget runs out (csrc/kv_poll.h: MPI_Iprobe,
+    then pauses of `first` seconds doubling to `most`, which a ring ends at once); see
+    Comm.waiter. The SSP/ASP service thread idles in it. wait() returns whether to look
+    now (a message, a ring, or an MPI error, which the caller's own receive then raises
+    with the rank and the operation).
+
+    bell: the doorbell, a cffi `int32_t *` (shared: in memory other processes map and
+    ring, kvcoll.exchange.doorbell); default a word of this process's own. ring() rings
+    it from any thread of this process."""
+
+    def __init__(self, probe: int, int_handle: bool, handle: int, source: int, tag: int,
+                 status_size: int, bell=None, shared: bool = False, first: float = 20e-6,
+                 most: float = 1e-3):
+        from ._c import ffi, lib
+        self._lib = lib
+        self._probe = ffi.cast("void *", probe)
+        self._args = (int(int_handle), handle, source, tag)
+        self._status = ffi.new("char[]", max(64, status_size))
+        self._bell = bell if bell is not None else ffi.new("int32_t *")
+        self._shared = int(bool(shared and bell is not None))
+        self._first, self._most = int(first * 1e9), int(most * 1e9)
+
+    def wait(self, budget: float) -> bool:
+        """Wait at most `budget` seconds; True: look now (see the class)."""
+        lib = self._lib
+        return lib.kv_poll_wait(self._probe, *self._args, self._status, self._first,
+                                self._most, int(budget * 1e9), self._bell,
+                                self._shared) != lib.KV_POLL_IDLE
+
+    def ring(self) -> None:
+        """End a wait now (or the next one, at once)."""
+        self._lib.kv_poll_ring(self._bell, self._shared)
 
 
 class _ParentAbort:

@@ -74,6 +74,7 @@ from .._buffers import aligned_empty
 from .bsp import BspExchange, Pull
 from .dense import apply_rows, init_slots
 from .agreement import FAILED, OK, Agreement
+from .doorbell import Doorbells
 from .kernels import TableSet
 from .wire import wire_of
 
@@ -89,6 +90,7 @@ def close_all() -> None:
 
 
 _PULL, _PUSH, _DONE, _ABANDON = 1, 2, 3, 4
+_IDLE = 0.02   # seconds the service thread waits in C at most before it looks anyway
 _TAG_REQ, _TAG_REPLY = 11, 12
 _HEADER = 4  # int64 words: kind, clock, flags, reserved
 _F_CREATE, _F_DENSE = 1, 2
@@ -222,6 +224,12 @@ class SspExchange:
         self._serve_lock = threading.Lock()
         self._deferred: collections.deque = collections.deque()
         self._replies: collections.deque = collections.deque()
+        # The service thread idles in C (None: this MPI's probe is not reachable from C;
+        # it polls in Python) until a request comes or its doorbell rings: rung by the
+        # workers on this machine after their requests, and by _changed().
+        self._bells = Doorbells(comm)
+        self._waiter = self._req.waiter(_TAG_REQ, bell=self._bells.own,
+                                        shared=self._bells.own is not None)
         self._thread = threading.Thread(target=self._serve, name=f"kvcoll-service-{rank}",
                                          daemon=True)
         self._thread.start()
@@ -236,7 +244,7 @@ class SspExchange:
             self.step = int(step)
             self._clock[:] = self.step
             self._done[:] = False
-            self._cv.notify_all()
+            self._changed()
 
     def start_dense(self, flat: np.ndarray, state: np.ndarray | None = None,
                     updates: int = 0, replace: bool = False) -> None:
@@ -261,7 +269,15 @@ class SspExchange:
                 k = state.shape[0]
                 self._slots[0, :k * (hi - lo)] = state[:, lo:hi].reshape(-1)
             self._dense_updates = int(updates)
-            self._cv.notify_all()
+            self._changed()
+
+    def _changed(self) -> None:
+        """Clocks, DONE marks or the dense slice changed: wake the threads waiting on
+        them (the gate, and the service thread, which may now answer deferred pulls).
+        Needs _cv."""
+        self._cv.notify_all()
+        if self._waiter is not None:
+            self._waiter.ring()
 
     def _check(self) -> None:
         if self._error is not None:
@@ -356,6 +372,8 @@ class SspExchange:
         self._wstats["send_s"] += t_own - t_plan
         # This rank's own share, served here while the peers work on theirs: the gate
         # (wait_turn) has already checked, on this owner's clocks, what serving needs.
+        # Peers' requests that are here already go first: their workers wait for them.
+        self._help()
         lo, hi = self._bounds[me], self._bounds[me + 1]
         state = self._set.serve(send[id_at[me]:id_at[me + 1]], counts[me:me + 1], step, create,
                                 payload[fl_at[me]:fl_at[me + 1]])
@@ -549,6 +567,10 @@ class SspExchange:
         while len(sends) >= self._inflight_limit:
             sends.popleft().wait()
         sends.append(comm.isend(msg, dest, _TAG_REQ, op))
+        if dest != self._rank:
+            self._bells.ring(dest)
+        elif self._waiter is not None:   # (finish's DONE to itself)
+            self._waiter.ring()
 
     def _drain_sends(self) -> None:
         while self._sends:
@@ -589,6 +611,7 @@ class SspExchange:
             # A next step (new epoch) starts from a common clock, with everyone active.
             self._done[:] = False
             np.maximum(self._clock, top, out=self._clock)
+            self._changed()
         self.step = top
         return top
 
@@ -622,12 +645,16 @@ class SspExchange:
         _LIVE.discard(self)
         if self._thread.is_alive():
             self._stop = True
+            if self._waiter is not None:
+                self._waiter.ring()
             self._thread.join(timeout=10)
         if self._thread.is_alive():
             return
         for s in self._sends:
             s.done()
         self._sends.clear()
+        self._waiter = None
+        self._bells.close()
         for c in (self._req, self._rep):
             try:
                 c.free()
@@ -639,11 +666,13 @@ class SspExchange:
     def service_stats(self) -> dict:
         """Where this rank's SSP/ASP time went so far (a profile; seconds are wall time):
 
-        service: its service thread's cpu (CPU seconds), polls, sleeps, slept (seconds
-            of sleep asked), late (seconds woken beyond them: the scheduler's and the
-            GIL's delay), msgs and handle_s (requests it received and the time handling
-            them; poll_s the time in the receive calls), answers/answer_s (pulls
-            served, by either thread) and pushes/push_s (peers' pushes applied);
+        service: its service thread's cpu (CPU seconds), polls, waits and waited (its
+            idle waits in C and their seconds), sleeps, slept (seconds of sleep asked in
+            Python: without the C waiter, or while the training thread served), late
+            (seconds woken beyond them: the scheduler's and the GIL's delay), msgs
+            and handle_s (requests it received and the time handling them; poll_s the
+            time in the receive calls), answers/answer_s (pulls served, by either
+            thread) and pushes/push_s (peers' pushes applied);
         worker: its training thread's plan_s (planning pulls), send_s (posting them),
             own_s (serving its own share), replies_s (waiting for the owners' replies),
             and msgs/handle_s/helped: peers' requests it served itself while waiting.
@@ -651,27 +680,39 @@ class SspExchange:
         return {"service": dict(self._stats), "worker": dict(self._wstats)}
 
     def _serve(self) -> None:
-        """The service thread: poll for requests and answer them, sleeping with back-off
-        (20 us doubling to 1 ms) while there are none. Whoever holds _serve_lock receives
-        and handles requests: this thread, or the training thread while it waits for
-        its pull's replies (_help), so an owner whose worker is itself waiting answers
-        at once instead of after its service thread's next wake-up."""
+        """The service thread: answer requests as they come. While there are none it
+        waits in C (Comm.waiter, with the GIL released: a probe, then pauses of 20 us
+        doubling to 1 ms) until a request arrives or its doorbell rings: the workers on
+        this machine ring it after each request (kvcoll.exchange.doorbell), and the
+        training thread when it changes what deferred pulls wait for (_changed). At
+        most _IDLE seconds, then it looks anyway (the replies' deadline). Without the C
+        waiter it polls here, sleeping 20 us doubling to 1 ms. Whoever holds
+        _serve_lock receives and handles requests: this thread, or the training thread
+        while it waits for its pull's replies (_help), so an owner whose worker is
+        itself waiting answers at once."""
         pause = 20e-6
         st = self._stats
         clock = time.perf_counter
         cpu0 = time.thread_time()
+        waiter = self._waiter
         try:
             while not self._stop and self._error is None:
                 st["polls"] += 1
                 busy = False
-                if self._serve_lock.acquire(blocking=False):
+                held = self._serve_lock.acquire(blocking=False)
+                if held:
                     try:
                         busy = self._serve_once(st)
                     finally:
                         self._serve_lock.release()
                 if busy:
                     pause = 20e-6
-                else:
+                elif held and waiter is not None:
+                    t2 = clock()
+                    waiter.wait(_IDLE)
+                    st["waits"] += 1
+                    st["waited"] += clock() - t2
+                else:   # no C waiter, or the training thread is serving (_help)
                     t2 = clock()
                     time.sleep(pause)
                     st["sleeps"] += 1
@@ -686,7 +727,7 @@ class SspExchange:
         with self._cv:
             if self._error is None:
                 self._error = exc
-            self._cv.notify_all()
+            self._changed()
 
     def _serve_once(self, st) -> bool:
         """Receive and handle one request, or answer deferred pulls that may now be
@@ -750,7 +791,7 @@ class SspExchange:
             with self._cv:
                 self._done[src] = True
                 self._clock[src] = max(self._clock[src], clock)
-                self._cv.notify_all()
+                self._changed()
             self._serve_ready(deferred, replies)
         else:
             raise CommError(f"rank {self._rank}: unknown message kind {kind} from rank {src}")
@@ -895,7 +936,7 @@ class SspExchange:
             self.pushes_applied += 1
             self._clock[src] = max(self._clock[src], clock)
             self._done[src] = False
-            self._cv.notify_all()
+            self._changed()
 
 
 class Posted:

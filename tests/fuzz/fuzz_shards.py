@@ -36,6 +36,7 @@ KeyError, TypeError) are allowed too.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
@@ -76,6 +77,7 @@ FNAME = "000-t.r0-of-1.kvs"
 BLOOM_COUNTERS = 256
 _WORK = tempfile.mkdtemp(prefix="kvcoll-fuzz-", dir="/dev/shm" if os.path.isdir("/dev/shm")
                          else None)
+atexit.register(shutil.rmtree, _WORK, True)   # (a killed run leaves it, in tmpfs)
 _TABLES: dict = {}
 
 

@@ -7,6 +7,8 @@
   observed stays <= S (S = 0: BSP's schedule);
 - ASP: a rank held at its first step holds nobody back: the others run all their steps;
 - a training thread waiting for its replies serves its peers' requests itself;
+- the service thread idles in C and is rung out of it (by its peers on this machine
+  after their requests, by its own training thread after its push);
 - (no sleep decides an outcome: a rank is held back by waiting for the others' messages);
 - the Trainer in SSP/ASP: uneven data and a rank finishing early end without a hang and
   with the same final dense model on every rank; unsupported dense optimizers are
@@ -116,6 +118,7 @@ def test_a_waiting_worker_serves_its_peers(comm):
 
     def training_thread_only(st):
         if threading.current_thread() is ex._thread:
+            time.sleep(1e-3)   # (its C waiter would return at once: a request is there)
             return False
         return serve_once(st)
 
@@ -145,6 +148,44 @@ def test_a_waiting_worker_serves_its_peers(comm):
     total = sum((r + 1.0) * steps for r in range(world))
     np.testing.assert_allclose(ex.dense(), dense0 - LR * total, rtol=1e-6, atol=1e-5)
     ex.close()
+    for t in tables.values():
+        t.close()
+
+
+def test_the_service_threads_are_rung(comm, monkeypatch):
+    """The service thread idles in C (kv_poll_wait), and is rung out of it: by the
+    workers on its machine after each request, and by its own training thread when a
+    deferred pull may now be served (its own push moved its clock). With the waiters'
+    pauses and their fallback look (_IDLE) pushed to 60 s, and the training threads kept
+    from serving their peers while they wait, only the doorbells get a request seen:
+    an SSP(0) run (every pull waits for the previous step's pushes) still takes well
+    under a second a step, and no update is lost."""
+    from kvcoll.exchange import ssp
+
+    monkeypatch.setattr(ssp, "_IDLE", 60.0)
+    world, rank = comm.size, comm.rank
+    tables = make_tables()
+    dense0 = np.linspace(-1, 1, DENSE).astype(np.float32)
+    ex = SspExchange(comm, tables, 0, dense_size=DENSE, dense_optimizer=kv.optimizers.SGD(LR))
+    assert ex._waiter is not None, "the C waiter was not found for this MPI"
+    assert ex._bells.own is not None
+    here = [r for r, p in enumerate(comm.peers) if r != rank
+            and p["boot"] == comm.peers[rank]["boot"]]
+    assert ex._bells.reach == here
+    ex._waiter._first = ex._waiter._most = int(60e9)
+    if len(here) == world - 1:          # every peer rings: nobody needs to help
+        monkeypatch.setattr(ex, "_help", lambda: None)
+    t0 = time.perf_counter()
+    top = drive(ex, rank, steps_of(rank), dense_init=dense0)
+    took = time.perf_counter() - t0
+    assert top == max(steps_of(r) for r in range(world))
+    assert ex.service_stats()["service"].get("waits", 0) > 0
+    assert took < 30, f"{took:.1f}s for {steps_of(rank)} steps: a ring was missed"
+    total = sum((r + 1.0) * steps_of(r) for r in range(world))
+    np.testing.assert_allclose(ex.dense(), dense0 - LR * total, rtol=1e-6, atol=1e-5)
+    t1 = time.perf_counter()
+    ex.close()
+    assert time.perf_counter() - t1 < 5, "close() waited for the C waiter"
     for t in tables.values():
         t.close()
 
