@@ -694,9 +694,9 @@ class SspExchange:
         st = self._stats
         clock = time.perf_counter
         cpu0 = time.thread_time()
-        waiter = self._waiter
         try:
             while not self._stop and self._error is None:
+                waiter = self._waiter
                 st["polls"] += 1
                 busy = False
                 held = self._serve_lock.acquire(blocking=False)

@@ -93,3 +93,16 @@ def test_a_ranks_doorbell_is_shared_memory_and_leaves_no_file(comm):
     bells.ring(0)                                      # its own: not among those it rings
     assert w.wait(0.01) is False
     bells.close()
+
+
+def test_without_dev_shm_there_is_no_doorbell_and_waits_still_end(comm, monkeypatch):
+    from kvcoll.exchange import doorbell
+
+    monkeypatch.setattr(doorbell, "_DIR", "/nonexistent-kvcoll-dir")
+    bells = Doorbells(comm)
+    assert bells.own is None and bells.reach == []
+    bells.ring(0)
+    w = comm.waiter(7, bell=bells.own, shared=bells.own is not None)   # its own word
+    threading.Timer(0.05, w.ring).start()
+    assert w.wait(30.0) is True
+    bells.close()
