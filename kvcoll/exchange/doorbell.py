@@ -31,8 +31,8 @@ _SIZE = 64
 def _map(path: str, create: bool):
     fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
     try:
-        if create:
-            os.ftruncate(fd, _SIZE)
+        if create:   # its page allocated now (a full /dev/shm fails here, not as a
+            os.posix_fallocate(fd, 0, _SIZE)   # SIGBUS at the first ring)
         return mmap.mmap(fd, _SIZE)
     finally:
         os.close(fd)
