@@ -42,7 +42,7 @@ class Doorbells:
     """The doorbells of `comm`'s ranks that this rank can reach (a collective: every
     rank makes them at the same point). own: this rank's doorbell (a cffi `int32_t *`
     in shared memory; None if it could not be made); ring(r) rings rank r's, if
-    reachable; reach: the ranks it can ring."""
+    reachable."""
 
     def __init__(self, comm):
         self._maps: dict = {}
@@ -68,7 +68,11 @@ class Doorbells:
         comm.barrier("doorbells:opened")
         if self.own is not None:
             os.unlink(path.format(comm.rank))
-        self.reach = sorted(self._bells)
+
+    @property
+    def reach(self) -> list[int]:
+        """The ranks this rank can ring."""
+        return sorted(self._bells)
 
     def _keep(self, rank: int, m: mmap.mmap) -> None:
         self._maps[rank] = m
@@ -85,8 +89,5 @@ class Doorbells:
         self._bells.clear()
         self.own = None
         for m in self._maps.values():
-            try:
-                m.close()
-            except BufferError:   # a pointer into it is still alive: unmapped at exit
-                pass
+            m.close()
         self._maps.clear()

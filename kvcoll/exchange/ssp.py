@@ -273,10 +273,10 @@ class SspExchange:
 
     def _changed(self) -> None:
         """Clocks, DONE marks or the dense slice changed: wake the threads waiting on
-        them (the gate, and the service thread, which may now answer deferred pulls).
-        Needs _cv."""
+        them (the gate, and the service thread, which may now answer deferred pulls;
+        it looks again by itself after what it handles). Needs _cv."""
         self._cv.notify_all()
-        if self._waiter is not None:
+        if self._waiter is not None and threading.current_thread() is not self._thread:
             self._waiter.ring()
 
     def _check(self) -> None:
