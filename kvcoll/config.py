@@ -103,10 +103,12 @@ class Config:
     threads: threads of the rank's C table work per step (dedup and routing, lookups and
         inserts, gradient sums, the row optimizer, the gather gradient), split by table
         and by key range with the same results as one thread (KVCOLL_THREADS, --threads).
-        0 (default): the cores TensorFlow leaves free, i.e. this rank's share of its
-        host's cores (its CPU affinity / the ranks on the host) less TensorFlow's
-        intra-op threads (all of that share unless set lower), at least 1; see
-        kvcoll.exchange.kernels.default_threads.
+        0 (default): the work a step waits for (its lookups, gradient sums and row
+        updates, while TensorFlow's threads are idle) uses this rank's share of its
+        host's cores (its CPU affinity / the ranks on the host); the work that runs
+        beside TensorFlow's compute (the pipeline's helper thread, the SSP/ASP service
+        thread) the cores TensorFlow leaves free: that share less its intra-op threads
+        (all of the share unless set lower), at least 1. See kvcoll.exchange.kernels.
     pipeline: "on" or "off": BSP steps pipelined (the next batch read, prepared, routed
         and its ids exchanged by a helper thread while a step computes; the results are
         the unpipelined loop's). See docs/performance.md.

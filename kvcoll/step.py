@@ -52,6 +52,7 @@ import numpy as np
 
 from . import errors
 from .exchange import FAILED, NONFINITE, OK, Agreement
+from .exchange.kernels import beside_compute
 
 __all__ = ["Loop", "Compute", "Grads", "StepResult", "END", "IDLE", "DataFailure"]
 
@@ -634,7 +635,8 @@ class _Staged:
 
     def _body(self) -> None:
         try:
-            self.run()
+            with beside_compute():   # its kernels run beside the step's dense compute
+                self.run()
         except BaseException as exc:  # noqa: BLE001 - raised on the main thread by join()
             self.exc = exc
 

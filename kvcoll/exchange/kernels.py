@@ -7,15 +7,20 @@ the push at the rows it served, and the rows are regrouped into one matrix per d
 ssp.py) move the payloads between ranks; nothing here calls MPI.
 
 Threads. The kernels split their work over a pool of C threads (csrc/kv_pool.h), by
-table and by key range, with the same bits as one thread. The pool is this process's,
-made at the first kernel call with `threads()` threads: the run's `threads` setting
-(KVCOLL_THREADS, kv.init(threads=...)), or when that is 0 (the default)
-`default_threads()`, the cores TensorFlow leaves free. `set_threads(n)` replaces it
-(tests and benchmarks, between steps).
+table and by key range, with the same bits as one thread. A process has two pools, made
+at their first kernel call: one for the kernels a step waits for (the step's serve,
+apply and gradient sums, while TensorFlow's threads are idle), of `core_share()`
+threads, the rank's cores; and one for the kernels that run beside TensorFlow's compute
+(the pipeline's helper thread, the SSP/ASP service thread: code run inside
+`beside_compute()`), of `default_threads()` threads, the cores TensorFlow leaves free,
+so they take no core from it. The run's `threads` setting (KVCOLL_THREADS,
+kv.init(threads=...)), when not 0 (the default), sizes both (they are then one pool).
+`set_threads(n)` replaces them (tests and benchmarks, between steps).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -29,35 +34,54 @@ from .._c import EMPTY, check, ffi, lib, ptr, step32
 from ..routing import OwnerMap
 from ..table import nonfinite_update_error
 
-__all__ = ["TableSet", "Prepared", "gather_grad", "threads", "default_threads", "set_threads",
-           "pool"]
+__all__ = ["TableSet", "Prepared", "gather_grad", "threads", "default_threads", "core_share",
+           "set_threads", "pool", "beside_compute"]
 
 
 # -- the thread pool ---------------------------------------------------------------------
 
-_pool = {"threads": 0, "handle": None}   # the pool in use and its size (0: none made yet)
+_WAITED, _BESIDE = "waited", "beside"   # the two pools (see the module's docstring)
+_pools: dict = {}            # which -> (threads, handle): the pools made so far
 _pool_lock = threading.Lock()
+_local = threading.local()   # .beside: this thread's kernels run beside the compute
 
 
-def default_threads() -> int:
-    """The cores TensorFlow leaves free on this rank: its share of the host's cores (the
-    cores its CPU affinity allows, divided by the ranks on its host) less TensorFlow's
-    intra-op threads (when TensorFlow is loaded: its setting, where 0, the default, means
-    the whole share), at least 1. TensorFlow runs a step's dense compute on every core
-    it may use, so on a host whose ranks' cores TensorFlow takes whole (this 2-core
-    machine: 1 rank with TensorFlow's default, or 2 ranks) it is 1."""
+def core_share() -> int:
+    """This rank's cores: the cores its CPU affinity allows, divided by the ranks on its
+    host (at least 1)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
         cores = os.cpu_count() or 1
     local = runtime.local_size() if runtime.is_initialized() else 1
-    share = max(1, cores // max(1, local))
+    return max(1, cores // max(1, local))
+
+
+def default_threads() -> int:
+    """The cores TensorFlow leaves free on this rank: core_share() less TensorFlow's
+    intra-op threads (when TensorFlow is loaded: its setting, where 0, the default, means
+    the whole share), at least 1. TensorFlow runs a step's dense compute on every core
+    it may use, so on a host whose ranks' cores TensorFlow takes whole (this 2-core
+    machine: 1 rank with TensorFlow's default, or 2 ranks) it is 1."""
+    share = core_share()
     used = 0
     tf = sys.modules.get("tensorflow")
     if tf is not None and hasattr(tf, "config"):
         intra = int(tf.config.threading.get_intra_op_parallelism_threads())
         used = share if intra <= 0 else min(intra, share)
     return max(1, share - used)
+
+
+@contextlib.contextmanager
+def beside_compute():
+    """The kernels this thread calls inside run beside TensorFlow's compute (a helper or
+    service thread): on the pool of default_threads() threads, not the rank's cores."""
+    before = getattr(_local, "beside", False)
+    _local.beside = True
+    try:
+        yield
+    finally:
+        _local.beside = before
 
 
 def _setting() -> int:
@@ -67,50 +91,64 @@ def _setting() -> int:
 
 
 def threads() -> int:
-    """The C threads the kernels use (the pool's size, made now if not yet)."""
+    """The C threads the kernels called from this thread use (made now if not yet)."""
     return int(lib.kv_pool_threads(_handle()))
 
 
 def pool():
-    """The C thread pool the kernels run on (made now if not yet; ffi.NULL: one
-    thread), for other batch kernels of a step (kvcoll.exchange.wire's conversions)."""
+    """The C thread pool this thread's kernels run on (made now if not yet; ffi.NULL:
+    one thread), for other batch kernels of a step (kvcoll.exchange.wire's conversions)."""
     return _handle()
 
 
 def _handle():
-    """The process's pool (ffi.NULL: one thread), made on first use."""
-    if _pool["threads"]:
-        return _pool["handle"]
+    """The pool for the calling thread's kernels (ffi.NULL: one thread), made on first
+    use."""
+    which = _BESIDE if getattr(_local, "beside", False) else _WAITED
+    made = _pools.get(which)
+    if made is not None:
+        return made[1]
     with _pool_lock:
-        if not _pool["threads"]:
-            _make(_setting() or default_threads(), "KVCOLL_THREADS")
-    return _pool["handle"]
+        if which not in _pools:
+            n = _setting() or (default_threads() if which == _BESIDE else core_share())
+            _make(which, n, "KVCOLL_THREADS")
+    return _pools[which][1]
 
 
-def _make(n: int, what: str) -> None:
-    """Replace the pool by one of n threads (_pool_lock held)."""
+def _make(which: str, n: int, what: str) -> None:
+    """Replace pool `which` by one of n threads (_pool_lock held); two pools of one size
+    are one."""
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or \
             not 1 <= n <= lib.KV_POOL_MAX_THREADS:
         raise errors.InvalidArgumentError(
             f"{what}: the C threads per rank must be an integer in [1, "
             f"{lib.KV_POOL_MAX_THREADS}], got {n!r}")
-    old = _pool["handle"]
-    handle = ffi.NULL
-    if n > 1:
+    other = _pools.get(_BESIDE if which == _WAITED else _WAITED)
+    old = _pools.get(which)
+    if other is not None and other[0] == n:
+        handle = other[1]
+    elif n > 1:
         out = ffi.new("kv_pool_t **")
         check(lib.kv_pool_create(int(n), out), f"{what}: starting {n} threads")
         handle = out[0]
-    _pool["handle"], _pool["threads"] = handle, int(n)
-    if old is not None and old != ffi.NULL:
-        lib.kv_pool_destroy(old)
+    else:
+        handle = ffi.NULL
+    _pools[which] = (int(n), handle)
+    if old is not None and old[1] != ffi.NULL and old[1] != handle and \
+            (other is None or old[1] != other[1]):
+        lib.kv_pool_destroy(old[1])
 
 
 def set_threads(n: int | None) -> int:
-    """Use n C threads from now on (None: the run's setting again); returns how many.
-    For tests and benchmarks, between steps: no kernel may be running."""
+    """Use n C threads from now on, in both pools (None: the run's setting, or the
+    defaults, again); returns how many this thread's kernels use. For tests and
+    benchmarks, between steps: no kernel may be running."""
     with _pool_lock:
-        _make(n if n is not None else (_setting() or default_threads()), "set_threads")
-    return _pool["threads"]
+        for which in (_WAITED, _BESIDE):
+            size = n if n is not None else (
+                _setting() or (default_threads() if which == _BESIDE else core_share()))
+            _make(which, size, "set_threads")
+    return threads()
 
 
 class TableSet:

@@ -75,7 +75,7 @@ from .bsp import BspExchange, Pull
 from .dense import apply_rows, init_slots
 from .agreement import FAILED, OK, Agreement
 from .doorbell import Doorbells
-from .kernels import TableSet
+from .kernels import TableSet, beside_compute
 from .wire import wire_of
 
 __all__ = ["SspExchange", "close_all"]
@@ -695,31 +695,32 @@ class SspExchange:
         clock = time.perf_counter
         cpu0 = time.thread_time()
         try:
-            while not self._stop and self._error is None:
-                waiter = self._waiter
-                st["polls"] += 1
-                busy = False
-                held = self._serve_lock.acquire(blocking=False)
-                if held:
-                    try:
-                        busy = self._serve_once(st)
-                    finally:
-                        self._serve_lock.release()
-                if busy:
-                    pause = 20e-6
-                elif held and waiter is not None:
-                    t2 = clock()
-                    waiter.wait(_IDLE)
-                    st["waits"] += 1
-                    st["waited"] += clock() - t2
-                else:   # no C waiter, or the training thread is serving (_help)
-                    t2 = clock()
-                    time.sleep(pause)
-                    st["sleeps"] += 1
-                    st["slept"] += pause
-                    st["late"] += clock() - t2 - pause
-                    pause = min(pause * 2, 1e-3)
-                st["cpu"] = time.thread_time() - cpu0
+            with beside_compute():   # its kernels run beside the dense compute
+                while not self._stop and self._error is None:
+                    waiter = self._waiter
+                    st["polls"] += 1
+                    busy = False
+                    held = self._serve_lock.acquire(blocking=False)
+                    if held:
+                        try:
+                            busy = self._serve_once(st)
+                        finally:
+                            self._serve_lock.release()
+                    if busy:
+                        pause = 20e-6
+                    elif held and waiter is not None:
+                        t2 = clock()
+                        waiter.wait(_IDLE)
+                        st["waits"] += 1
+                        st["waited"] += clock() - t2
+                    else:   # no C waiter, or the training thread is serving (_help)
+                        t2 = clock()
+                        time.sleep(pause)
+                        st["sleeps"] += 1
+                        st["slept"] += pause
+                        st["late"] += clock() - t2 - pause
+                        pause = min(pause * 2, 1e-3)
+                    st["cpu"] = time.thread_time() - cpu0
         except BaseException as exc:  # noqa: BLE001 - reported to the training thread
             self._fail(exc)
 

@@ -342,23 +342,38 @@ def test_evaluate_and_predict_change_no_table():
     same(before[:2], snapshot(loop, ex)[:2])     # the metric state is the evaluation's
 
 
-def test_pipeline_reads_in_a_helper_thread_and_stages_only_when_asked():
+def test_pipeline_reads_in_a_helper_thread_and_stages_only_when_asked(monkeypatch):
+    """... and the helper's C kernels run on the pool of the cores TensorFlow leaves
+    free (they run beside the dense compute), the step's own on the rank's cores."""
     import threading
 
+    from kvcoll.exchange import kernels
+
     loop, ex = make(prefetch=True)
-    names = []
+    names, pools = [], []
 
     def batches():
         for b in data(6):
             names.append(threading.current_thread().name)
+            pools.append(kernels.threads())
             yield b
 
-    it = batches()
-    loop.train_next(it)                           # read here, the next one staged
-    assert loop._staged is not None and loop._staged.thread is None   # joined
-    loop.train_next(it, stage=False)              # the pass's last step: nothing staged
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "core_share", lambda: 3)
+        m.setattr(kernels, "default_threads", lambda: 1)
+        m.setattr(kernels, "_setting", lambda: 0)
+        kernels.set_threads(None)
+        try:
+            it = batches()
+            loop.train_next(it)                       # read here, the next one staged
+            assert loop._staged is not None and loop._staged.thread is None   # joined
+            loop.train_next(it, stage=False)          # the pass's last step: nothing staged
+        finally:
+            m.undo()
+            kernels.set_threads(None)
     assert loop._staged is None
     assert names == [threading.current_thread().name, "kvcoll-prefetch"]
+    assert pools == [3, 1]
 
 
 def test_a_stop_asked_after_the_next_vote_went_out_gives_up_that_step():

@@ -7,9 +7,11 @@ key range. Here, in one process:
   Adagrad rows, exact admission on one table, new and old ids, batches big enough that
   every kernel runs threaded) gives byte-identical pulled rows and tables (values,
   slots, headers, stats) with 1, 2 and 4 threads; so does gather_grad;
-- the setting: KVCOLL_THREADS / kv.init(threads=...) / --threads, 0 meaning the cores
-  TensorFlow leaves free (default_threads, computed from the CPU affinity, the ranks on
-  the host and TensorFlow's intra-op threads), and bad values named.
+- the setting: KVCOLL_THREADS / kv.init(threads=...) / --threads, 0 meaning two pools:
+  the kernels a step waits for on the rank's cores (core_share: the CPU affinity over
+  the ranks on the host), those beside TensorFlow's compute (beside_compute: the
+  pipeline's helper, the SSP/ASP service thread) on the cores TensorFlow leaves free
+  (default_threads: less its intra-op threads); a setting sizes both; bad values named.
 The multi-rank equivalence (several sources per owner) is tests/mpi/test_threads.py.
 """
 
@@ -151,3 +153,44 @@ def test_default_threads_are_the_cores_tensorflow_leaves_free(monkeypatch):
         assert kernels.default_threads() == 1
         m.setattr(runtime, "local_size", lambda: 16)  # fewer cores than ranks
         assert kernels.default_threads() == 1
+
+
+def test_kernels_a_step_waits_for_use_the_ranks_cores_those_beside_the_compute_the_rest(
+        monkeypatch):
+    import threading
+
+    from kvcoll import runtime
+
+    def in_thread(fn):
+        out = []
+        t = threading.Thread(target=lambda: out.append(fn()))
+        t.start()
+        t.join()
+        return out[0]
+
+    threading_ns = types.SimpleNamespace(get_intra_op_parallelism_threads=lambda: 1)
+    with monkeypatch.context() as m:  # undone before the pools go back to the setting
+        m.setattr(kernels.os, "sched_getaffinity", lambda pid: set(range(8)))
+        m.setattr(runtime, "is_initialized", lambda: True)
+        m.setattr(runtime, "local_size", lambda: 2)   # 2 ranks: 4 cores each
+        m.setitem(__import__("sys").modules, "tensorflow",
+                  types.SimpleNamespace(config=types.SimpleNamespace(threading=threading_ns)))
+        m.setattr(kernels, "_setting", lambda: 0)
+        assert kernels.core_share() == 4 and kernels.default_threads() == 3
+        assert set_threads(None) == kernels.threads() == 4
+        with kernels.beside_compute():
+            assert kernels.threads() == 3
+            assert in_thread(kernels.threads) == 4    # per thread
+            with kernels.beside_compute():
+                assert kernels.threads() == 3
+            assert kernels.threads() == 3
+        assert kernels.threads() == 4
+        assert kernels.pool() != kernels.ffi.NULL
+        m.setattr(kernels, "_setting", lambda: 2)     # a setting sizes both: one pool
+        assert set_threads(None) == 2
+        waited = kernels.pool()
+        with kernels.beside_compute():
+            assert kernels.threads() == 2 and kernels.pool() == waited
+        assert set_threads(1) == 1 and kernels.pool() == kernels.ffi.NULL
+        with kernels.beside_compute():
+            assert kernels.pool() == kernels.ffi.NULL
