@@ -366,7 +366,7 @@ def test_pipeline_reads_in_a_helper_thread_and_stages_only_when_asked(monkeypatc
         try:
             it = batches()
             loop.train_next(it)                       # read here, the next one staged
-            assert loop._staged is not None and loop._staged.thread is None   # joined
+            assert loop._staged is not None and loop._staged.done is None   # joined
             loop.train_next(it, stage=False)          # the pass's last step: nothing staged
         finally:
             m.undo()
@@ -374,6 +374,45 @@ def test_pipeline_reads_in_a_helper_thread_and_stages_only_when_asked(monkeypatc
     assert loop._staged is None
     assert names == [threading.current_thread().name, "kvcoll-prefetch"]
     assert pools == [3, 1]
+
+
+def test_one_helper_thread_stages_every_step_and_ends_when_idle_or_closed(monkeypatch):
+    import threading
+    import time
+
+    from kvcoll import step as step_module
+
+    loop, ex = make(prefetch=True)
+    readers = []
+
+    def batches():
+        for b in data(8):
+            readers.append(threading.get_ident())
+            yield b
+
+    it = batches()
+    for _ in range(4):
+        loop.train_next(it)
+    helper = loop._helper._thread
+    assert helper is not None and helper.is_alive()
+    assert len(set(readers[1:])) == 1 and readers[0] == threading.get_ident()
+    loop.drop_staged()
+    loop.close()
+    helper.join(10)
+    assert not helper.is_alive() and loop._helper._thread is None
+
+    monkeypatch.setattr(step_module._Helper, "IDLE", 0.05)   # idle: it ends, and comes back
+    loop, ex = make(prefetch=True)
+    it = iter(data(8))
+    loop.train_next(it)
+    first = loop._helper._thread
+    loop.train_next(it)   # its staging done, the helper has nothing to do: it ends
+    first.join(10)
+    assert not first.is_alive()
+    time.sleep(0.01)
+    assert loop.train_next(it) is not None   # staged on a new helper thread
+    assert loop._helper._thread is not None and loop._helper._thread is not first
+    loop.close()
 
 
 def test_a_stop_asked_after_the_next_vote_went_out_gives_up_that_step():
