@@ -1,11 +1,13 @@
 """Start a command under mpirun from a test, with a timeout: a deadlock fails the test
 (the whole process group is killed), it never hangs the suite."""
 
+import functools
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,40 @@ def sweep_stale_sessions(base: str = "/tmp") -> None:
             shutil.rmtree(os.path.join(base, name), ignore_errors=True)
 
 
+def sweep_stale_segments(shm: str = "/dev/shm", age: float = 60.0) -> None:
+    """Remove Open MPI's shared-memory segments (sm_segment.*) that no live process maps
+    and that are older than `age` seconds (none being made): the ranks the fault tests
+    kill leave theirs (kvcollrun removes those of the jobs it kills itself)."""
+    try:
+        names = [n for n in os.listdir(shm) if n.startswith("sm_segment.")]
+    except OSError:
+        return
+    if not names:
+        return
+    live = _kvcollrun().shm_segments(int(p) for p in os.listdir("/proc") if p.isdigit())
+    now = time.time()
+    for name in names:
+        path = os.path.join(shm, name)
+        try:
+            if path not in live and now - os.stat(path).st_mtime > age:
+                os.unlink(path)
+        except OSError:
+            pass
+
+
+@functools.cache
+def _kvcollrun():
+    """launch/kvcollrun as a module (its main() runs only as a script)."""
+    import importlib.machinery
+    import importlib.util
+
+    loader = importlib.machinery.SourceFileLoader("kvcollrun", str(ROOT / "launch" / "kvcollrun"))
+    spec = importlib.util.spec_from_loader("kvcollrun", loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -62,6 +98,7 @@ def start(world: int, argv: list, env_extra=None, launcher=None) -> subprocess.P
     in a session of its own (os.killpg(proc.pid, ...) reaches every rank), its stdout
     and stderr merged into proc.stdout (text)."""
     sweep_stale_sessions()
+    sweep_stale_segments()
     launcher = launcher or [str(MPIRUN), "--oversubscribe", "--bind-to", "none"]
     cmd = [*map(str, launcher), "-np", str(world), sys.executable, *map(str, argv)]
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",

@@ -107,7 +107,8 @@ def test_run_as_root_only_for_root():
 # A stand-in for an mpirun that hangs after a rank aborted: it reports the abort, starts
 # a daemon that detaches (double fork, own session), ignores SIGTERM and never ends. Each
 # makes its session directory in TMPDIR, as Open MPI's runtime does (ompi.<pid>,
-# prted.<pid>).
+# prted.<pid>); the daemon maps a shared-memory segment there as a rank does in /dev/shm
+# (sm_segment.<host>.<uid>.<job>.<rank>).
 HANGS = f"""#!{sys.executable}
 import os, signal, sys, time
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -116,6 +117,11 @@ if os.fork() == 0:
     os.setsid()
     if os.fork() == 0:
         os.mkdir(os.path.join(os.environ["TMPDIR"], f"prted.{{os.getpid()}}"))
+        import mmap
+        seg = os.path.join(os.environ["TMPDIR"], f"sm_segment.vm.0.{{os.getpid():x}}.0")
+        with open(seg, "wb+") as f:      # a shared-memory segment, mapped as a rank does
+            f.truncate(1 << 20)
+            held = mmap.mmap(f.fileno(), 1 << 20)
         open(sys.argv[-1], "w").write(str(os.getpid()))
         time.sleep(600)
     os._exit(0)
@@ -125,8 +131,9 @@ time.sleep(600)
 
 
 def test_watchdog_kills_a_job_that_does_not_end_after_an_abort(tmp_path):
-    """...and removes the session directories of what it killed: left behind, they make a
-    later mpirun given the same pid fail to start."""
+    """...and removes the session directories of what it killed (left behind, they make a
+    later mpirun given the same pid fail to start) and the shared-memory segments its
+    processes had mapped (a killed rank leaves its own)."""
     pidfile, sessions = tmp_path / "daemon.pid", tmp_path / "sessions"
     sessions.mkdir()
     env = dict(os.environ, MPIRUN=str(fake(tmp_path, HANGS)), KVCOLLRUN_KILL_AFTER="2",
