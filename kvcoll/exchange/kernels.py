@@ -110,9 +110,14 @@ def _handle():
         return made[1]
     with _pool_lock:
         if which not in _pools:
-            n = _setting() or (default_threads() if which == _BESIDE else core_share())
-            _make(which, n, "KVCOLL_THREADS")
+            _make(which, _default_size(which), "KVCOLL_THREADS")
     return _pools[which][1]
+
+
+def _default_size(which: str) -> int:
+    """Pool `which`'s size unless set_threads says otherwise: the run's setting, else
+    the cores TensorFlow leaves free (beside the compute) or the rank's cores."""
+    return _setting() or (default_threads() if which == _BESIDE else core_share())
 
 
 def _make(which: str, n: int, what: str) -> None:
@@ -125,6 +130,8 @@ def _make(which: str, n: int, what: str) -> None:
             f"{lib.KV_POOL_MAX_THREADS}], got {n!r}")
     other = _pools.get(_BESIDE if which == _WAITED else _WAITED)
     old = _pools.get(which)
+    if old is not None and old[0] == n:   # already that size
+        return
     if other is not None and other[0] == n:
         handle = other[1]
     elif n > 1:
@@ -145,9 +152,7 @@ def set_threads(n: int | None) -> int:
     benchmarks, between steps: no kernel may be running."""
     with _pool_lock:
         for which in (_WAITED, _BESIDE):
-            size = n if n is not None else (
-                _setting() or (default_threads() if which == _BESIDE else core_share()))
-            _make(which, size, "set_threads")
+            _make(which, n if n is not None else _default_size(which), "set_threads")
     return threads()
 
 
