@@ -418,4 +418,7 @@ def test_ssp_and_asp_are_relaunched_on_the_survivors(tmp_path, mode):
                      r"latest checkpoint", out), out[-4000:]
     restored = re.search(r"restored ckpt-\d+ at step (\d+) on 2 rank\(s\)", out)
     assert restored and 20 <= int(restored.group(1)) <= 35, out[-4000:]
-    assert "the job recovered and finished (2 launch(es))" in out
+    # (one launch more for each time Open MPI's start-up crashed and kvcollrun launched
+    # again: ULFM's defect, 1-4% of elastic launches, see docs/elastic.md)
+    starts = out.count(" did not come up (")
+    assert f"the job recovered and finished ({2 + starts} launch(es))" in out, out[-4000:]
