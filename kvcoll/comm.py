@@ -784,21 +784,26 @@ class Comm:
         if code not in lost_codes:
             return CommError(f"rank {self.rank}/{self.size}: {op}{_at(self.step)} failed: "
                              f"{exc}")
-        self.revoke()
+        self.revoke(f"{op}: {_mpi_error_text(exc)}")
         ranks = self.failed_ranks()
         who = (f"lost {self.describe(ranks)}" if ranks else
                f"{_mpi_error_text(exc)}: another rank lost a peer and revoked the communicator")
         return PeerLostError(f"rank {self.rank}/{self.size}: {op}{_at(self.step)}: {who}",
                              ranks, op, since)
 
-    def revoke(self) -> None:
+    def revoke(self, why: str) -> None:
         """Revoke the communicator (ULFM): every rank's pending and later operations on it
-        end with MPI_ERR_REVOKED, wherever they wait. Once is enough; safe to repeat."""
+        end with MPI_ERR_REVOKED, wherever they wait. Once is enough; safe to repeat. The
+        rank that revokes it says so on stderr, with `why`: the other ranks' errors say
+        only that it was revoked."""
         if self._comm is None:
             return
         try:
             if not self._comm.Is_revoked():
                 self._comm.Revoke()
+                sys.stderr.write(f"kvcoll: rank {self.rank}/{self.size} revoked its "
+                                 f"communicator{_at(self.step)}: {why}\n")
+                sys.stderr.flush()
         except _mpi().Exception:  # pragma: no cover - a runtime without ULFM
             pass
         if self._two is not None:

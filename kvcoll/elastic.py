@@ -171,9 +171,9 @@ class Session:
             self._cause = self._cause or (
                 "another rank voted that it lost a peer" if ok else None)
         elif failed:
-            self._cause = self._cause or (f"the step's vote was unanimous but reported a "
-                                          f"failure ({self.comm.agree_error})")
-            self.comm.revoke()
+            why = f"the step's vote was unanimous but reported a failure ({self.comm.agree_error})"
+            self._cause = self._cause or why
+            self.comm.revoke(why)
         return agreed
 
     def _gate(self) -> None:
@@ -200,7 +200,7 @@ class Session:
             if exc is not None and exc.since is not None else now
         t = {"detect": now, "agree": now, **self._t}
         loop, old = self.loop, self.comm
-        old.revoke()
+        old.revoke(f"recovering from a lost peer ({self._cause or 'another rank voted so'})")
         try:
             loop.abandon()      # the step in flight: its created rows go, nothing applied
         except PeerLostError:
@@ -226,7 +226,7 @@ class Session:
                     raise PeerLostError("another rank was lost during the recovery")
                 break
             except PeerLostError:
-                new.revoke()
+                new.revoke("another rank was lost during the recovery")
                 comm = new
         self._report(old, new, lost, t_loss, t, rows, reverted_to)
 

@@ -283,6 +283,9 @@ def test_keras_fit_survives_a_killed_rank(tmp_path, sig):
     assert ev["step"] == 23 and ev["ranks"] == [2] and ev["checkpoint"] == "ckpt-0000000020"
     assert ev["rows_reverted"] > 0 and ev["first_step_after_s"] < (5 if sig == "KILL" else 10), ev
     assert "kvcoll: rank 2 (host " in out and "rows reverted to step 20" in out
+    # a survivor that revoked the communicator says so, and why
+    assert re.search(r"kvcoll: rank [01]/3 revoked its communicator at step \d+: \S", out), \
+        out[-6000:]
     assert got["history"]["auc"][-1] > 0.5, got
 
 
