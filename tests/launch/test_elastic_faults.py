@@ -34,8 +34,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.faults]   # (./dev faults runs them)
 # assertion shows only its end, where the last rank to fail wrote): ULFM's detector
 # ("fd_event_cb": a missed heartbeat), the runtime ("ompi: Process ... failed"), a crash
 # (Open MPI's signal handler), a rank's own error, the collective schedule that failed
+# (and, when a rank fails a test, the other ranks' stacks: tests/mpi/conftest.py)
 SUSPECT = ("fd_event_cb", "ompi: Process", "Signal:", "Failing at address", "Error:",
-           "NBC_Progress", "revoked", "unanimous", "kvcoll: rank")
+           "NBC_Progress", "revoked", "unanimous", "kvcoll: rank", "hread 0x")
+
+
+def suspect(line: str) -> bool:
+    return any(m in line for m in SUSPECT) or \
+        ('File "' in line and ("/kvcoll/" in line or "/tests/mpi/" in line))
 
 
 # (test_keras_bsp's step-by-step test counts a step's collectives: an elastic step has
@@ -52,8 +58,8 @@ def test_no_false_alarm_in_the_multi_rank_tests(module, only):
                        # MPI_Finalize, which it reports too)
                        env_extra={"OMPI_MCA_mpi_ft_verbose": "1"},
                        launcher=[ROOT / "launch" / "kvcollrun", "--elastic", "--min-np", 3])
-    why = [x for x in out.splitlines() if any(m in x for m in SUSPECT)]
-    said = ("what the ranks said of a failure:\n" + "\n".join(why[:80])
+    why = [x for x in out.splitlines() if suspect(x)]
+    said = ("what the ranks said of a failure:\n" + "\n".join(why[:150])
             + f"\n-- the output's end:\n{out[-6000:]}")
     assert code == 0 and " passed" in out, said
     assert not re.search(r'kvcoll-elastic \{"event": "(lost|fenced)', out), said

@@ -2,12 +2,19 @@
 
 Every rank builds all ranks' inputs from one seed and computes the expected result
 itself. A failure on any rank prints its report and aborts the whole job, so the
-other ranks never wait in a collective the failed rank will not reach.
+other ranks never wait in a collective the failed rank will not reach. Before it
+aborts, the failed rank asks the ranks on its host (SIGUSR1) to print where each of
+their threads is: what the others were doing is often the answer.
 """
 
+import faulthandler
+import os
 import shutil
+import signal
+import socket
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -15,10 +22,17 @@ import kvcoll
 from kvcoll.runtime import comm as _comm
 
 
+_PEERS: list = []   # (host, pid) of every other rank, for the report before an abort
+
+
 @pytest.fixture(scope="session")
 def comm():
     kvcoll.init(argv=[], comm_timeout=60.0)
-    yield _comm()
+    c = _comm()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    _PEERS[:] = [(h, p) for r, (h, p) in
+                 enumerate(c.allgather_json([socket.gethostname(), os.getpid()])) if r != c.rank]
+    yield c
 
 
 @pytest.fixture()
@@ -37,4 +51,12 @@ def pytest_runtest_logreport(report):
         sys.stderr.write(f"\n[rank {kvcoll.rank()}] {report.nodeid} FAILED\n"
                          f"{report.longreprtext}\n")
         sys.stderr.flush()
+        host = socket.gethostname()
+        for h, pid in _PEERS:      # (the others print their threads' stacks)
+            if h == host:
+                try:
+                    os.kill(pid, signal.SIGUSR1)
+                except OSError:
+                    pass
+        time.sleep(1.0 if _PEERS else 0.0)
         _comm().abort(1)
