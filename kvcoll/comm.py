@@ -784,10 +784,11 @@ class Comm:
         if code not in lost_codes:
             return CommError(f"rank {self.rank}/{self.size}: {op}{_at(self.step)} failed: "
                              f"{exc}")
-        self.revoke(f"{op}: {_mpi_error_text(exc)}")
+        text = _mpi_error_text(exc)
+        self.revoke(f"{op}: {text}")
         ranks = self.failed_ranks()
         who = (f"lost {self.describe(ranks)}" if ranks else
-               f"{_mpi_error_text(exc)}: another rank lost a peer and revoked the communicator")
+               f"{text}: another rank lost a peer and revoked the communicator")
         return PeerLostError(f"rank {self.rank}/{self.size}: {op}{_at(self.step)}: {who}",
                              ranks, op, since)
 

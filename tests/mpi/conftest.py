@@ -51,12 +51,14 @@ def pytest_runtest_logreport(report):
         sys.stderr.write(f"\n[rank {kvcoll.rank()}] {report.nodeid} FAILED\n"
                          f"{report.longreprtext}\n")
         sys.stderr.flush()
-        host = socket.gethostname()
+        host, asked = socket.gethostname(), 0
         for h, pid in _PEERS:      # (the others print their threads' stacks)
             if h == host:
                 try:
                     os.kill(pid, signal.SIGUSR1)
+                    asked += 1
                 except OSError:
                     pass
-        time.sleep(1.0 if _PEERS else 0.0)
+        if asked:
+            time.sleep(1.0)        # (their stacks reach mpirun before the abort)
         _comm().abort(1)
