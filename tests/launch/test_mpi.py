@@ -1,12 +1,20 @@
 """Run every tests/mpi/ module under mpirun at several world sizes, and the Kafka
 reader's multi-rank test against a mock cluster this process holds.
 
-Each launch has a timeout: a deadlock is a failed test, never a hung CI. The MPI
-tests' own conftest aborts the whole job on the first failure on any rank.
+The modules of one world size run in one launch (each launch spends 3-4 s of CPU per
+rank importing TensorFlow, Keras and kvcoll: one launch per module was a fifth of the
+suite's time), and each module is still its own test here: the ranks report every
+test's outcome (tests/mpi/conftest.py, KVCOLL_TEST_REPORT). The MPI tests' conftest
+aborts the whole job on the first failure on any rank: that module fails, and the
+modules it did not reach run in a launch of their own. A launch that reports no test
+for TIMEOUT s is killed: a deadlock is a failed test, never a hung CI.
 """
 
 import json
 import os
+import shutil
+import signal
+import tempfile
 import threading
 import time
 import uuid
@@ -14,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from mpirun import run
+from mpirun import LAUNCH_FAILED, run, start
 
 MPI_DIR = Path(__file__).resolve().parent.parent / "mpi"
 TIMEOUT = float(os.environ.get("KVCOLL_TEST_MPI_TIMEOUT", "240"))
@@ -26,17 +34,106 @@ ONE_RANK_TOO = {"test_comm.py", "test_keras_bsp.py", "test_pipeline.py", "test_r
                 "test_stream_fit.py", "test_xla.py"}
 CASES = [(m, w) for m in MODULES for w in ((1, 2, 3) if m in ONE_RANK_TOO else (2, 3))]
 
-
-def run_under_mpirun(module: str, world: int, timeout: float = TIMEOUT):
-    return run(world, ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", MPI_DIR / module],
-               timeout, module)
+_RESULTS: dict = {}   # world -> {module: (passed, what to show when not)}
 
 
 @pytest.mark.parametrize("module,world", CASES)
-def test_mpi_module(module, world):
-    code, out = run_under_mpirun(module, world)
-    assert code == 0, f"{module} failed on {world} ranks (exit {code}):\n{out[-8000:]}"
-    assert " passed" in out, out[-4000:]
+def test_mpi_module(request, module, world):
+    if world not in _RESULTS:   # this session's selected modules of this world, at once
+        chosen = [it.callspec.params["module"] for it in request.session.items
+                  if getattr(it, "originalname", None) == "test_mpi_module"
+                  and it.callspec.params["world"] == world]
+        _RESULTS[world] = run_modules(world, chosen)
+    passed, why = _RESULTS[world][module]
+    assert passed, f"{module} failed on {world} ranks: {why}"
+
+
+def run_modules(world: int, modules: list) -> dict:
+    """Run `modules` (tests/mpi) on `world` ranks, in as few launches as their failures
+    allow: {module: (passed, why not)}."""
+    results, left, retried = {}, list(modules), False
+    while left:
+        code, out, stalled, ranks = _launch(world, left)
+        states = {m: _state(m, ranks, world) for m in left}
+        progressed = any(st != "not run" for st in states.values())
+        if not progressed and not stalled and not retried \
+                and any(m in out for m in LAUNCH_FAILED):
+            retried = True      # mpirun could not start: nothing of the program ran
+            continue
+        failed = [m for m in left if states[m] == "failed"]
+        if not failed and (code != 0 or stalled):
+            # a crash, an abort without a report, or a stall: the module it was in
+            failed = [next((m for m in left if states[m] in ("partly run", "not run")),
+                           left[0])]
+        clean = code == 0 and not stalled
+        how = f"no test reported for {TIMEOUT:.0f}s (deadlock?)" if stalled else f"exit {code}"
+        for m in left:
+            if m in failed:
+                results[m] = (False, f"{how}; the launch ran {left}:\n{out[-8000:]}")
+            elif states[m] == "passed":
+                results[m] = (True, "")
+            elif clean or states[m] == "skipped":   # it ran, and did not pass
+                results[m] = (False, f"{states[m]}: no rank ran and passed all its tests:"
+                                     f"\n{out[-4000:]}")
+        # the modules a failure kept from running go again, in a launch of their own
+        left = [m for m in left if m not in results]
+    return results
+
+
+def _launch(world: int, modules: list):
+    """One launch of pytest over `modules`: (exit code, output, whether it stalled, each
+    rank's report lines)."""
+    report = Path(tempfile.mkdtemp(prefix="kvtest-report-"))
+    try:
+        proc = start(world, ["-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             "--continue-on-collection-errors",
+                             *(MPI_DIR / m for m in modules)],
+                     env_extra={"KVCOLL_TEST_REPORT": str(report)})
+        chunks: list = []
+        reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read()),
+                                  daemon=True)
+        reader.start()
+        last, stalled = time.monotonic(), False
+        while proc.poll() is None:
+            time.sleep(1.0)
+            heard = max((p.stat().st_mtime for p in report.iterdir()), default=0.0)
+            if heard > time.time() - 2.0:
+                last = time.monotonic()
+            if time.monotonic() - last > TIMEOUT:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                stalled = True
+        reader.join(30)
+        ranks = {}
+        for path in report.glob("rank*.jsonl"):
+            ranks[int(path.stem[4:])] = [json.loads(x) for x in path.read_text().splitlines()
+                                         if x.strip()]
+        return proc.returncode, "".join(chunks), stalled, ranks
+    finally:
+        shutil.rmtree(report, ignore_errors=True)
+
+
+def _state(module: str, ranks: dict, world: int) -> str:
+    """What the ranks' reports say of `module`: "passed" (every rank ran all its tests,
+    none failed, one passed), "failed" (a rank's test or collection failed), "skipped"
+    (every rank ran them all, none passed), "not run" (no rank reported a test of it)
+    or "partly run"."""
+    def mine(nodeid):
+        path = nodeid.split("::")[0]
+        return path == module or path.endswith("/" + module)
+    started, complete, passed = False, len(ranks) == world, True
+    for lines in ranks.values():
+        collected = {t for x in lines for t in x.get("collected", ()) if mine(t)}
+        got = [x for x in lines if "test" in x and mine(x["test"])]
+        if any(x["outcome"] == "failed" for x in got):
+            return "failed"
+        started = started or bool(got)
+        ended = {x["test"] for x in got if x["when"] == "teardown"}
+        complete = complete and bool(collected) and not collected - ended
+        passed = passed and any(x["when"] == "call" and x["outcome"] == "passed" for x in got)
+    if complete:
+        return "passed" if passed else "skipped"
+    return "partly run" if started else "not run"
 
 
 def criteo_message(i: int) -> bytes:

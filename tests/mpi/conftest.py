@@ -5,9 +5,14 @@ itself. A failure on any rank prints its report and aborts the whole job, so the
 other ranks never wait in a collective the failed rank will not reach. Before it
 aborts, the failed rank asks the ranks on its host (SIGUSR1) to print where each of
 their threads is: what the others were doing is often the answer.
+
+With KVCOLL_TEST_REPORT set (a directory), each rank also writes there what it
+collected and every test's outcome, one JSON line each, as it goes: tests/launch/
+test_mpi.py runs several modules in one launch and reads which passed from it.
 """
 
 import faulthandler
+import json
 import os
 import shutil
 import signal
@@ -46,7 +51,28 @@ def shared_dir(comm):
         shutil.rmtree(path, ignore_errors=True)
 
 
+_REPORT = os.environ.get("KVCOLL_TEST_REPORT")
+
+
+def _report(**line) -> None:
+    """One line of this rank's report (KVCOLL_TEST_REPORT), written at once."""
+    if _REPORT:
+        rank = os.environ.get("OMPI_COMM_WORLD_RANK", "0")
+        with open(os.path.join(_REPORT, f"rank{rank}.jsonl"), "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def pytest_collection_finish(session):
+    _report(collected=[item.nodeid for item in session.items])
+
+
+def pytest_collectreport(report):
+    if report.failed:
+        _report(test=report.nodeid, when="collect", outcome="failed")
+
+
 def pytest_runtest_logreport(report):
+    _report(test=report.nodeid, when=report.when, outcome=report.outcome)
     if report.failed and kvcoll.is_initialized() and kvcoll.size() > 1:
         sys.stderr.write(f"\n[rank {kvcoll.rank()}] {report.nodeid} FAILED\n"
                          f"{report.longreprtext}\n")
