@@ -73,8 +73,8 @@ def run_modules(world: int, modules: list) -> dict:
             elif states[m] == "passed":
                 results[m] = (True, "")
             elif clean or states[m] == "skipped":   # it ran, and did not pass
-                results[m] = (False, f"{states[m]}: no rank ran and passed all its "
-                                     f"tests:\n{out[-4000:]}")
+                why = f"{states[m]}: no rank ran and passed all its tests:\n{out[-4000:]}"
+                results[m] = (False, why)
         # the modules a failure kept from running go again, in a launch of their own
         left = [m for m in left if m not in results]
     return results
