@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -112,11 +113,33 @@ def start(world: int, argv: list, env_extra=None, launcher=None) -> subprocess.P
 
 def _run(world: int, argv: list, timeout: float, what: str, env_extra, launcher):
     proc = start(world, argv, env_extra, launcher)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+    out, timed_out = finish(proc, timeout)
+    if timed_out:
         pytest.fail(f"{what} on {world} ranks did not finish in {timeout:.0f}s "
                     f"(deadlock?)\n{out[-6000:]}")
     return proc.returncode, out
+
+
+def finish(proc: subprocess.Popen, timeout: float, progress: Path | None = None):
+    """Wait for a process start() made: (its output, whether it was killed). Killed (the
+    whole process group) after `timeout` s; with `progress`, a directory the program
+    writes to as it goes, after `timeout` s without a write there instead."""
+    if progress is None:
+        try:
+            return proc.communicate(timeout=timeout)[0], False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            return proc.communicate()[0], True
+    chunks: list = []
+    reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read()), daemon=True)
+    reader.start()
+    started, killed = time.time(), False
+    while proc.poll() is None:
+        time.sleep(1.0)
+        heard = max((p.stat().st_mtime for p in progress.iterdir()), default=started)
+        if time.time() - max(heard, started) > timeout:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            killed = True
+    reader.join(30)
+    return "".join(chunks), killed

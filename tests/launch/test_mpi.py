@@ -13,7 +13,6 @@ for TIMEOUT s is killed: a deadlock is a failed test, never a hung CI.
 import json
 import os
 import shutil
-import signal
 import tempfile
 import threading
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from mpirun import LAUNCH_FAILED, run, start
+from mpirun import LAUNCH_FAILED, finish, run, start
 
 MPI_DIR = Path(__file__).resolve().parent.parent / "mpi"
 TIMEOUT = float(os.environ.get("KVCOLL_TEST_MPI_TIMEOUT", "240"))
@@ -89,26 +88,12 @@ def _launch(world: int, modules: list):
                              "--continue-on-collection-errors",
                              *(MPI_DIR / m for m in modules)],
                      env_extra={"KVCOLL_TEST_REPORT": str(report)})
-        chunks: list = []
-        reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read()),
-                                  daemon=True)
-        reader.start()
-        last, stalled = time.monotonic(), False
-        while proc.poll() is None:
-            time.sleep(1.0)
-            heard = max((p.stat().st_mtime for p in report.iterdir()), default=0.0)
-            if heard > time.time() - 2.0:
-                last = time.monotonic()
-            if time.monotonic() - last > TIMEOUT:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                stalled = True
-        reader.join(30)
+        out, stalled = finish(proc, TIMEOUT, progress=report)
         ranks = {}
         for path in report.glob("rank*.jsonl"):
             ranks[int(path.stem[4:])] = [json.loads(x) for x in path.read_text().splitlines()
                                          if x.strip()]
-        return proc.returncode, "".join(chunks), stalled, ranks
+        return proc.returncode, out, stalled, ranks
     finally:
         shutil.rmtree(report, ignore_errors=True)
 
