@@ -447,15 +447,17 @@ class Checkpointer:
         comm = self.comm
         directory = os.path.abspath(os.fspath(directory))
         plan = self._plan(directory, int(step), incremental) if comm.rank == 0 else None
+        # From the plan's broadcast on, the dirty bits may be cleared (on the ranks that
+        # got it: a lost peer can end it on some ranks only): until this save commits,
+        # the next one must be full, on every rank alike.
+        parent, self._parent = self._parent, None
         plan = json.loads(comm.bcast_bytes(
             json.dumps(plan).encode() if comm.rank == 0 else None, op="checkpoint:plan"))
         if "error" in plan:
+            self._parent = parent       # (every rank got the same plan: nothing cleared)
             raise CheckpointError(plan["error"])
         tmp = os.path.join(directory, plan["tmp"])
         delta = plan["kind"] == "delta"
-        # From here the dirty bits may be cleared: until this save commits, the next
-        # one must be full.
-        self._parent = None
         files, err = {}, None
         try:
             for i, (name, t) in enumerate(self.tables.items()):
@@ -502,9 +504,6 @@ class Checkpointer:
             errors.append(f"the ranks route by different owner maps "
                           f"({[g['map'] for g in gathered]}, by rank): every rank must "
                           "pass the same owners= (nothing was saved)")
-        gate = getattr(comm, "gate", None)
-        if gate is not None and not errors:  # elastic: commit only if every rank got here
-            gate()
         result = None
         if comm.rank == 0:
             if errors:
@@ -517,6 +516,14 @@ class Checkpointer:
             raise CheckpointError(errors[0] + " (the previous checkpoint is intact)")
         if "error" in result:
             raise CheckpointError(result["error"])
+        # Elastic: the save counts only if every rank got here. No collective may follow
+        # this vote: a peer lost after it would end the save on some ranks and not on
+        # others, and they would part ways (one saving again, one going on). A no (a peer
+        # lost before it) makes the survivors save again; what rank 0 committed is a
+        # whole checkpoint all the same (every rank's files were durable).
+        gate = getattr(comm, "gate", None)
+        if gate is not None:
+            gate()
         self._parent = (directory, plan["name"], self.version)
         self.chain_dir = directory
         return SaveInfo(os.path.join(directory, plan["name"]), plan["name"], plan["kind"],

@@ -39,10 +39,11 @@ which turns a lost peer into a smaller world instead of the job's end:
    launcher (a `kvcoll-elastic {json}` line). The step is attempted again on the new
    world.
 
-What a failure elsewhere does: a loss outside a training step (evaluation, a save, the
-end of an epoch) ends the job, and the elastic launcher relaunches it on the survivors
-from the latest checkpoint; a save in flight is abandoned, and the previous chain stays
-the latest. After a loss, MPI_Finalize can hang (Open MPI issue 11404): an elastic run
+A save run in a Session (kv.save, kv.callbacks.Checkpoint) is one attempt too: its vote
+comes after rank 0's commit (Checkpointer.save), so a no makes the survivors save again.
+What a failure elsewhere does: a loss outside a Session (evaluation, the end of an epoch)
+ends the job, and the elastic launcher relaunches it on the survivors from the latest
+checkpoint. After a loss, MPI_Finalize can hang (Open MPI issue 11404): an elastic run
 never calls it (kvcoll.comm.skip_finalize); exit codes are kept.
 """
 
