@@ -165,6 +165,7 @@ class Session:
         is applied everywhere); the communicator is revoked so that the next step
         recovers."""
         self._voted = True
+        self.loop.quiesce()     # no other thread of this rank in MPI during the agreement
         agreed, failed = self.comm.consensus(ok, "elastic:vote")
         if not agreed:
             self._t.setdefault("detect", time.time())

@@ -192,6 +192,8 @@ class Loop:
         self._stage_comm = None     # prefetch: the helper thread's communicator (a dup)
         self._helper = None         # prefetch: the helper thread (a _Helper)
         self._pending = None        # predict: a compute error to report at the next step
+        self._current = None        # (iterator, element) of the training step in flight
+        self._held = None           # (iterator, [elements]) an abandoned step held back
 
     # -- what the loop knows ----------------------------------------------------------------
 
@@ -210,9 +212,11 @@ class Loop:
 
     def new_pass(self) -> None:
         """A new pass over the data begins (an epoch): `consumed` counts from 0, and an
-        element prefetched from the last pass's iterator is dropped (on every rank)."""
+        element prefetched from the last pass's iterator is dropped (on every rank), and
+        the elements an abandoned step held back."""
         self.consumed = 0
         self.drop_staged()
+        self._current = self._held = None
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -228,6 +232,17 @@ class Loop:
             if type(exc).__name__ == "OutOfRangeError":  # a tf.data iterator's end
                 return END
             return DataFailure(exc)
+
+    def _next(self, iterator):
+        """The next element of `iterator`: first those an abandoned step held back (see
+        abandon), then read()'s."""
+        held = self._held
+        if held is not None and held[0] is iterator:
+            element = held[1].pop(0)
+            if not held[1]:
+                self._held = None
+            return element
+        return self.read(iterator)
 
     def _prepare(self, element, x_only: bool = False):
         """(batch or None, this rank's error or None)."""
@@ -258,14 +273,21 @@ class Loop:
         if staged is not None and (staged.iterator is not iterator or element is not None):
             self.drop_staged()
             staged = None
+        if self._held is not None and (self._held[0] is not iterator or element is not None):
+            self._held = None
         self._staged = None
         if staged is not None:
-            return self._train(staged.element, staged.batch, staged.err, staged.agreement,
-                               staged.pending, iterator=iterator, stage=stage)
-        if element is None:
-            element = self.read(iterator)
-        batch, err = self._prepare(element)
-        return self._train(element, batch, err, None, None, iterator=iterator, stage=stage)
+            self._current = (iterator, staged.element)
+            out = self._train(staged.element, staged.batch, staged.err, staged.agreement,
+                              staged.pending, iterator=iterator, stage=stage)
+        else:
+            if element is None:
+                element = self._next(iterator)
+            self._current = (iterator, element)
+            batch, err = self._prepare(element)
+            out = self._train(element, batch, err, None, None, iterator=iterator, stage=stage)
+        self._current = None    # (raised: abandon() may hold its element back for a retry)
+        return out
 
     def train(self, element) -> StepResult | None:
         """One training step on this rank's element (END: its data has run out).
@@ -277,6 +299,7 @@ class Loop:
         compute failed: the same error class on every rank (BSP), nothing changed.
         An element train_next prefetched is dropped first (every rank alike)."""
         self.drop_staged()
+        self._current = None
         batch, err = self._prepare(element)
         return self._train(element, batch, err, None, None)
 
@@ -415,6 +438,17 @@ class Loop:
         if held is not None and hasattr(held[1], "free"):
             held[1].free()
 
+    def quiesce(self) -> None:
+        """Wait until the prefetch helper has finished its job (it then makes no MPI call
+        until the next step stages again); what it staged, and any error it raised, stay
+        for the step that takes them. kvcoll.elastic calls it before every agreement:
+        Open MPI's ULFM agreement (5.0, ERA) can return a wrong value while another
+        thread of the process runs collectives, even on another communicator (all three
+        ranks voting yes agreed on no, in 17 of 3000 agreements here)."""
+        staged = self._staged
+        if staged is not None and staged.done is not None:
+            staged.done.wait()
+
     def drop_staged(self) -> None:
         """Drop the prefetched element, if any: its helper is joined and its id exchange
         completed (every rank staged it, so every rank drains it alike); its errors are
@@ -544,9 +578,21 @@ class Loop:
         """Give up the step in flight, on every rank alike (the exchange's abandon): every
         table, optimizer slot, metric state and counter is as before the step. A
         prefetched element is dropped (its helper joined: its wait ends at the
-        communicator's deadline at the latest)."""
+        communicator's deadline at the latest). The elements train_next had read for
+        them are held back: the next train_next on the same iterator (a retry, see
+        kvcoll.elastic) trains on them first, so an abandoned step skips no data."""
         inflight, self._inflight = self._inflight, None
+        current, staged, self._current = self._current, self._staged, None
         self.drop_staged()
+        iterator = current[0] if current is not None else \
+            staged.iterator if staged is not None else None
+        if iterator is not None:
+            kept = [current[1]] if current is not None else []
+            if staged is not None and staged.iterator is iterator and staged.element is not None:
+                kept.append(staged.element)
+            if self._held is not None and self._held[0] is iterator:
+                kept += self._held[1]
+            self._held = (iterator, kept) if kept else None
         if inflight is not None:
             self.ex.abandon(inflight)
 
@@ -645,7 +691,7 @@ class _Staged:
 
     def run(self) -> None:
         loop = self.loop
-        self.element = loop.read(self.iterator)
+        self.element = loop._next(self.iterator)
         self.batch, self.err = loop._prepare(self.element)
         self.agreement = loop._vote(self.element, self.batch, self.err, loop.stop_asked)
         ex = loop.ex

@@ -65,6 +65,27 @@ def test_no_false_alarm_in_the_multi_rank_tests(module, only):
     assert not re.search(r'kvcoll-elastic \{"event": "(lost|fenced)', out), said
 
 
+def test_the_agreement_is_right_with_one_thread_in_mpi():
+    """What kvcoll.elastic relies on (Session._vote quiesces the prefetch helper first):
+    ULFM's agreement with no other thread of a rank in MPI meanwhile gives the AND of
+    the votes. Beside a thread running collectives it did not in Open MPI 5.0.11 (see
+    agree_job.py): that count is printed, not asserted."""
+    counts = {}
+    for mode in ("serial", "thread"):
+        for _ in range(3):  # (Open MPI's start-up with ULFM crashes now and then: again)
+            code, out = mpirun(3, [Path(__file__).parent / "agree_job.py", mode, 5000], 300,
+                               f"agreements ({mode})", launcher=[
+                                   ROOT / "launch" / "kvcollrun", "--elastic", "--min-np", 3])
+            wrong = [int(w) for w in
+                     re.findall(r"rank \d+: (\d+) of 5000 agreements wrong", out)]
+            if "agreements wrong" in out:
+                break
+        assert code == 0 and len(wrong) == 3, out[-3000:]
+        counts[mode] = max(wrong)
+    print(f"\nwrong agreements of 5000: {counts}")
+    assert counts["serial"] == 0, counts
+
+
 @pytest.mark.parametrize("trial", range(TRIALS))
 def test_a_rank_lost_at_a_random_moment(hosts, tmp_path, cleanup, trial):  # noqa: F811
     rng = random.Random(SEED * 1000 + trial)

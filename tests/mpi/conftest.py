@@ -74,8 +74,10 @@ def pytest_collectreport(report):
 def pytest_runtest_logreport(report):
     _report(test=report.nodeid, when=report.when, outcome=report.outcome)
     if report.failed and kvcoll.is_initialized() and kvcoll.size() > 1:
+        # (what the test printed, e.g. "revoked its communicator", is in its sections)
+        captured = "".join(f"-- {title}\n{text}" for title, text in report.sections)
         sys.stderr.write(f"\n[rank {kvcoll.rank()}] {report.nodeid} FAILED\n"
-                         f"{report.longreprtext}\n")
+                         f"{report.longreprtext}\n{captured}")
         sys.stderr.flush()
         host, asked = socket.gethostname(), 0
         for h, pid in _PEERS:      # (the others print their threads' stacks)

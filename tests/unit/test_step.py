@@ -305,6 +305,38 @@ def test_abandon_gives_up_the_step_in_flight():
     assert out is not None and loop.step == 2
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
+@pytest.mark.parametrize("between", [False, True], ids=["in-a-step", "between-steps"])
+def test_an_abandoned_step_tried_again_skips_no_data(prefetch, between):
+    """What an elastic retry does (kvcoll.elastic): the element the abandoned step read,
+    and the one prefetched after it, are the next ones trained on, so the run equals one
+    without the loss. between: the loss came after step 3 (a save), with step 4's element
+    prefetched."""
+    runs = []
+    for lose in (False, True):
+        loop, ex = make(prefetch)
+        it = iter(data(8))
+        losses, real = [], ex.push
+
+        def lost(*a, **k):
+            raise errors.CommError("rank 1 lost")
+
+        while len(losses) < 7:
+            if lose and len(losses) == 3:
+                lose = False
+                if not between:
+                    ex.push = lost
+                    with pytest.raises(errors.CommError):
+                        loop.train_next(it)
+                    ex.push = real
+                loop.abandon()
+                continue
+            losses.append(loop.train_next(it).loss)
+        runs.append((losses, snapshot(loop, ex)))
+    assert runs[0][0] == runs[1][0]
+    same(runs[0][1], runs[1][1])
+
+
 def test_replan_continues_on_another_communicator():
     loop, ex = make()
     loop.train(data()[0])
