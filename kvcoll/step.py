@@ -580,7 +580,8 @@ class Loop:
         prefetched element is dropped (its helper joined: its wait ends at the
         communicator's deadline at the latest). The elements train_next had read for
         them are held back: the next train_next on the same iterator (a retry, see
-        kvcoll.elastic) trains on them first, so an abandoned step skips no data."""
+        kvcoll.elastic) trains on them first, so an abandoned step tried again on the
+        same world skips no data (replan drops them when the world's size changes)."""
         inflight, self._inflight = self._inflight, None
         current, staged, self._current = self._current, self._staged, None
         self.drop_staged()
@@ -598,8 +599,13 @@ class Loop:
 
     def replan(self, comm, owners=None) -> None:
         """Continue on communicator `comm` (a world that changed) and owner map `owners`
-        (default: the even map of its size), between steps."""
+        (default: the even map of its size), between steps. The elements an abandoned
+        step held back are dropped if the world's size changed: they were read for the
+        old world, and a source of global batches splits them anew (kvcoll's data sources
+        resume from `consumed`; a rank's own iterator goes on after them)."""
         self.abandon()
+        if comm.size != self.comm.size:
+            self._held = None
         self._free_stage_comm()
         self.ex.replan(comm, owners)
         if not self.ex.synchronous:

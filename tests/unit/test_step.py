@@ -346,6 +346,27 @@ def test_replan_continues_on_another_communicator():
     assert loop.train(data()[1]) is not None and loop.step == 2
 
 
+def test_replan_to_another_size_drops_what_an_abandoned_step_read():
+    """(read for the old world: a source of global batches splits them anew)"""
+    loop, ex = make()
+    batches = data(4)
+    it = iter(batches)
+    loop.train_next(it)
+    real = ex.push
+    ex.push = lambda *a, **k: (_ for _ in ()).throw(errors.CommError("rank 1 lost"))
+    with pytest.raises(errors.CommError):
+        loop.train_next(it)                               # reads batch 1
+    ex.push = real
+    two = FakeComm("two")
+    two.size = 2
+    loop.replan(two)
+    seen = []
+    loop.compute.prepare = (lambda real_prepare: lambda e, **k: (
+        seen.append(e), real_prepare(e, **k))[1])(loop.compute.prepare)
+    loop.train_next(it)
+    assert seen[0] is batches[2]
+
+
 def test_prefetch_gives_the_same_results_and_counts_only_committed_elements():
     results = []
     for prefetch in (False, True):
