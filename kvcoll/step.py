@@ -277,15 +277,14 @@ class Loop:
             self._held = None
         self._staged = None
         if staged is not None:
-            self._current = (iterator, staged.element)
-            out = self._train(staged.element, staged.batch, staged.err, staged.agreement,
-                              staged.pending, iterator=iterator, stage=stage)
+            element = staged.element
+            args = (staged.batch, staged.err, staged.agreement, staged.pending)
         else:
             if element is None:
                 element = self._next(iterator)
-            self._current = (iterator, element)
-            batch, err = self._prepare(element)
-            out = self._train(element, batch, err, None, None, iterator=iterator, stage=stage)
+            args = (*self._prepare(element), None, None)
+        self._current = (iterator, element)
+        out = self._train(element, *args, iterator=iterator, stage=stage)
         self._current = None    # (raised: abandon() may hold its element back for a retry)
         return out
 

@@ -283,6 +283,11 @@ def test_a_nan_step_is_abandoned_and_says_which_input():
     assert ex.log[-1] == ("abandon", 2)
 
 
+def lost(*a, **k):
+    """An exchange's push when a peer is lost."""
+    raise errors.CommError("rank 1 lost")
+
+
 def test_abandon_gives_up_the_step_in_flight():
     """A peer lost in the middle of a step (here: the push raises): abandon() leaves the
     tables, the model, the metrics and the counters as before the step."""
@@ -291,10 +296,6 @@ def test_abandon_gives_up_the_step_in_flight():
     before = snapshot(loop, ex)
     ids, y = data(seed=4)[0]
     real = ex.push
-
-    def lost(*a, **k):
-        raise errors.CommError("rank 1 lost")
-
     ex.push = lost
     with pytest.raises(errors.CommError):
         loop.train((ids + 50, y))                           # new rows were created
@@ -317,10 +318,6 @@ def test_an_abandoned_step_tried_again_skips_no_data(prefetch, between):
         loop, ex = make(prefetch)
         it = iter(data(8))
         losses, real = [], ex.push
-
-        def lost(*a, **k):
-            raise errors.CommError("rank 1 lost")
-
         while len(losses) < 7:
             if lose and len(losses) == 3:
                 lose = False
@@ -353,16 +350,20 @@ def test_replan_to_another_size_drops_what_an_abandoned_step_read():
     it = iter(batches)
     loop.train_next(it)
     real = ex.push
-    ex.push = lambda *a, **k: (_ for _ in ()).throw(errors.CommError("rank 1 lost"))
+    ex.push = lost
     with pytest.raises(errors.CommError):
         loop.train_next(it)                               # reads batch 1
     ex.push = real
     two = FakeComm("two")
     two.size = 2
     loop.replan(two)
-    seen = []
-    loop.compute.prepare = (lambda real_prepare: lambda e, **k: (
-        seen.append(e), real_prepare(e, **k))[1])(loop.compute.prepare)
+    seen, prepare = [], loop.compute.prepare
+
+    def seeing(element, **kw):
+        seen.append(element)
+        return prepare(element, **kw)
+
+    loop.compute.prepare = seeing
     loop.train_next(it)
     assert seen[0] is batches[2]
 
