@@ -48,10 +48,13 @@ def test_every_layout_equals_flat_on_four_ranks():
 
 def test_kvcolls_communicator_two_level_on_pretended_hosts():
     """kv.init's communicator itself two-level (2 hosts x 2, round robin): the all-to-all,
-    BSP exchange, pipelined step and SSP/ASP tests pass on it unchanged."""
+    BSP exchange, pipelined step and SSP/ASP tests pass on it unchanged. (Not the
+    pipeline's test of Keras' iterators over epochs: what it checks is which element a
+    step takes, not the exchange, and it was 15 of this test's 48 s.)"""
     env = {"KVCOLL_EXCHANGE_TOPOLOGY": "two-level", "KVCOLL_TEST_HOSTS": "a,b,a,b"}
-    code, out = run(4, pytest_args("test_exchange_topology.py", "test_comm.py",
-                                   "test_bsp_exchange.py", "test_pipeline.py", "test_ssp.py"),
+    code, out = run(4, [*pytest_args("test_exchange_topology.py", "test_comm.py",
+                                     "test_bsp_exchange.py", "test_pipeline.py", "test_ssp.py"),
+                        "-k", "not test_fit_pipelined_equals_unpipelined_over_epochs"],
                     TIMEOUT * 2, "kvcoll's tests on a two-level communicator", env_extra=env)
     assert code == 0, f"failed on 4 ranks, two-level (exit {code}):\n{out[-8000:]}"
     assert " passed" in out, out[-4000:]
