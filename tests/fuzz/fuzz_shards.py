@@ -37,6 +37,7 @@ KeyError, TypeError) are allowed too.
 from __future__ import annotations
 
 import atexit
+import glob
 import hashlib
 import json
 import os
@@ -75,9 +76,22 @@ OPTIMIZERS = (optimizers.SGD(0.1), optimizers.Adagrad(0.1), optimizers.Adam(0.01
 CKPT = "ckpt-0000000001"
 FNAME = "000-t.r0-of-1.kvs"
 BLOOM_COUNTERS = 256
-_WORK = tempfile.mkdtemp(prefix="kvcoll-fuzz-", dir="/dev/shm" if os.path.isdir("/dev/shm")
-                         else None)
-atexit.register(shutil.rmtree, _WORK, True)   # (a killed run leaves it, in tmpfs)
+
+
+def _work_dir() -> str:
+    """A work directory in tmpfs, named after this process. libFuzzer ends the process
+    without atexit's handlers, so the directories of runs whose process is gone are
+    removed here (they piled up in /dev/shm, one a run)."""
+    where = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    for old in glob.glob(os.path.join(where, "kvcoll-fuzz-*")):
+        pid = os.path.basename(old).split("-")[2]
+        if not (pid.isdigit() and os.path.exists(f"/proc/{pid}")):
+            shutil.rmtree(old, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"kvcoll-fuzz-{os.getpid()}-", dir=where)
+
+
+_WORK = _work_dir()
+atexit.register(shutil.rmtree, _WORK, True)   # (when the process ends through Python)
 _TABLES: dict = {}
 
 
