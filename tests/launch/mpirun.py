@@ -106,6 +106,11 @@ def start(world: int, argv: list, env_extra=None, launcher=None) -> subprocess.P
                OMPI_MCA_rmaps_base_oversubscribe="1", TF_CPP_MIN_LOG_LEVEL="2",
                PYTHONPATH=str(ROOT))
     env.pop("KVCOLL_STEP_MODE", None)
+    if world > (os.cpu_count() or 1):
+        # More ranks than cores: TensorFlow's pools, sized to every core in each rank,
+        # fight over them (tests/mpi on 3 ranks here: 151 s, with one thread each 123 s)
+        env.setdefault("TF_NUM_INTRAOP_THREADS", "1")
+        env.setdefault("TF_NUM_INTEROP_THREADS", "1")
     env.update(env_extra or {})
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True, cwd=ROOT)
