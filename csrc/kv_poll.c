@@ -63,3 +63,8 @@ void kv_poll_ring(int32_t *bell, int32_t shared) {
     if (__atomic_exchange_n(bell, 1, __ATOMIC_ACQ_REL) == 0)
         (void)syscall(SYS_futex, bell, shared ? FUTEX_WAKE : FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
 }
+
+void kv_poll_drop(void *module, const void *descriptor) {
+    (void)module;
+    (void)descriptor;
+}

@@ -29,6 +29,11 @@
  * (the caller's own receive reports it, with the rank and the operation). bell may be
  * NULL (plain sleeps). shared: 1 for a word other processes map (a shared futex), 0 for
  * one of this process only.
+ *
+ * kv_poll_drop is a message callback of Open MPI's transports (a BTL's receive callback:
+ * (module, descriptor) -> void) that drops the message. kvcoll.comm installs it, before
+ * MPI_Init, for the one tag a peer may send to before this rank registers it (ULFM's
+ * reliable broadcast, during start-up); MPI_Init then puts Open MPI's own in its place.
  */
 #ifndef KV_POLL_H
 #define KV_POLL_H
@@ -43,5 +48,6 @@ int32_t kv_poll_wait(void *iprobe, int32_t handle_is_int, intptr_t comm, int32_t
                      int32_t tag, void *status, int64_t first_ns, int64_t max_ns,
                      int64_t budget_ns, int32_t *bell, int32_t shared);
 void kv_poll_ring(int32_t *bell, int32_t shared);
+void kv_poll_drop(void *module, const void *descriptor);
 
 #endif

@@ -86,6 +86,8 @@ def _mpi(limit: float | None = None):
         import mpi4py
 
         mpi4py.rc.thread_level = "multiple"
+        if "mpi4py.MPI" not in sys.modules:
+            _guard_ulfm_start()
         dog = _init_watchdog(limit) if limit and "mpi4py.MPI" not in sys.modules else None
         try:
             from mpi4py import MPI
@@ -98,6 +100,65 @@ def _mpi(limit: float | None = None):
                     dog.kill()
         _MPI = MPI
     return _MPI
+
+
+# Open MPI 5.0's transports hand each message to the callback registered for its tag, with
+# no check that there is one. ULFM's reliable broadcast (the failure detector's heartbeats)
+# registers its tag in MPI_Init after the first start-up fence; with the detector thread
+# (kvcollrun's setting), a rank that leaves that fence starts its detector at once and
+# sends its first heartbeat, so a peer still inside the fence (a busy host delays its
+# release) receives it with no callback and crashes in MPI_Init (a segmentation fault at
+# address 0: 4 of 200 starts of 2 ranks under ULFM on this 2-core machine with two busy
+# processes beside them; 0 of 200 without the detector thread). Before MPI_Init, kvcoll
+# fills that empty slot with a callback that drops the message; MPI_Init registers its
+# own over it. A heartbeat lost then costs nothing: each detector allows for the start-up.
+# (With this, 0 of 250 starts crashed in the same conditions.)
+_ULFM_RBCAST_TAG = 0x30          # MCA_BTL_TAG_FT_RBCAST (opal/mca/btl/btl.h)
+
+
+def _rbcast_slot():
+    """The callback slot of ULFM's reliable broadcast in Open MPI's libopen-pal (a
+    ctypes pointer: its .value is the callback's address, None while empty), or None
+    when this process's mpi4py does not run on Open MPI. Loads mpi4py's extension as a
+    library only (no module init: MPI stays down)."""
+    import ctypes
+    import importlib.util
+
+    spec = importlib.util.find_spec("mpi4py.MPI")
+    try:
+        ctypes.CDLL(spec.origin, mode=os.RTLD_LAZY)
+        with open("/proc/self/maps") as f:
+            pal = next((line.split(None, 5)[5].strip() for line in f
+                        if "/libopen-pal.so" in line), None)
+        if pal is None:
+            return None
+        trigger = ctypes.c_void_p.in_dll(ctypes.CDLL(pal, mode=os.RTLD_NOLOAD | os.RTLD_LAZY),
+                                         "mca_btl_base_active_message_trigger")
+    except (OSError, ValueError, AttributeError):
+        return None
+    # the slots are {callback, data} pairs, one per tag
+    return ctypes.c_void_p.from_address(ctypes.addressof(trigger)
+                                        + _ULFM_RBCAST_TAG * 2 * ctypes.sizeof(ctypes.c_void_p))
+
+
+def _drop_callback() -> int:
+    """The address of csrc's kv_poll_drop (a transport callback that drops the message)."""
+    from ._c import ffi, lib
+
+    return int(ffi.cast("uintptr_t", ffi.addressof(lib, "kv_poll_drop")))
+
+
+def _guard_ulfm_start() -> bool:
+    """Fill the empty callback slot of ULFM's reliable broadcast (see above) when this
+    process runs under ULFM (OMPI_MCA_mpi_ft_enable, set by `mpirun --with-ft ulfm`).
+    Call before MPI_Init. True if it filled the slot."""
+    if os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() not in ("1", "true", "yes"):
+        return False
+    slot = _rbcast_slot()
+    if slot is None or slot.value:
+        return False
+    slot.value = _drop_callback()
+    return True
 
 
 # The watchdog of MPI_Init (a separate process: MPI_Init holds the GIL, so no thread of

@@ -37,8 +37,9 @@ step): then kvcollrun relaunches the job on the hosts that are left, which resto
 latest checkpoint (kv.callbacks.Checkpoint(restore=True)) resharded onto the new world,
 and says so. So does a launch whose kv.init failed on a peer lost or missing before
 anything began (kvcoll tells it: a `start_failed` event), or whose Open MPI start-up
-failed (a rank's crash inside MPI_Init, which ULFM's start-up does in 1-4% of elastic
-launches here, or a PMIx server that did not start). Hosts that lost a rank are
+failed (a rank's crash inside MPI_Init, which ULFM's start-up did in 1-4% of elastic
+launches on a busy host before kv.init guarded against its cause, or a PMIx server
+that did not start). Hosts that lost a rank are
 held out for --cooldown seconds (default 60),
 not for the rest of the job. It stops relaunching after --max-relaunches (default 10),
 when fewer than --min-np slots are left for --elastic-timeout seconds (default 60),

@@ -212,6 +212,7 @@ def main(argv=None) -> int:
     args, _ = p.parse_known_args(argv)
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)   # (a test asks where it is)
+    faulthandler.enable(all_threads=True)   # a crash prints where each thread was
     if args.stderr_dir:
         rank = os.environ.get("OMPI_COMM_WORLD_RANK", "x")
         log = os.open(os.path.join(args.stderr_dir, f"rank-{rank}.txt"),
