@@ -61,7 +61,7 @@ from ._topology import (
 from .errors import CommError, CommTimeoutError, PeerLostError
 
 __all__ = ["AllToAllHandle", "Comm", "MessageWaiter", "SendHandle", "TwoLevelHandle", "announce",
-           "paused", "run_time"]
+           "paused", "require_threads", "run_time"]
 
 _MPI = None
 
@@ -159,6 +159,21 @@ def _guard_ulfm_start() -> bool:
         return False
     slot.value = _drop_callback()
     return True
+
+
+def require_threads(rank: int, level: int, what: str) -> None:
+    """Raise CommError (naming the fix) unless MPI's thread level `level` is
+    MPI_THREAD_MULTIPLE, which `what` (a second thread calling MPI) needs."""
+    MPI = _mpi()
+    if level < MPI.THREAD_MULTIPLE:
+        names = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED:
+                 "MPI_THREAD_FUNNELED", MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED"}
+        raise CommError(
+            f"rank {rank}: {what} needs MPI initialised with MPI_THREAD_MULTIPLE, "
+            f"but it runs with {names.get(level, level)}; "
+            "initialise MPI through kvcoll (kv.init() before anything else imports "
+            "mpi4py.MPI), or set mpi4py.rc.thread_level = 'multiple' before importing "
+            "mpi4py.MPI (Horovod: HOROVOD_MPI_THREADS_DISABLE must not be set)")
 
 
 # The watchdog of MPI_Init (a separate process: MPI_Init holds the GIL, so no thread of
@@ -700,16 +715,7 @@ class Comm:
     def require_threads(self, what: str) -> None:
         """Raise CommError (naming the fix) unless MPI runs with MPI_THREAD_MULTIPLE,
         which `what` (a second thread calling MPI) needs."""
-        MPI = _mpi()
-        if self.thread_level < MPI.THREAD_MULTIPLE:
-            names = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED:
-                     "MPI_THREAD_FUNNELED", MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED"}
-            raise CommError(
-                f"rank {self.rank}: {what} needs MPI initialised with MPI_THREAD_MULTIPLE, "
-                f"but it runs with {names.get(self.thread_level, self.thread_level)}; "
-                "initialise MPI through kvcoll (kv.init() before anything else imports "
-                "mpi4py.MPI), or set mpi4py.rc.thread_level = 'multiple' before importing "
-                "mpi4py.MPI (Horovod: HOROVOD_MPI_THREADS_DISABLE must not be set)")
+        require_threads(self.rank, self.thread_level, what)
 
     # -- plumbing --------------------------------------------------------------------
 

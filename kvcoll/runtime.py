@@ -59,6 +59,7 @@ def init(argv: list[str] | None = None, **settings) -> Config:
     ids.configure(cfg.id_hash)
     if cfg.elastic_min_np:  # (kvcoll.elastic) MPI_Finalize may hang after a lost peer
         skip_finalize()
+    _horovod_threads()
     try:
         comm = Comm(timeout=cfg.comm_timeout, timeouts=cfg.timeouts,
                     elastic=cfg.elastic_min_np > 0, topology=cfg.exchange_topology)
@@ -277,6 +278,26 @@ def _horovod_world(c: Comm) -> bool:
     if hvd is None or not hvd.is_initialized():
         return False
     return (hvd.size(), hvd.rank()) == (c.size, c.rank)
+
+
+# what needs MPI_THREAD_MULTIPLE inside a Horovod job (kvcoll.comm.require_threads)
+BESIDE_HOROVOD = ("kvcoll next to Horovod (Horovod's background thread calls MPI while "
+                  "kvcoll's collectives run on the training thread)")
+
+
+def _horovod_threads() -> None:
+    """Before kv.init's first collective: inside a Horovod job whose MPI runs below
+    MPI_THREAD_MULTIPLE (hvd.init() first, with HOROVOD_MPI_THREADS_DISABLE), Horovod's
+    background thread already calls MPI, and kvcoll's collectives on this thread beside
+    it may crash the process (a rank crashed in Open MPI's NBC_Progress): refuse, naming
+    the fix, on every rank alike (the thread level is the job's), before any."""
+    hvd = sys.modules.get("horovod.tensorflow")
+    if hvd is None or not hvd.is_initialized():
+        return
+    from .comm import _mpi, require_threads
+
+    MPI = _mpi()
+    require_threads(MPI.COMM_WORLD.Get_rank(), MPI.Query_thread(), BESIDE_HOROVOD)
 
 
 def _horovod_barrier(timeout: float, rank: int) -> None:

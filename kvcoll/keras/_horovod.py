@@ -9,9 +9,10 @@ allreduce): kvcoll without Horovod is unchanged.
   MPI_THREAD_MULTIPLE unless HOROVOD_MPI_THREADS_DISABLE is set) and the other uses
   it. kvcoll keeps its own duplicate of COMM_WORLD; Horovod keeps its own. Horovod's
   background thread calls MPI while kvcoll's collectives run on the training thread,
-  so both need MPI_THREAD_MULTIPLE: `check` refuses to train otherwise, naming the
-  fix, and refuses a Horovod world that is not kvcoll's (hvd.init(comm=...) on a part
-  of it).
+  so both need MPI_THREAD_MULTIPLE: kv.init refuses otherwise, naming the fix, before
+  its first collective (runtime._horovod_threads; `check` does again before training,
+  for a Horovod initialised after kv.init), and `check` refuses a Horovod world that is
+  not kvcoll's (hvd.init(comm=...) on a part of it).
 - Dense gradients. `kv.DistributedOptimizer(opt, dense_backend="horovod")` (the
   default when `opt` is an `hvd.DistributedOptimizer`) sends the step's flat dense
   gradient through `hvd.allreduce(op=hvd.Sum)` instead of kvcoll's MPI allreduce;
@@ -41,6 +42,7 @@ import sys
 import numpy as np
 
 from ..errors import CommError, InvalidArgumentError
+from ..runtime import BESIDE_HOROVOD
 
 __all__ = ["BACKENDS", "imported", "initialized", "is_horovod_optimizer", "check",
            "allreduce_sum", "yield_when_idle"]
@@ -82,8 +84,7 @@ def check(comm, backend: str, optimizer=None) -> None:
     if not initialized():
         return
     hvd = _hvd()
-    comm.require_threads("kvcoll next to Horovod (Horovod's background thread calls MPI "
-                         "while kvcoll's collectives run on the training thread)")
+    comm.require_threads(BESIDE_HOROVOD)
     if (hvd.size(), hvd.rank()) != (comm.size, comm.rank):
         raise CommError(
             f"Horovod's world (rank {hvd.rank()} of {hvd.size()}) is not kvcoll's (rank "

@@ -8,7 +8,7 @@ on 2 ranks under horovodrun or mpirun):
                            Open MPI to yield when idle (unless OMPI_MCA_mpi_yield_when_idle
                            is set: then it is left as the user set it)
     threads-disabled       Horovod initialised MPI without thread support
-                           (HOROVOD_MPI_THREADS_DISABLE=1): fit refuses with the fix
+                           (HOROVOD_MPI_THREADS_DISABLE=1): kv.init refuses with the fix
     broadcast              hvd.callbacks.BroadcastGlobalVariablesCallback gives every rank
                            rank 0's dense weights and leaves kvcoll's tables as they were
 
@@ -72,17 +72,23 @@ def yielding() -> bool:
 
 
 def threads_disabled():
+    """kv.init refuses before its first collective: beside Horovod's background thread,
+    one on this thread could crash the process (it did, in Open MPI's NBC_Progress, when
+    the refusal came at fit)."""
     from mpi4py import MPI
 
     assert MPI.Query_thread() < MPI.THREAD_MULTIPLE
-    model = compile_hvd(build())
     try:
-        model.fit(batches(0, 2, kv.rank(), kv.size()), epochs=1, steps_per_epoch=2, verbose=0)
+        kv.init(argv=[])
     except kv.CommError as exc:
         text = str(exc)
         assert "MPI_THREAD_MULTIPLE" in text and "HOROVOD_MPI_THREADS_DISABLE" in text, text
-        return
-    raise AssertionError("fit ran next to Horovod without MPI thread support")
+        assert not kv.is_initialized()
+    else:
+        raise AssertionError("kv.init ran next to Horovod without MPI thread support")
+    if hvd.rank() == 0:
+        print("threads-disabled ok", flush=True)
+    sys.exit(0)
 
 
 def broadcast():
@@ -127,10 +133,13 @@ if CASE == "kv-first":
     kv.init(argv=[])
     hvd.init()
     one_world()
-elif CASE in ("hvd-first", "threads-disabled", "broadcast"):
+elif CASE == "threads-disabled":
+    hvd.init()
+    threads_disabled()
+elif CASE in ("hvd-first", "broadcast"):
     hvd.init()
     kv.init(argv=[])
-    {"hvd-first": one_world, "threads-disabled": threads_disabled, "broadcast": broadcast}[CASE]()
+    {"hvd-first": one_world, "broadcast": broadcast}[CASE]()
 else:
     raise SystemExit(f"unknown case {CASE!r}")
 if kv.rank() == 0:
