@@ -112,7 +112,7 @@ def _mpi(limit: float | None = None):
 # processes beside them; 0 of 200 without the detector thread). Before MPI_Init, kvcoll
 # fills that empty slot with a callback that drops the message; MPI_Init registers its
 # own over it. A heartbeat lost then costs nothing: each detector allows for the start-up.
-# (With this, 0 of 250 starts crashed in the same conditions.)
+# (With this, 0 of 250 starts crashed in the same conditions: tests/launch/ulfm_start.py.)
 _ULFM_RBCAST_TAG = 0x30          # MCA_BTL_TAG_FT_RBCAST (opal/mca/btl/btl.h)
 
 
