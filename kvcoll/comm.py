@@ -86,9 +86,10 @@ def _mpi(limit: float | None = None):
         import mpi4py
 
         mpi4py.rc.thread_level = "multiple"
-        if "mpi4py.MPI" not in sys.modules:
+        starting = "mpi4py.MPI" not in sys.modules   # (else MPI is up already)
+        if starting:
             _guard_ulfm_start()
-        dog = _init_watchdog(limit) if limit and "mpi4py.MPI" not in sys.modules else None
+        dog = _init_watchdog(limit) if limit and starting else None
         try:
             from mpi4py import MPI
         finally:
@@ -161,10 +162,13 @@ def _guard_ulfm_start() -> bool:
     return True
 
 
-def require_threads(rank: int, level: int, what: str) -> None:
-    """Raise CommError (naming the fix) unless MPI's thread level `level` is
-    MPI_THREAD_MULTIPLE, which `what` (a second thread calling MPI) needs."""
+def require_threads(what: str, rank: int | None = None, level: int | None = None) -> None:
+    """Raise CommError (naming the fix) unless MPI runs with MPI_THREAD_MULTIPLE, which
+    `what` (a second thread calling MPI) needs. rank, level: the caller's rank and MPI's
+    thread level (default: COMM_WORLD's rank and MPI_Query_thread, no collective)."""
     MPI = _mpi()
+    rank = MPI.COMM_WORLD.Get_rank() if rank is None else rank
+    level = MPI.Query_thread() if level is None else level
     if level < MPI.THREAD_MULTIPLE:
         names = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED:
                  "MPI_THREAD_FUNNELED", MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED"}
@@ -715,7 +719,7 @@ class Comm:
     def require_threads(self, what: str) -> None:
         """Raise CommError (naming the fix) unless MPI runs with MPI_THREAD_MULTIPLE,
         which `what` (a second thread calling MPI) needs."""
-        require_threads(self.rank, self.thread_level, what)
+        require_threads(what, self.rank, self.thread_level)
 
     # -- plumbing --------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ import threading
 import numpy as np
 
 from . import ids
-from .comm import Comm, announce, install_abort_hook, skip_finalize
+from .comm import Comm, announce, install_abort_hook, require_threads, skip_finalize
 from .config import Config
 from .errors import CommError, CommTimeoutError, InvalidArgumentError, KvcollError
 
@@ -271,13 +271,18 @@ def shutdown() -> None:
 # -- inside a Horovod job (kvcoll.keras._horovod holds the rest; not imported here, as
 #    that package brings Keras in) --------------------------------------------------------
 
-def _horovod_world(c: Comm) -> bool:
-    """Whether Horovod's TensorFlow layer is imported, initialised (not yet shut down)
-    and spans kvcoll's world: then its shutdown can finalize MPI under kvcoll."""
+def _horovod():
+    """Horovod's TensorFlow layer if the program imported and initialised it (not yet
+    shut down), else None."""
     hvd = sys.modules.get("horovod.tensorflow")
-    if hvd is None or not hvd.is_initialized():
-        return False
-    return (hvd.size(), hvd.rank()) == (c.size, c.rank)
+    return hvd if hvd is not None and hvd.is_initialized() else None
+
+
+def _horovod_world(c: Comm) -> bool:
+    """Whether Horovod runs (_horovod) and spans kvcoll's world: then its shutdown can
+    finalize MPI under kvcoll."""
+    hvd = _horovod()
+    return hvd is not None and (hvd.size(), hvd.rank()) == (c.size, c.rank)
 
 
 # what needs MPI_THREAD_MULTIPLE inside a Horovod job (kvcoll.comm.require_threads)
@@ -291,13 +296,8 @@ def _horovod_threads() -> None:
     background thread already calls MPI, and kvcoll's collectives on this thread beside
     it may crash the process (a rank crashed in Open MPI's NBC_Progress): refuse, naming
     the fix, on every rank alike (the thread level is the job's), before any."""
-    hvd = sys.modules.get("horovod.tensorflow")
-    if hvd is None or not hvd.is_initialized():
-        return
-    from .comm import _mpi, require_threads
-
-    MPI = _mpi()
-    require_threads(MPI.COMM_WORLD.Get_rank(), MPI.Query_thread(), BESIDE_HOROVOD)
+    if _horovod() is not None:
+        require_threads(BESIDE_HOROVOD)
 
 
 def _horovod_barrier(timeout: float, rank: int) -> None:

@@ -294,7 +294,6 @@ def test_keras_fit_survives_a_killed_rank(tmp_path, sig):
 # Run under ULFM on each rank: the slot of ULFM's reliable broadcast before and after
 # MPI_Init (kvcoll.comm._guard_ulfm_start, which kv.init runs before MPI_Init)
 ULFM_SLOT = """
-import sys
 import mpi4py
 mpi4py.rc.finalize = False
 from kvcoll import comm
