@@ -198,13 +198,7 @@ def build_model(dim: int, hidden: int, evict_after_steps: int | None = None):
 def train(args) -> int:
     import kvcoll as kv
 
-    kv.init(argv=[])  # kvcoll: MPI up
-    import tensorflow as tf
-
-    # kvcoll: the ranks on this host share its cores
-    tf.config.threading.set_intra_op_parallelism_threads(
-        max(1, (os.cpu_count() or 1) // kv.local_size()))
-    tf.config.threading.set_inter_op_parallelism_threads(1)
+    kv.init(argv=[])  # kvcoll: MPI up; TensorFlow gets this rank's share of the cores
     import keras
 
     keras.utils.set_random_seed(args.seed)

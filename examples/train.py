@@ -33,9 +33,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -281,13 +279,8 @@ def main(argv=None):
         kv.shutdown()
         return 2
 
-    import tensorflow as tf
-
-    # kvcoll: the ranks on this host share its cores; set before any TensorFlow op runs
-    tf.config.threading.set_intra_op_parallelism_threads(
-        max(1, (os.cpu_count() or 1) // kv.local_size()))
-    tf.config.threading.set_inter_op_parallelism_threads(1)
     import keras
+    import tensorflow as tf  # (after kv.init: it gave TensorFlow this rank's share of cores)
 
     from models import build_deepfm, build_wdl
 

@@ -22,6 +22,7 @@ kvcoll's, first).
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import threading
 
@@ -33,7 +34,8 @@ from .config import Config
 from .errors import CommError, CommTimeoutError, InvalidArgumentError, KvcollError
 
 __all__ = ["init", "shutdown", "rank", "size", "local_rank", "local_size", "config", "comm",
-           "is_initialized", "allreduce", "allgather", "broadcast", "preempted"]
+           "is_initialized", "allreduce", "allgather", "broadcast", "preempted",
+           "share_cores_with_tensorflow"]
 
 _state: dict = {}
 
@@ -69,11 +71,47 @@ def init(argv: list[str] | None = None, **settings) -> Config:
         raise
     _state.update(config=cfg)
     replace_comm(comm)
+    share_cores_with_tensorflow()
     atexit.register(_at_exit)
     if cfg.elastic_min_np:  # the launcher learns which ranks started and which ended
         _stop_on_sigusr2()  # first: a stop may follow the announcement at once
         announce({"event": "start", "rank": comm.rank})
     return cfg
+
+
+def share_cores_with_tensorflow() -> str:
+    """Ranks that share a host share its cores (kv.init does this): TensorFlow, which
+    sizes its thread pools to every core of the host in each rank, gets this rank's
+    share (kernels.core_share(): the cores its affinity allows over the ranks on its
+    host) for its intra-op pool and 1 thread for its inter-op pool, unless the program
+    chose (TF_NUM_INTRAOP_THREADS / TF_NUM_INTEROP_THREADS, or tf.config.threading
+    before kv.init) or the rank is alone on its host. TensorFlow reads them when its
+    runtime starts, at its first op: a program whose TensorFlow already ran keeps what
+    it had. Returns what it did, for the tests."""
+    if local_size() < 2:
+        return "alone on its host"
+    from .exchange.kernels import core_share
+
+    share, tf = core_share(), sys.modules.get("tensorflow")
+    if tf is None or not hasattr(tf, "config"):
+        chosen = [v for v in ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
+                  if v in os.environ]
+        if chosen:
+            return f"chosen: {', '.join(chosen)}"
+        os.environ["TF_NUM_INTRAOP_THREADS"] = str(share)
+        os.environ["TF_NUM_INTEROP_THREADS"] = "1"
+        return f"{share} intra-op, 1 inter-op (environment)"
+    threading_ = tf.config.threading
+    if (threading_.get_intra_op_parallelism_threads() or
+            threading_.get_inter_op_parallelism_threads() or
+            "TF_NUM_INTRAOP_THREADS" in os.environ or "TF_NUM_INTEROP_THREADS" in os.environ):
+        return "chosen"
+    try:
+        threading_.set_intra_op_parallelism_threads(share)
+        threading_.set_inter_op_parallelism_threads(1)
+    except RuntimeError:  # TensorFlow's runtime has started: its pools are made
+        return "TensorFlow already running"
+    return f"{share} intra-op, 1 inter-op"
 
 
 def _stop_on_sigusr2() -> None:

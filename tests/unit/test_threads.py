@@ -155,6 +155,66 @@ def test_default_threads_are_the_cores_tensorflow_leaves_free(monkeypatch):
         assert kernels.default_threads() == 1
 
 
+def test_ranks_on_one_host_give_tensorflow_their_share_of_its_cores(monkeypatch):
+    """kv.init (runtime.share_cores_with_tensorflow): with 2 ranks on an 8-core host,
+    TensorFlow gets 4 intra-op threads and 1 inter-op, through the environment before
+    TensorFlow is imported, through tf.config.threading after; a choice of the
+    program's stays, a TensorFlow already running keeps its pools, a rank alone on its
+    host keeps TensorFlow's defaults."""
+    import os
+    import sys
+
+    from kvcoll import runtime
+
+    names = ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
+
+    def tf_with(intra=0, inter=0, running=False):
+        got = {"intra": intra, "inter": inter}
+
+        def setter(which):
+            def set_(n):
+                if running:
+                    raise RuntimeError(f"{which} parallelism cannot be modified after "
+                                       "initialization.")
+                got[which] = n
+            return set_
+
+        threading = types.SimpleNamespace(
+            get_intra_op_parallelism_threads=lambda: got["intra"],
+            get_inter_op_parallelism_threads=lambda: got["inter"],
+            set_intra_op_parallelism_threads=setter("intra"),
+            set_inter_op_parallelism_threads=setter("inter"))
+        return types.SimpleNamespace(config=types.SimpleNamespace(threading=threading)), got
+
+    with monkeypatch.context() as m:
+        m.setattr(kernels.os, "sched_getaffinity", lambda pid: set(range(8)))
+        m.setattr(runtime, "is_initialized", lambda: True)
+        m.setattr(runtime, "local_size", lambda: 2)
+        for name in names:
+            m.delenv(name, raising=False)
+        m.delitem(sys.modules, "tensorflow", raising=False)
+        assert runtime.share_cores_with_tensorflow() == "4 intra-op, 1 inter-op (environment)"
+        assert [os.environ[n] for n in names] == ["4", "1"]
+        assert runtime.share_cores_with_tensorflow() == \
+            "chosen: TF_NUM_INTRAOP_THREADS, TF_NUM_INTEROP_THREADS"
+        for name in names:
+            m.delenv(name)
+        tf, got = tf_with()
+        m.setitem(sys.modules, "tensorflow", tf)
+        assert runtime.share_cores_with_tensorflow() == "4 intra-op, 1 inter-op"
+        assert got == {"intra": 4, "inter": 1} and not any(n in os.environ for n in names)
+        tf, got = tf_with(intra=3)
+        m.setitem(sys.modules, "tensorflow", tf)
+        assert runtime.share_cores_with_tensorflow() == "chosen" and got["intra"] == 3
+        tf, got = tf_with(running=True)
+        m.setitem(sys.modules, "tensorflow", tf)
+        assert runtime.share_cores_with_tensorflow() == "TensorFlow already running"
+        m.setattr(runtime, "local_size", lambda: 1)
+        m.delitem(sys.modules, "tensorflow")
+        assert runtime.share_cores_with_tensorflow() == "alone on its host"
+        assert not any(n in os.environ for n in names)
+
+
 def test_kernels_a_step_waits_for_use_the_ranks_cores_those_beside_the_compute_the_rest(
         monkeypatch):
     import threading
