@@ -136,18 +136,22 @@ def test_uneven_data(tmp_path):
 
 
 def test_kvcollrun_launches_ranks():
-    """launch/kvcollrun wraps mpirun (root, oversubscribe, tagged output, job timeout)."""
+    """launch/kvcollrun wraps mpirun (root, oversubscribe, tagged output, job timeout);
+    kv.init gives TensorFlow (not imported yet) each rank's share of the host's cores."""
     import subprocess
 
     env = dict(os.environ, KVCOLLRUN_TIMEOUT="120", PYTHONPATH=str(ROOT))
-    env.pop("KVCOLL_STEP_MODE", None)
+    for name in ("KVCOLL_STEP_MODE", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"):
+        env.pop(name, None)
     proc = subprocess.run(
         [str(ROOT / "launch" / "kvcollrun"), "-np", "3", sys.executable, "-c",
-         "import kvcoll; kvcoll.init(); print('size', kvcoll.size(), 'rank', kvcoll.rank()); "
+         "import os, kvcoll; kvcoll.init(); print('size', kvcoll.size(), 'rank', kvcoll.rank(), "
+         "'tf', os.environ['TF_NUM_INTRAOP_THREADS'], os.environ['TF_NUM_INTEROP_THREADS']); "
          "kvcoll.shutdown()"], env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    share = max(1, len(os.sched_getaffinity(0)) // 3)
     for r in range(3):
-        assert f"size 3 rank {r}" in proc.stdout
+        assert f"size 3 rank {r} tf {share} 1" in proc.stdout, proc.stdout
     assert "[1," in proc.stdout  # --tag-output prefixes each line with its rank
 
 
