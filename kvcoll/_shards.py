@@ -48,6 +48,7 @@ import collections
 import concurrent.futures
 import hashlib
 import io
+import json
 import math
 import os
 import struct
@@ -111,6 +112,28 @@ def write_durably(path: str, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def read_manifest(path: str, fmt: str, newest: int, error, what: str, to_do: str) -> dict:
+    """The JSON manifest at `path` (a checkpoint's or a published version's), checked
+    for its `format` and a `version` no newer than `newest`; raises `error` naming the
+    path when it is missing, corrupt, not a kvcoll `what` manifest, or too new (the fix:
+    upgrade kvcoll to `to_do` it)."""
+    try:
+        with open(path, "rb") as f:
+            m = json.loads(f.read())
+    except FileNotFoundError:
+        raise error(f"{os.path.dirname(path)} is missing or incomplete (no "
+                    f"{os.path.basename(path)})") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise error(f"{path} is corrupt ({exc})") from None
+    if not isinstance(m, dict) or m.get("format") != fmt:
+        raise error(f"{path} is not a kvcoll {what} manifest")
+    version = m.get("version")
+    if not isinstance(version, int) or version > newest:
+        raise error(f"{path} has format version {version!r}, newer than this kvcoll's "
+                    f"{newest}; upgrade kvcoll to {to_do} it")
+    return m
 
 
 def raw_bytes(data) -> memoryview:

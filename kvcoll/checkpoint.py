@@ -1229,21 +1229,7 @@ def _empty(name: str, t: KvTable) -> np.ndarray:
 
 def _read_manifest(directory: str, name: str) -> dict:
     path = os.path.join(directory, name, MANIFEST)
-    try:
-        with open(path, "rb") as f:
-            m = json.loads(f.read())
-    except FileNotFoundError:
-        raise CheckpointError(f"{os.path.join(directory, name)} is missing or incomplete "
-                              f"(no {MANIFEST})") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path} is corrupt ({exc})") from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a kvcoll checkpoint manifest")
-    version = m.get("version")
-    if not isinstance(version, int) or version > VERSION:
-        raise CheckpointError(
-            f"{path} has format version {version!r}, newer than this kvcoll's {VERSION}; "
-            "upgrade kvcoll to restore it")
+    m = _shards.read_manifest(path, FORMAT, VERSION, CheckpointError, "checkpoint", "restore")
     if m.get("kind") not in ("full", "delta") or (m["kind"] == "delta" and not m.get("parent")):
         raise CheckpointError(f"{path}: kind {m.get('kind')!r} / parent {m.get('parent')!r} "
                               "are not valid")

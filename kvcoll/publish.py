@@ -509,19 +509,7 @@ def read_manifest(directory, kind: str, version: int) -> dict:
     """A version's manifest, checked for its format; raises PublishError."""
     name = version_dir(kind, version)
     path = os.path.join(os.fspath(directory), name, MANIFEST)
-    try:
-        with open(path, "rb") as f:
-            m = json.loads(f.read())
-    except FileNotFoundError:
-        raise PublishError(f"{os.path.dirname(path)} is missing or incomplete (no "
-                           f"{MANIFEST})") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise PublishError(f"{path} is corrupt ({exc})") from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise PublishError(f"{path} is not a kvcoll publish manifest")
-    if not isinstance(m.get("version"), int) or m["version"] > VERSION:
-        raise PublishError(f"{path} has format version {m.get('version')!r}, newer than this "
-                           f"kvcoll's {VERSION}; upgrade kvcoll to read it")
+    m = _shards.read_manifest(path, FORMAT, VERSION, PublishError, "publish", "read")
     if m.get("kind") != kind or m.get("model_version") != version or \
             (kind == "delta" and m.get("parent") != version - 1):
         raise PublishError(f"{path}: kind {m.get('kind')!r}, version "

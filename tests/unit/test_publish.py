@@ -157,6 +157,20 @@ def test_refused_versions(tmp_path):
     # another model's tables
     with pytest.raises(PublishError, match="another model"):
         load_version(d, "base", 1, {"user": 5, "item": 3})
+    # a manifest that is too new, not a publish manifest, corrupt or gone
+    for change, message in ((lambda m: {**m, "version": 99}, "version 99, newer.*upgrade "
+                             "kvcoll to read it"),
+                            (lambda m: {**m, "format": "kvcoll-checkpoint"},
+                             "is not a kvcoll publish manifest")):
+        json.dump(change(man), open(mp, "w"))
+        with pytest.raises(PublishError, match=message):
+            read_manifest(d, "delta", 2)
+    open(mp, "w").write("{")
+    with pytest.raises(PublishError, match="is corrupt"):
+        read_manifest(d, "delta", 2)
+    os.remove(mp)
+    with pytest.raises(PublishError, match="is missing or incomplete .no manifest.json."):
+        read_manifest(d, "delta", 2)
 
 
 def test_clear_starts_a_new_chain_and_retention(tmp_path):
