@@ -54,6 +54,20 @@ def group_key(dim: int) -> str:
     return f"dim{dim}"
 
 
+def hold_tables(ex, comm: Comm, tables: dict[str, KvTable], owners, wire_dtype) -> None:
+    """What an exchange (BSP's, SSP/ASP's) keeps to serve its tables: the communicator
+    and owner map (default: the even map of its size), the tables by name and in one
+    TableSet with their dims, the rows' wire format and the bytes it has sent."""
+    ex.comm = comm
+    ex.owners = owners_for(comm, owners)
+    ex.tables = dict(tables)
+    ex._names = list(ex.tables)
+    ex._set = TableSet([ex.tables[n] for n in ex._names])
+    ex._dims = ex._set.dims.astype(np.int64)
+    ex.wire = wire_of(wire_dtype)
+    ex.wire_bytes = {"ids": 0, "rows": 0, "grads": 0}
+
+
 @dataclasses.dataclass
 class Pulled:
     """One table's part of a pull (rank-local), in per-table form."""
@@ -237,14 +251,7 @@ class BspExchange:
 
     def __init__(self, comm: Comm, tables: dict[str, KvTable], owners=None,
                  wire_dtype=None):
-        self.comm = comm
-        self.owners = owners_for(comm, owners)
-        self.tables = dict(tables)
-        self._names = list(self.tables)
-        self._set = TableSet([self.tables[n] for n in self._names])
-        self._dims = self._set.dims.astype(np.int64)
-        self.wire = wire_of(wire_dtype)
-        self.wire_bytes = {"ids": 0, "rows": 0, "grads": 0}
+        hold_tables(self, comm, tables, owners, wire_dtype)
         self.step = 0
         self.table_seconds = 0.0  # time spent in the tables' C calls (lookups, updates)
 

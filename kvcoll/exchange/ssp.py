@@ -68,15 +68,13 @@ import numpy as np
 
 from ..comm import SPIN, Comm, run_time
 from ..errors import CommError, CommTimeoutError, InvalidArgumentError, NonFiniteError
-from ..routing import owners_for
 from ..table import KvTable
 from .._buffers import aligned_empty
-from .bsp import BspExchange, Pull
+from .bsp import BspExchange, Pull, hold_tables
 from .dense import apply_rows, init_slots
 from .agreement import FAILED, OK, Agreement
 from .doorbell import Doorbells
-from .kernels import TableSet, beside_compute
-from .wire import wire_of
+from .kernels import beside_compute
 
 __all__ = ["SspExchange", "close_all"]
 
@@ -171,14 +169,7 @@ class SspExchange:
             raise InvalidArgumentError(
                 f"staleness must be an int >= 0 or None (ASP), got {staleness!r}")
         comm.require_threads("SSP/ASP (a service thread per rank)")
-        self.comm = comm
-        self.owners = owners_for(comm, owners)
-        self.tables = dict(tables)
-        self._names = list(self.tables)
-        self._set = TableSet([self.tables[n] for n in self._names])
-        self._dims = self._set.dims.astype(np.int64)
-        self.wire = wire_of(wire_dtype)
-        self.wire_bytes = {"ids": 0, "rows": 0, "grads": 0}
+        hold_tables(self, comm, tables, owners, wire_dtype)
         self.staleness = staleness
         world, rank = comm.size, comm.rank
         self._world, self._rank = world, rank
