@@ -534,15 +534,22 @@ static void pub_mark(kv_table_t *t, uint32_t id) {
     t->pub_rows[t->pub_n++] = id;
 }
 
-static int pub_gone_reserve(kv_table_t *t, uint64_t extra) {
-    if (!t->pub_on || t->pub_lost || t->pub_gone_n + extra <= t->pub_gone_cap) return KV_OK;
-    uint64_t cap = t->pub_gone_cap ? t->pub_gone_cap : 1024;
-    while (cap < t->pub_gone_n + extra) cap *= 2;
-    int64_t *g = kv_realloc(t->pub_gone, (size_t)cap * sizeof(int64_t));
-    if (!g) return KV_ENOMEM;
-    t->pub_gone = g;
-    t->pub_gone_cap = cap;
+/* Room for `need` keys in a key log (*keys, *cap entries): its capacity doubles from
+ * 1024. KV_OK or KV_ENOMEM (the log as it was). */
+static int keys_reserve(int64_t **keys, uint64_t *cap, uint64_t need) {
+    if (need <= *cap) return KV_OK;
+    uint64_t c = *cap ? *cap : 1024;
+    while (c < need) c *= 2;
+    int64_t *k = kv_realloc(*keys, (size_t)c * sizeof(int64_t));
+    if (!k) return KV_ENOMEM;
+    *keys = k;
+    *cap = c;
     return KV_OK;
+}
+
+static int pub_gone_reserve(kv_table_t *t, uint64_t extra) {
+    if (!t->pub_on || t->pub_lost) return KV_OK;
+    return keys_reserve(&t->pub_gone, &t->pub_gone_cap, t->pub_gone_n + extra);
 }
 
 /* Empty both lists (giving large ones' memory back); lost != 0 marks tracking lost.
@@ -731,14 +738,8 @@ static int pub_gone_reserve(kv_table_t *t, uint64_t extra);
  * (each only while it is on). KV_OK or KV_ENOMEM (both logs as they were in use). */
 static int log_reserve(kv_table_t *t, uint64_t extra) {
     if (pub_gone_reserve(t, extra) != KV_OK) return KV_ENOMEM;
-    if (!t->log_on || t->log_n + extra <= t->log_cap) return KV_OK;
-    uint64_t cap = t->log_cap ? t->log_cap : 1024;
-    while (cap < t->log_n + extra) cap *= 2;
-    int64_t *l = kv_realloc(t->log, (size_t)cap * sizeof(int64_t));
-    if (!l) return KV_ENOMEM;
-    t->log = l;
-    t->log_cap = cap;
-    return KV_OK;
+    if (!t->log_on) return KV_OK;
+    return keys_reserve(&t->log, &t->log_cap, t->log_n + extra);
 }
 
 /* Put live row id on the free list (its index entry is already gone) and log it. */
