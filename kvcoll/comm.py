@@ -61,7 +61,7 @@ from ._topology import (
 from .errors import CommError, CommTimeoutError, PeerLostError
 
 __all__ = ["AllToAllHandle", "Comm", "MessageWaiter", "SendHandle", "TwoLevelHandle", "announce",
-           "paused", "require_threads", "run_time"]
+           "paused", "run_time", "threads_refused"]
 
 _MPI = None
 
@@ -162,22 +162,15 @@ def _guard_ulfm_start() -> bool:
     return True
 
 
-def require_threads(what: str, rank: int | None = None, level: int | None = None) -> None:
-    """Raise CommError (naming the fix) unless MPI runs with MPI_THREAD_MULTIPLE, which
-    `what` (a second thread calling MPI) needs. rank, level: the caller's rank and MPI's
-    thread level (default: COMM_WORLD's rank and MPI_Query_thread, no collective)."""
-    MPI = _mpi()
-    rank = MPI.COMM_WORLD.Get_rank() if rank is None else rank
-    level = MPI.Query_thread() if level is None else level
-    if level < MPI.THREAD_MULTIPLE:
-        names = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED:
-                 "MPI_THREAD_FUNNELED", MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED"}
-        raise CommError(
-            f"rank {rank}: {what} needs MPI initialised with MPI_THREAD_MULTIPLE, "
-            f"but it runs with {names.get(level, level)}; "
-            "initialise MPI through kvcoll (kv.init() before anything else imports "
-            "mpi4py.MPI), or set mpi4py.rc.thread_level = 'multiple' before importing "
-            "mpi4py.MPI (Horovod: HOROVOD_MPI_THREADS_DISABLE must not be set)")
+def threads_refused(what: str, rank: int, level) -> CommError:
+    """The error when `what` (a second thread calling MPI) needs MPI_THREAD_MULTIPLE and
+    MPI runs with `level` (its name) on `rank`; it names the fix."""
+    return CommError(
+        f"rank {rank}: {what} needs MPI initialised with MPI_THREAD_MULTIPLE, "
+        f"but it runs with {level}; "
+        "initialise MPI through kvcoll (kv.init() before anything else imports "
+        "mpi4py.MPI), or set mpi4py.rc.thread_level = 'multiple' before importing "
+        "mpi4py.MPI (Horovod: HOROVOD_MPI_THREADS_DISABLE must not be set)")
 
 
 # The watchdog of MPI_Init (a separate process: MPI_Init holds the GIL, so no thread of
@@ -719,7 +712,11 @@ class Comm:
     def require_threads(self, what: str) -> None:
         """Raise CommError (naming the fix) unless MPI runs with MPI_THREAD_MULTIPLE,
         which `what` (a second thread calling MPI) needs."""
-        require_threads(what, self.rank, self.thread_level)
+        MPI, level = _mpi(), self.thread_level
+        if level < MPI.THREAD_MULTIPLE:
+            names = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED:
+                     "MPI_THREAD_FUNNELED", MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED"}
+            raise threads_refused(what, self.rank, names.get(level, level))
 
     # -- plumbing --------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ import threading
 import numpy as np
 
 from . import ids
-from .comm import Comm, announce, install_abort_hook, require_threads, skip_finalize
+from .comm import Comm, announce, install_abort_hook, skip_finalize, threads_refused
 from .config import Config
 from .errors import CommError, CommTimeoutError, InvalidArgumentError, KvcollError
 
@@ -323,7 +323,7 @@ def _horovod_world(c: Comm) -> bool:
     return hvd is not None and (hvd.size(), hvd.rank()) == (c.size, c.rank)
 
 
-# what needs MPI_THREAD_MULTIPLE inside a Horovod job (kvcoll.comm.require_threads)
+# what needs MPI_THREAD_MULTIPLE inside a Horovod job (kvcoll.comm.threads_refused)
 BESIDE_HOROVOD = ("kvcoll next to Horovod (Horovod's background thread calls MPI while "
                   "kvcoll's collectives run on the training thread)")
 
@@ -333,9 +333,22 @@ def _horovod_threads() -> None:
     MPI_THREAD_MULTIPLE (hvd.init() first, with HOROVOD_MPI_THREADS_DISABLE), Horovod's
     background thread already calls MPI, and kvcoll's collectives on this thread beside
     it may crash the process (a rank crashed in Open MPI's NBC_Progress): refuse, naming
-    the fix, on every rank alike (the thread level is the job's), before any."""
-    if _horovod() is not None:
-        require_threads(BESIDE_HOROVOD)
+    the fix, on every rank alike (the thread level is the job's), before any.
+
+    It asks Horovod (the thread level its MPI start got, as Horovod keeps it), not MPI:
+    a rank that refused and exited shuts Horovod down on every rank, and each rank's
+    Horovod thread then finalizes MPI, under a rank still here (an MPI call there
+    aborted the process). Horovod without MPI (Gloo) never calls MPI: nothing to check."""
+    hvd = _horovod()
+    if hvd is None:
+        return
+    try:
+        multiple = hvd.mpi_threads_supported()
+    except ValueError:      # Horovod runs without MPI
+        return
+    if not multiple:
+        raise threads_refused(BESIDE_HOROVOD, hvd.rank(),
+                              "less (Horovod's hvd.mpi_threads_supported() is False)")
 
 
 def _horovod_barrier(timeout: float, rank: int) -> None:

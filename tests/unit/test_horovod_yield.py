@@ -53,3 +53,35 @@ def test_finds_nothing_where_no_open_mpi_is_mapped(fresh, tmp_path):
     fresh.setattr("builtins.open", lambda path, *a, **k: real_open(
         maps if path == "/proc/self/maps" else path, *a, **k))
     assert _horovod._opal_function("opal_progress_set_yield_when_idle") is None
+
+
+def test_kv_init_refuses_beside_horovod_without_mpi_threads_asking_horovod_not_mpi(
+        monkeypatch):
+    """runtime._horovod_threads (kv.init, before its first collective) reads the thread
+    level Horovod's MPI start got from Horovod: no MPI call, since another rank's exit
+    shuts Horovod down everywhere and each rank's Horovod thread then finalizes MPI (an
+    MPI call there aborted a rank still in kv.init). Horovod without MPI: nothing."""
+    import sys
+    import types
+
+    from kvcoll import CommError, comm, runtime
+
+    def no_mpi():
+        raise AssertionError("an MPI call")
+
+    def horovod(threads):
+        def supported():
+            if threads is None:
+                raise ValueError("Horovod MPI is not enabled")
+            return threads
+        return types.SimpleNamespace(is_initialized=lambda: True, rank=lambda: 3,
+                                     mpi_threads_supported=supported)
+
+    monkeypatch.setattr(comm, "_mpi", no_mpi)
+    monkeypatch.setitem(sys.modules, "horovod.tensorflow", horovod(False))
+    with pytest.raises(CommError, match="rank 3: kvcoll next to Horovod.*MPI_THREAD_MULTIPLE"
+                       ".*HOROVOD_MPI_THREADS_DISABLE must not be set"):
+        runtime._horovod_threads()
+    for threads in (True, None):
+        monkeypatch.setitem(sys.modules, "horovod.tensorflow", horovod(threads))
+        runtime._horovod_threads()
