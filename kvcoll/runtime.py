@@ -35,7 +35,7 @@ from .errors import CommError, CommTimeoutError, InvalidArgumentError, KvcollErr
 
 __all__ = ["init", "shutdown", "rank", "size", "local_rank", "local_size", "config", "comm",
            "is_initialized", "allreduce", "allgather", "broadcast", "preempted",
-           "share_cores_with_tensorflow"]
+           "core_share", "share_cores_with_tensorflow"]
 
 _state: dict = {}
 
@@ -79,32 +79,39 @@ def init(argv: list[str] | None = None, **settings) -> Config:
     return cfg
 
 
+def core_share() -> int:
+    """This rank's cores: the cores its CPU affinity allows, divided by the ranks on its
+    host (at least 1)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    local = local_size() if is_initialized() else 1
+    return max(1, cores // max(1, local))
+
+
 def share_cores_with_tensorflow() -> str:
     """Ranks that share a host share its cores (kv.init does this): TensorFlow, which
     sizes its thread pools to every core of the host in each rank, gets this rank's
-    share (kernels.core_share(): the cores its affinity allows over the ranks on its
-    host) for its intra-op pool and 1 thread for its inter-op pool, unless the program
-    chose (TF_NUM_INTRAOP_THREADS / TF_NUM_INTEROP_THREADS, or tf.config.threading
-    before kv.init) or the rank is alone on its host. TensorFlow reads them when its
-    runtime starts, at its first op: a program whose TensorFlow already ran keeps what
-    it had. Returns what it did, for the tests."""
+    share (core_share()) for its intra-op pool and 1 thread for its inter-op pool,
+    unless the program chose (TF_NUM_INTRAOP_THREADS / TF_NUM_INTEROP_THREADS, or
+    tf.config.threading before kv.init) or the rank is alone on its host. TensorFlow
+    reads them when its runtime starts, at its first op: a program whose TensorFlow
+    already ran keeps what it had. Returns what it did, for the tests."""
     if local_size() < 2:
         return "alone on its host"
-    from .exchange.kernels import core_share
-
+    chosen = [v for v in ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
+              if v in os.environ]
+    if chosen:
+        return f"chosen: {', '.join(chosen)}"
     share, tf = core_share(), sys.modules.get("tensorflow")
     if tf is None or not hasattr(tf, "config"):
-        chosen = [v for v in ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
-                  if v in os.environ]
-        if chosen:
-            return f"chosen: {', '.join(chosen)}"
         os.environ["TF_NUM_INTRAOP_THREADS"] = str(share)
         os.environ["TF_NUM_INTEROP_THREADS"] = "1"
         return f"{share} intra-op, 1 inter-op (environment)"
     threading_ = tf.config.threading
-    if (threading_.get_intra_op_parallelism_threads() or
-            threading_.get_inter_op_parallelism_threads() or
-            "TF_NUM_INTRAOP_THREADS" in os.environ or "TF_NUM_INTEROP_THREADS" in os.environ):
+    if threading_.get_intra_op_parallelism_threads() or \
+            threading_.get_inter_op_parallelism_threads():
         return "chosen"
     try:
         threading_.set_intra_op_parallelism_threads(share)

@@ -21,7 +21,6 @@ kv.init(threads=...)), when not 0 (the default), sizes both (they are then one p
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import threading
 
@@ -32,6 +31,7 @@ from ..config import Config
 from .._buffers import aligned_empty
 from .._c import EMPTY, check, ffi, lib, ptr, step32
 from ..routing import OwnerMap
+from ..runtime import core_share  # (the pools are sized from it)
 from ..table import nonfinite_update_error
 
 __all__ = ["TableSet", "Prepared", "gather_grad", "threads", "default_threads", "core_share",
@@ -44,17 +44,6 @@ _WAITED, _BESIDE = "waited", "beside"   # the two pools (see the module's docstr
 _pools: dict = {}            # which -> (threads, handle): the pools made so far
 _pool_lock = threading.Lock()
 _local = threading.local()   # .beside: this thread's kernels run beside the compute
-
-
-def core_share() -> int:
-    """This rank's cores: the cores its CPU affinity allows, divided by the ranks on its
-    host (at least 1)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    local = runtime.local_size() if runtime.is_initialized() else 1
-    return max(1, cores // max(1, local))
 
 
 def default_threads() -> int:

@@ -15,6 +15,7 @@ key range. Here, in one process:
 The multi-rank equivalence (several sources per owner) is tests/mpi/test_threads.py.
 """
 
+import os
 import types
 
 import numpy as np
@@ -140,7 +141,7 @@ def test_default_threads_are_the_cores_tensorflow_leaves_free(monkeypatch):
         return types.SimpleNamespace(config=types.SimpleNamespace(threading=threading))
 
     with monkeypatch.context() as m:  # undone before the pool goes back to the setting
-        m.setattr(kernels.os, "sched_getaffinity", lambda pid: set(range(8)))
+        m.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
         m.setattr(runtime, "is_initialized", lambda: True)
         m.setattr(runtime, "local_size", lambda: 2)   # 2 ranks: 4 cores each
         m.delitem(sys.modules, "tensorflow", raising=False)
@@ -161,7 +162,6 @@ def test_ranks_on_one_host_give_tensorflow_their_share_of_its_cores(monkeypatch)
     TensorFlow is imported, through tf.config.threading after; a choice of the
     program's stays, a TensorFlow already running keeps its pools, a rank alone on its
     host keeps TensorFlow's defaults."""
-    import os
     import sys
 
     from kvcoll import runtime
@@ -187,7 +187,7 @@ def test_ranks_on_one_host_give_tensorflow_their_share_of_its_cores(monkeypatch)
         return types.SimpleNamespace(config=types.SimpleNamespace(threading=threading)), got
 
     with monkeypatch.context() as m:
-        m.setattr(kernels.os, "sched_getaffinity", lambda pid: set(range(8)))
+        m.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
         m.setattr(runtime, "is_initialized", lambda: True)
         m.setattr(runtime, "local_size", lambda: 2)
         for name in names:
@@ -230,7 +230,7 @@ def test_kernels_a_step_waits_for_use_the_ranks_cores_those_beside_the_compute_t
 
     threading_ns = types.SimpleNamespace(get_intra_op_parallelism_threads=lambda: 1)
     with monkeypatch.context() as m:  # undone before the pools go back to the setting
-        m.setattr(kernels.os, "sched_getaffinity", lambda pid: set(range(8)))
+        m.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
         m.setattr(runtime, "is_initialized", lambda: True)
         m.setattr(runtime, "local_size", lambda: 2)   # 2 ranks: 4 cores each
         m.setitem(__import__("sys").modules, "tensorflow",
