@@ -62,6 +62,7 @@ def test_positions_across_epochs_and_idle_waits(comm, shared_dir):
         land(shared_dir, 0)
         land(shared_dir, 1)
     comm.barrier()
+    t0 = time.monotonic()   # (before the model is built: file 2 lands 1 s after this)
     later = threading.Timer(1.0, land, (shared_dir, 2)) if comm.rank == 0 else None
     if later:
         later.start()
@@ -71,7 +72,6 @@ def test_positions_across_epochs_and_idle_waits(comm, shared_dir):
     m.compile(optimizer=kv.DistributedOptimizer(keras.optimizers.SGD(0.1)),
               loss=keras.losses.BinaryCrossentropy(from_logits=True))
     count = Count()
-    t0 = time.monotonic()
     # 10 steps in epochs of 3: 8 batches are there at once, the last 2 a second later
     m.fit(stream(shared_dir, idle_timeout=None).dataset(), steps_per_epoch=3, epochs=4,
           verbose=0, callbacks=[count])
