@@ -61,6 +61,10 @@ def add_arguments(p) -> None:
     g.add_argument("--scale-deepfm-steps", type=int, default=60,
                    help="DeepFM steps on 1 and 2 ranks (0: skip; the curves then use the "
                    "numpy job's workload)")
+    g.add_argument("--scale-deepfm-rounds", type=int, default=3,
+                   help="rounds of a 1-rank and a 2-rank DeepFM launch: each phase is the "
+                   "median over them (the multi-rank step's own CPU and waits, the "
+                   "difference of two runs' figures, moved 2x between single launches)")
     g.add_argument("--scale-timeout", type=float, default=900.0)
     g.add_argument("--scale-quiet-wait", type=float, default=30.0,
                    help="seconds to wait before each launch for the other processes to use "
@@ -175,22 +179,28 @@ def measured_step_s(summary: dict) -> float:
     return sum(summary["phases_s"].values())
 
 
-def deepfm(args, quick: bool, tmp: str) -> dict | None:
-    """DeepFM's phases on 1 and 2 ranks of this machine (bench/train_worker.py)."""
+def deepfm(args, quick: bool, tmp: str) -> list[dict] | None:
+    """DeepFM's phases on 1 and 2 ranks of this machine (bench/train_worker.py), in
+    --scale-deepfm-rounds rounds of a 1-rank and a 2-rank launch each: [{1: record,
+    2: record, "busy": {1: cores, 2: cores}}] (busy: what the other processes used just
+    before each launch)."""
     steps = 0 if quick else args.scale_deepfm_steps    # --quick: no TensorFlow
     if steps <= 0:
         return None
-    out = {"busy": {}}
-    for world in (1, 2):
-        path = os.path.join(tmp, f"deepfm-{world}.json")
-        out["busy"][world] = common.wait_until_quiet(5 if quick else 120, below=0.3)
-        _mpirun_local(world, [WORKER, "--impl", "kvcoll", "--steps", steps, "--warmup", 10,
-                              "--batch-size", 4096 * world, "--threads", 1, "--out", path,
-                              "--eval-samples", 4096],
-                      args.scale_timeout, f"DeepFM on {world} rank(s)")
-        with open(path) as f:
-            out[world] = json.load(f)
-    return out
+    rounds = []
+    for r in range(max(args.scale_deepfm_rounds, 1)):
+        out = {"busy": {}}
+        for world in (1, 2):
+            path = os.path.join(tmp, f"deepfm-{r}-{world}.json")
+            out["busy"][world] = common.wait_until_quiet(5 if quick else 120, below=0.3)
+            _mpirun_local(world, [WORKER, "--impl", "kvcoll", "--steps", steps, "--warmup", 10,
+                                  "--batch-size", 4096 * world, "--threads", 1, "--out", path,
+                                  "--eval-samples", 4096],
+                          args.scale_timeout, f"DeepFM on {world} rank(s)")
+            with open(path) as f:
+                out[world] = json.load(f)
+        rounds.append(out)
+    return rounds
 
 
 def deepfm_unique_frac(batch: int = 4096, steps: int = 3) -> float:
@@ -206,13 +216,20 @@ def deepfm_unique_frac(batch: int = 4096, steps: int = 3) -> float:
     return statistics.mean(fr)
 
 
-def deepfm_workload(d: dict, shm: sm.Link, unique_frac: float, cores: int) -> sm.Workload:
-    """The DeepFM workload (26 fields, dim 8 + 1 first-order weight a row, MLP 256-128
-    on 26 x 8 + 13 inputs) from its 1- and 2-rank records (2 ranks: one host, shm),
+def deepfm_phases(rounds: list[dict], cores: int) -> tuple[dict, dict]:
+    """The median over rounds of each phase (ms a step) on 1 and on 2 ranks, each launch
     brought to a core of its own with the CPU the other processes used just before."""
-    s1, s2 = share(cores, 1, d["busy"][1]), share(cores, 2, d["busy"][2])
-    one = {k: v * s1 for k, v in d[1]["ms_per_step"].items()}
-    two = {k: v * s2 for k, v in d[2]["ms_per_step"].items()}
+    def median(world):
+        runs = [{k: v * share(cores, world, r["busy"][world])
+                 for k, v in r[world]["ms_per_step"].items()} for r in rounds]
+        return {k: statistics.median(run[k] for run in runs) for k in runs[0]}
+    return median(1), median(2)
+
+
+def deepfm_workload(one: dict, two: dict, shm: sm.Link, unique_frac: float) -> sm.Workload:
+    """The DeepFM workload (26 fields, dim 8 + 1 first-order weight a row, MLP 256-128
+    on 26 x 8 + 13 inputs) from its phases on 1 and 2 ranks (ms a step, each brought to
+    a core of its own; 2 ranks: one host, shm)."""
     dim = 9
     n_dense = (26 * 8 + 13) * 256 + 256 + 256 * 128 + 128 + 128 + 1 + 13 + 1
     base = sm.Workload(batch=4096, ids_per_sample=26, unique_frac=unique_frac, dim=dim,
@@ -394,9 +411,22 @@ def run(args) -> None:
                        "messages_per_step": s["messages"],
                        "model_messages": sm.messages(P, L, topo),
                        "others_busy_cores": busy[key]})
+    dfm_rec = None
     if dfm is not None:
         frac = deepfm_unique_frac()
-        wd = deepfm_workload(dfm, shm, frac, cores)
+        one_d, two_d = deepfm_phases(dfm, cores)
+        wd = deepfm_workload(one_d, two_d, shm, frac)
+        per_round = []
+        for rnd in dfm:          # each round's own workload: how far multi_s moves
+            o, t = deepfm_phases([rnd], cores)
+            per_round.append({"one": o, "two": t, "busy": rnd["busy"],
+                              "workload": deepfm_workload(o, t, shm, frac).__dict__,
+                              "efficiency_256": sm.efficiency(
+                                  deepfm_workload(o, t, shm, frac),
+                                  sm.Cluster(256, PER_HOST, *real_links(shm, tcp, 25)),
+                                  "two-level", 2, True)})
+        dfm_rec = {"one": one_d, "two": two_d, "rounds": per_round, "unique_frac": frac,
+                   "workload": wd.__dict__}
     else:
         frac, wd = None, w
     cur = curves(wd, shm, tcp)
@@ -408,9 +438,7 @@ def run(args) -> None:
         "net": {"shm": shm_rec, "tcp": tcp_rec},
         "calibration": {"one": one, "two": two, "workload": w.__dict__},
         "checks": results, "others_busy_cores": busy,
-        "deepfm": None if dfm is None else {
-            "one": dfm[1]["ms_per_step"], "two": dfm[2]["ms_per_step"], "busy": dfm["busy"],
-            "unique_frac": frac, "workload": wd.__dict__},
+        "deepfm": dfm_rec,
         "curves": cur, "limits": lim,
         "two_level_threshold": {"deepfm": thr, "numpy_job": thr_numpy},
         "quick": quick})
@@ -527,13 +555,36 @@ def markdown(r: dict, machine: dict, command: str, png: str | None) -> str:
                   "--scale-deepfm-steps 0), so these are not DeepFM's figures."), ""]
     else:
         wd = d["workload"]
+        rounds = d.get("rounds", [])
         lines += [
             ("Workload: bench/train_worker.py --impl kvcoll (DeepFM, 26 fields, dim 8, MLP "
-             "256-128, one TensorFlow thread a rank, batch 4096 a rank), ms a step on 1 rank: "
+             "256-128, one TensorFlow thread a rank, batch 4096 a rank, not pipelined), "
+             f"{len(rounds)} rounds of a 1-rank and a 2-rank launch, each brought to a core "
+             "of its own; the median of each phase over the rounds, ms a step, on 1 rank: "
              + ", ".join(f"{k} {v:.2f}" for k, v in d["one"].items())
              + "; on 2 ranks: " + ", ".join(f"{k} {v:.2f}" for k, v in d["two"].items())
              + f". Unique ids a batch: {d['unique_frac']:.3f} of its ids. Model workload (s): "
              + ", ".join(f"{k} {v:.4g}" for k, v in wd.items()) + "."), ""]
+        if rounds:
+            lines += [
+                ("Each round on its own (multi_s, the multi-rank step's own CPU and waits, "
+                 "is what the 2-rank run's exchange and allreduce took beyond its tables, "
+                 "the 1-rank run's planning and the model's messages and bytes: a "
+                 "difference of two runs' figures, so it moves most between rounds):"), "",
+                ("| round | others' CPU before (1 / 2 ranks) | compute, 1 / 2 ranks ms | "
+                 "exchange less tables, 1 / 2 ranks ms | multi_s ms | two-level + fp16 at "
+                 "256 ranks, 25 Gb/s |"),
+                "|---:|---:|---:|---:|---:|---:|"]
+            for i, rd in enumerate(rounds, 1):
+                o, t = rd["one"], rd["two"]
+                b = rd["busy"]
+                lines.append(
+                    f"| {i} | {float(b['1'] if '1' in b else b[1]):.2f} / "
+                    f"{float(b['2'] if '2' in b else b[2]):.2f} | {o['compute']:.1f} / "
+                    f"{t['compute']:.1f} | {o['exchange'] - o['tables']:.1f} / "
+                    f"{t['exchange'] - t['tables']:.1f} | {1e3 * rd['workload']['multi_s']:.1f} "
+                    f"| {100 * rd['efficiency_256']:.0f}% |")
+            lines.append("")
     lines += [
         (f"Hosts of {PER_HOST} ranks (sharing the host's link); inside a host shared memory "
          "as measured; across hosts the stated network: bandwidth 10, 25 or 100 Gb/s, and "
