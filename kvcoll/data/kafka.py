@@ -351,6 +351,9 @@ class KafkaStream(Reader):
                 stats.rows += batch["label"].size
                 stats.batches += 1
                 yield batch, dict(offsets)
+                # the time this batch waited to be taken (a full prefetch queue, a slow
+                # step) is not the topic's silence: the idle clock starts again now
+                last_message = time.monotonic()
                 continue
             if not got and not pending:
                 if self.idle_timeout is not None \

@@ -16,7 +16,7 @@ from kvcoll import InvalidArgumentError
 
 ck = pytest.importorskip("confluent_kafka")
 
-from kvcoll.data.kafka import KafkaFormatError, KafkaReadError, kafka  # noqa: E402
+from kvcoll.data.kafka import KafkaFormatError, KafkaReadError, KafkaStats, kafka  # noqa: E402
 from kvcoll.data.position import PositionError, for_rank, source_of  # noqa: E402
 
 FAST = {"idle_poll": 0.1}
@@ -190,6 +190,57 @@ def test_idle_timeout_and_an_offset_gone(cluster):
     ahead.resume(dict(pos, partitions={"0": 10**6}))
     with pytest.raises(KafkaReadError, match="partition 0 .*no longer in the topic"):
         read_all(ahead)
+
+
+class Message:
+    def __init__(self, offset):
+        self._offset = offset
+
+    def error(self):
+        return None
+
+    def partition(self):
+        return 0
+
+    def offset(self):
+        return self._offset
+
+    def value(self):
+        return line(self._offset)
+
+
+class LaggingConsumer:
+    """A consumer whose next batch comes one empty poll after the last was taken (a
+    client still fetching), `batches` batches of `size` messages in all."""
+
+    def __init__(self, size, batches):
+        self.size, self.left, self.offset, self.lag = size, batches, 0, False
+
+    def consume(self, num_messages, timeout):
+        if self.lag or not self.left:
+            self.lag = False
+            return []
+        got = [Message(self.offset + i) for i in range(min(num_messages, self.size))]
+        self.offset += len(got)
+        self.left -= 1
+        self.lag = True
+        return got
+
+
+def test_the_time_a_batch_waits_to_be_taken_is_not_idle(cluster):
+    """idle_timeout counts the topic's silence only: a batch that waited longer than it to
+    be taken (a slow step, a full prefetch queue) does not end the read at the next
+    empty poll."""
+    bootstrap, producer = cluster
+    topic = topic_name()
+    produce(producer, topic, 0, 1)           # (the topic, made; its messages not read here)
+    r = kafka(topic, bootstrap, "g", 8, 0, 1, idle_timeout=0.3, **FAST)
+    got = []
+    for batch, _ in r._pass(LaggingConsumer(8, 4), {0: 0}, KafkaStats()):
+        if batch["label"].size:
+            got.append(batch)
+            time.sleep(0.45)                    # the step that takes it is slow
+    assert [int(x) for b in got for x in ids(b)] == list(range(32))
 
 
 def test_json_and_decode_messages(cluster):
