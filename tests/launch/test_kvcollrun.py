@@ -94,11 +94,22 @@ def test_the_mpi_operators_hostfile_and_kvcoll_settings_reach_mpirun(tmp_path):
     assert argv.count("KVCOLL_STEP_MODE") == 0 and "KVCOLL_STEP_MODE=bsp" in argv
 
 
+def searchable_tmp() -> str | None:
+    """A temporary directory every user can reach (each directory on its path searchable
+    by others): the system's, else /var/tmp or /dev/shm (a machine's /tmp can be 0750)."""
+    for top in (tempfile.gettempdir(), "/var/tmp", "/dev/shm"):
+        path = Path(top).resolve()
+        if path.is_dir() and all(p.stat().st_mode & 0o001 for p in (path, *path.parents)):
+            return str(path)
+    return None
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv")
-                    or not os.path.exists("/usr/bin/python3"),
-                    reason="needs root, setpriv and /usr/bin/python3 to run as another user")
+                    or not os.path.exists("/usr/bin/python3") or searchable_tmp() is None,
+                    reason="needs root, setpriv, /usr/bin/python3 and a temporary directory "
+                    "other users can reach, to run as another user")
 def test_run_as_root_only_for_root():
-    with tempfile.TemporaryDirectory() as tmp:   # readable by the other user
+    with tempfile.TemporaryDirectory(dir=searchable_tmp()) as tmp:  # the other user's too
         os.chmod(tmp, 0o755)
         argv, root = flags(Path(tmp), ["-np", "1", "true"], user="65534")
     assert root is None and "--oversubscribe" in argv
