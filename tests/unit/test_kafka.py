@@ -20,6 +20,10 @@ from kvcoll.data.kafka import KafkaFormatError, KafkaReadError, KafkaStats, kafk
 from kvcoll.data.position import PositionError, for_rank, source_of  # noqa: E402
 
 FAST = {"idle_poll": 0.1}
+# How long a read waits after its last message before it ends. The mock cluster's first
+# fetch after a reader starts took more than 0.3 s with the unit tests running over 2
+# workers on 2 cores (a read ended before its first message): 1 s leaves room.
+IDLE = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +119,7 @@ def test_positions_resume_exactly_and_commit_only_on_request(cluster):
     topic = topic_name()
     produce(producer, topic, 0, 1000)
     for rank in range(2):
-        r = kafka(topic, bootstrap, "g", 50, rank, 2, idle_timeout=0.3, prefetch=3, **FAST)
+        r = kafka(topic, bootstrap, "g", 50, rank, 2, idle_timeout=IDLE, prefetch=3, **FAST)
         it = iter(r)
         first = [next(it) for _ in range(7)]
         deadline = time.monotonic() + 5
@@ -125,7 +129,7 @@ def test_positions_resume_exactly_and_commit_only_on_request(cluster):
         it.close()
         assert pos["split"] == "partitions" and set(pos["partitions"]) == {str(rank),
                                                                           str(rank + 2)}
-        fresh = kafka(topic, bootstrap, "g", 50, rank, 2, idle_timeout=0.3, **FAST)
+        fresh = kafka(topic, bootstrap, "g", 50, rank, 2, idle_timeout=IDLE, **FAST)
         fresh.resume(pos)
         assert fresh.position_at(0) == pos
         rest = read_all(fresh)
@@ -143,9 +147,9 @@ def test_positions_resume_exactly_and_commit_only_on_request(cluster):
         c.close()
         # start="committed" begins there; "latest" at the end
         committed = kafka(topic, bootstrap, "g", 50, rank, 2, start="committed",
-                          idle_timeout=0.3, **FAST)
+                          idle_timeout=IDLE, **FAST)
         assert sum(b["label"].size for b in read_all(committed)) == mine.size - 7 * 25
-        latest = kafka(topic, bootstrap, "g", 50, rank, 2, start="latest", idle_timeout=0.3,
+        latest = kafka(topic, bootstrap, "g", 50, rank, 2, start="latest", idle_timeout=IDLE,
                        **FAST)
         assert sum(b["label"].size for b in read_all(latest)) == 0
 
@@ -164,7 +168,7 @@ def test_positions_merge_for_another_world_size(cluster):
     with pytest.raises(PositionError, match="for_rank"):
         kafka(topic, bootstrap, "g", 40, 0, 3, **FAST).resume(positions[0])
     for rank in range(3):
-        r = kafka(topic, bootstrap, "g", 40, rank, 3, idle_timeout=0.3, **FAST)
+        r = kafka(topic, bootstrap, "g", 40, rank, 3, idle_timeout=IDLE, **FAST)
         r.resume(for_rank(positions, rank, 3))
         seen += [ids(b) for b in read_all(r)]
     np.testing.assert_array_equal(np.sort(np.concatenate(seen)), np.arange(400))
@@ -255,7 +259,7 @@ def test_json_and_decode_messages(cluster):
     produce(producer, topic, 0, 100, obj)
     opts = {"format": "json", "label": "click", "numeric": ["price"],
             "categorical": ["row", "user", "tags"], "multi_hot": ["tags"]}
-    r = kafka(topic, bootstrap, "g", 32, 0, 1, idle_timeout=0.3, **opts, **FAST)
+    r = kafka(topic, bootstrap, "g", 32, 0, 1, idle_timeout=IDLE, **opts, **FAST)
     batches = [b for b in read_all(r) if b["label"].size]
     rows = np.concatenate([ids(b) for b in batches])
     np.testing.assert_array_equal(np.sort(rows), np.arange(100))
@@ -271,10 +275,10 @@ def test_json_and_decode_messages(cluster):
     # a bad message is named by its partition and offset
     produce(producer, topic, 100, 101, lambda i: b"{not json")
     produce(producer, topic, 101, 102, lambda i: json.dumps({"row": 1, "click": None}).encode())
-    bad = kafka(topic, bootstrap, "g", 200, 0, 1, idle_timeout=0.3, **opts, **FAST)
+    bad = kafka(topic, bootstrap, "g", 200, 0, 1, idle_timeout=IDLE, **opts, **FAST)
     with pytest.raises(KafkaFormatError, match=r"partition 0 offset 25: the message is not JSON"):
         read_all(bad)
-    skip = kafka(topic, bootstrap, "g", 200, 0, 1, idle_timeout=0.3, on_bad_line="skip",
+    skip = kafka(topic, bootstrap, "g", 200, 0, 1, idle_timeout=IDLE, on_bad_line="skip",
                  **opts, **FAST)
     assert sum(b["label"].size for b in read_all(skip)) == 100 and skip.stats.skipped == 2
 
@@ -285,7 +289,7 @@ def test_json_and_decode_messages(cluster):
 
     topic2 = topic_name()
     produce(producer, topic2, 0, 50, lambda i: str(i).encode())
-    d = kafka(topic2, bootstrap, "g", 16, 0, 1, decode=decode, idle_timeout=0.3, **FAST)
+    d = kafka(topic2, bootstrap, "g", 16, 0, 1, decode=decode, idle_timeout=IDLE, **FAST)
     assert sorted(np.concatenate([ids(b) for b in read_all(d)]).tolist()) == list(range(50))
     feats, label = d.features(d.empty_batch())
     assert list(feats) == ["row"] and label.size == 0
@@ -298,7 +302,7 @@ def test_a_bad_criteo_message_is_named(cluster):
     topic = topic_name()
     produce(producer, topic, 0, 8)
     produce(producer, topic, 8, 9, lambda i: line(i) + b"\n" + line(i))
-    r = kafka(topic, bootstrap, "g", 100, 0, 1, idle_timeout=0.3, **FAST)
+    r = kafka(topic, bootstrap, "g", 100, 0, 1, idle_timeout=IDLE, **FAST)
     with pytest.raises(KafkaFormatError, match="partition 0 offset 2: a message holds more than "
                                                "one line"):
         read_all(r)
