@@ -417,14 +417,14 @@ def run(args) -> None:
         one_d, two_d = deepfm_phases(dfm, cores)
         wd = deepfm_workload(one_d, two_d, shm, frac)
         per_round = []
+        at_256 = sm.Cluster(256, PER_HOST, *real_links(shm, tcp, 25))
         for rnd in dfm:          # each round's own workload: how far multi_s moves
             o, t = deepfm_phases([rnd], cores)
+            w_round = deepfm_workload(o, t, shm, frac)
             per_round.append({"one": o, "two": t, "busy": rnd["busy"],
-                              "workload": deepfm_workload(o, t, shm, frac).__dict__,
-                              "efficiency_256": sm.efficiency(
-                                  deepfm_workload(o, t, shm, frac),
-                                  sm.Cluster(256, PER_HOST, *real_links(shm, tcp, 25)),
-                                  "two-level", 2, True)})
+                              "workload": w_round.__dict__,
+                              "efficiency_256": sm.efficiency(w_round, at_256, "two-level",
+                                                              2, True)})
         dfm_rec = {"one": one_d, "two": two_d, "rounds": per_round, "unique_frac": frac,
                    "workload": wd.__dict__}
     else:
@@ -579,8 +579,7 @@ def markdown(r: dict, machine: dict, command: str, png: str | None) -> str:
                 o, t = rd["one"], rd["two"]
                 b = rd["busy"]
                 lines.append(
-                    f"| {i} | {float(b['1'] if '1' in b else b[1]):.2f} / "
-                    f"{float(b['2'] if '2' in b else b[2]):.2f} | {o['compute']:.1f} / "
+                    f"| {i} | {b[1]:.2f} / {b[2]:.2f} | {o['compute']:.1f} / "
                     f"{t['compute']:.1f} | {o['exchange'] - o['tables']:.1f} / "
                     f"{t['exchange'] - t['tables']:.1f} | {1e3 * rd['workload']['multi_s']:.1f} "
                     f"| {100 * rd['efficiency_256']:.0f}% |")
