@@ -64,7 +64,10 @@ BUILD_ENV = {"HOROVOD_WITH_TENSORFLOW": "1", "HOROVOD_WITH_MPI": "1",
 DISTURBED = 0.5      # CPUs used by other processes during a run that make it run again
 LABELS = {"kvcoll": "kvcoll", "kvcoll-rowwise": "kvcoll, row-wise Adagrad", "tfra": "TFRA",
           "torchrec": "TorchRec", "torchrec-exact": "TorchRec, no collisions",
-          "kvcoll-nopipe": "kvcoll, pipeline off"}
+          "kvcoll-nopipe": "kvcoll, pipeline off",
+          "kvcoll-semi": "kvcoll, semi-sync pipeline (rows one step stale)"}
+# opt-in kvcoll runs (named in --peers-only): their --pipeline setting
+PIPELINE_VARIANTS = {"kvcoll-nopipe": "off", "kvcoll-semi": "semi"}
 
 
 def add_arguments(p) -> None:
@@ -78,8 +81,8 @@ def add_arguments(p) -> None:
                    help="TorchRec's rows per table (ids modulo this)")
     g.add_argument("--peers-only", default="",
                    help="comma-separated subset of kvcoll,kvcoll-rowwise,tfra,torchrec,"
-                        "torchrec-exact; kvcoll-nopipe (kvcoll with --pipeline off) runs "
-                        "only when named")
+                        "torchrec-exact; kvcoll-nopipe and kvcoll-semi (kvcoll with "
+                        "--pipeline off or semi) run only when named")
     g.add_argument("--peers-wait", type=float, default=90,
                    help="seconds to wait at most for a quiet machine before each run")
     g.add_argument("--peers-retries", type=int, default=1,
@@ -210,8 +213,8 @@ def command(impl: str, world: int, threads: int, flags: list[str]) -> tuple[list
     flags = [*flags, "--threads", str(threads)]
     mpirun = [os.path.join(os.path.dirname(sys.executable), "mpirun"), "--oversubscribe",
               "--bind-to", "none", "-np", str(world)]
-    if impl == "kvcoll-nopipe":
-        env["KVCOLL_PIPELINE"] = "off"
+    if impl in PIPELINE_VARIANTS:
+        env["KVCOLL_PIPELINE"] = PIPELINE_VARIANTS[impl]
         impl = "kvcoll"
     if impl in ("kvcoll", "kvcoll-rowwise"):
         if impl == "kvcoll-rowwise":
@@ -307,10 +310,10 @@ def plan(only: list[str]) -> list[tuple[str, int, int]]:
     runs = [(impl, world, 2 // world) for world in (1, 2)
             for impl in ("kvcoll", "kvcoll-rowwise", "tfra", "torchrec")]
     runs.append(("torchrec-exact", 1, 2))
-    # opt-in (--peers-only ...,kvcoll-nopipe): kvcoll's unpipelined steps, the pipeline's
-    # baseline in the same rounds
-    runs += [("kvcoll-nopipe", world, 2 // world) for world in (1, 2)]
-    return [r for r in runs if (not only and r[0] != "kvcoll-nopipe") or r[0] in only]
+    # opt-in (--peers-only ...,kvcoll-nopipe,kvcoll-semi): kvcoll's unpipelined steps
+    # and its semi-synchronous ones, beside the exact pipeline in the same rounds
+    runs += [(impl, world, 2 // world) for impl in PIPELINE_VARIANTS for world in (1, 2)]
+    return [r for r in runs if (not only and r[0] not in PIPELINE_VARIANTS) or r[0] in only]
 
 
 def run(args) -> None:
@@ -534,6 +537,7 @@ def markdown(summary, manifest, records, machine) -> str:
         lines.append(f"- kvcoll and TFRA grow a row per distinct id: {kv1['rows']:,} rows "
                      "after these steps.")
     lines += _rowwise_lines(summary)
+    lines += _pipeline_lines(summary)
     if busy:
         lines.append(
             f"- The machine is shared: before each run the bench waited (up to "
@@ -603,6 +607,27 @@ def _rowwise_lines(summary: list[dict]) -> list[str]:
     return lines
 
 
+def _pipeline_lines(summary: list[dict]) -> list[str]:
+    """kvcoll with its pipeline off or semi-synchronous against the default (exact)
+    pipeline, per shape: throughputs (same run, interleaved) and AUCs."""
+    lines = []
+    for impl, setting in PIPELINE_VARIANTS.items():
+        for world in (1, 2):
+            a, v = _get(summary, "kvcoll", world), _get(summary, impl, world)
+            if not (a and v and a.get("runs") and v.get("runs")):
+                continue
+            auc = ""
+            if a["eval_auc"] is not None and v["eval_auc"] is not None:
+                auc = (f", AUC {v['eval_auc']:.4f} against {a['eval_auc']:.4f} "
+                       f"({v['eval_auc'] - a['eval_auc']:+.4f})")
+            lines.append(
+                f"- kvcoll with --pipeline {setting} on {world} x {a['threads_per_rank']}: "
+                f"{v['samples_per_sec']:,.0f} samples/s against {a['samples_per_sec']:,.0f} "
+                f"with the exact pipeline ({v['samples_per_sec'] / a['samples_per_sec']:.2f}x, "
+                f"medians of the same interleaved rounds){auc}.")
+    return lines
+
+
 def floor_lines(summary: list[dict]) -> list[str]:
     """kvcoll's step beside its floor, measured in the same runs (medians over runs)."""
     rows = [s for s in summary if s.get("floor")]
@@ -636,7 +661,7 @@ def chart(summary: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    impls = [i for i in ("kvcoll", "kvcoll-rowwise", "kvcoll-nopipe", "tfra", "torchrec",
+    impls = [i for i in ("kvcoll", "kvcoll-rowwise", *PIPELINE_VARIANTS, "tfra", "torchrec",
                          "torchrec-exact")
              if any(s["framework"] == i for s in summary)]
     fig, ax = plt.subplots(figsize=(7.5, 4), dpi=110)

@@ -72,6 +72,12 @@ def parse_args(argv=None):
     p.add_argument("--wire-dtype", choices=("fp32", "fp16", "bf16"), default=None,
                    help="rows and row gradients on the wire (default: KVCOLL_WIRE_DTYPE or "
                         "fp32; docs/wire-dtype.md)")
+    p.add_argument("--pipeline", choices=("on", "off", "semi"), default=None,
+                   help="pipelined steps; semi: the next batch's rows fetched while a step "
+                        "computes, one step stale (default: KVCOLL_PIPELINE or on; "
+                        "docs/performance.md)")
+    p.add_argument("--xla", choices=("on", "off"), default=None,
+                   help="the dense step under XLA (default: KVCOLL_XLA or off)")
     p.add_argument("--slow-rank", type=int, default=None, metavar="R",
                    help="debug: rank R sleeps --slow-ms per step (a straggler, for tests and "
                         "benchmarks)")

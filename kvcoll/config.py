@@ -22,6 +22,7 @@ STEP_MODES = ("bsp", "ssp", "asp")
 ID_HASH_SETTINGS = ("auto", "farmhash64", "xxh64")
 WIRE_DTYPES = ("fp32", "fp16", "bf16")
 EXCHANGE_TOPOLOGIES = ("auto", "flat", "two-level")
+PIPELINES = ("on", "off", "semi")   # "semi": rows one step stale (docs/performance.md)
 
 
 DEFAULT_STALENESS = 4   # SSP's bound when none is given: the one place it is written
@@ -109,9 +110,12 @@ class Config:
         beside TensorFlow's compute (the pipeline's helper thread, the SSP/ASP service
         thread) the cores TensorFlow leaves free: that share less its intra-op threads
         (all of the share unless set lower), at least 1. See kvcoll.exchange.kernels.
-    pipeline: "on" or "off": BSP steps pipelined (the next batch read, prepared, routed
-        and its ids exchanged by a helper thread while a step computes; the results are
-        the unpipelined loop's). See docs/performance.md.
+    pipeline: "on", "off" or "semi": BSP steps pipelined (the next batch read, prepared,
+        routed and its ids exchanged by a helper thread while a step computes; the results
+        are the unpipelined loop's). "semi" (TorchRec's semi-synchronous pipeline): the
+        helper also looks the next batch's rows up, before this step's update is applied,
+        so a row read by two steps in a row misses the first one's update (rows one step
+        stale; the results differ from the unpipelined loop's). See docs/performance.md.
     xla: "on" or "off": compile the dense step with XLA (jit_compile), the rows padded
         to a few bucket sizes so it does not recompile. See docs/performance.md.
     wire_dtype: "fp32" (default), "fp16" or "bf16": the width of the rows and row
@@ -155,10 +159,12 @@ class Config:
             raise InvalidArgumentError(
                 f"threads must be an integer >= 0 (0: the cores TensorFlow leaves free), "
                 f"got {self.threads!r}")
-        for name in ("pipeline", "xla"):
-            if getattr(self, name) not in ("on", "off"):
-                raise InvalidArgumentError(
-                    f"{name} must be 'on' or 'off', got {getattr(self, name)!r}")
+        if self.pipeline not in PIPELINES:
+            raise InvalidArgumentError(
+                f"pipeline must be one of {', '.join(map(repr, PIPELINES))}, got "
+                f"{self.pipeline!r} (kv.init(pipeline=...), --pipeline, KVCOLL_PIPELINE)")
+        if self.xla not in ("on", "off"):
+            raise InvalidArgumentError(f"xla must be 'on' or 'off', got {self.xla!r}")
         if self.wire_dtype not in WIRE_DTYPES:
             raise InvalidArgumentError(
                 f"wire_dtype {self.wire_dtype!r} is unknown; use one of "

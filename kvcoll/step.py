@@ -164,15 +164,20 @@ class Loop:
     prefetch: BSP only, prepare the next element while this step computes (train_next).
     threaded: with prefetch, in a helper thread (False: inline, after this step's pull,
     as a reference the tests compare with).
+    stale_rows: with prefetch, TorchRec's semi-synchronous pipeline: the helper also
+    fetches the next element's rows while this step computes, before this step's update
+    is applied (so a row both steps read misses this step's update in the next one);
+    the lookups and the rows' all-to-all leave the step's critical path.
     dense_allreduce: a callable summing the flat dense gradient over ranks in place of
     the exchange's allreduce (Horovod's); BSP only.
     """
 
     def __init__(self, exchange, compute: Compute, *, prefetch: bool = False,
-                 threaded: bool = True, dense_allreduce=None):
+                 threaded: bool = True, dense_allreduce=None, stale_rows: bool = False):
         self.ex = exchange
         self.compute = compute
         self.prefetch = bool(prefetch) and exchange.synchronous
+        self.stale_rows = bool(stale_rows) and self.prefetch
         self.threaded = bool(threaded)
         self.dense_allreduce = dense_allreduce
         self.stop_asked = False     # carried in the next step's vote
@@ -278,7 +283,8 @@ class Loop:
         self._staged = None
         if staged is not None:
             element = staged.element
-            args = (staged.batch, staged.err, staged.agreement, staged.pending)
+            args = (staged.batch, staged.err, staged.agreement,
+                    _Fetched(staged.pull) if staged.fetched else staged.pending)
         else:
             if element is None:
                 element = self._next(iterator)
@@ -307,7 +313,11 @@ class Loop:
         if not ex.synchronous:
             self.start_dense()      # SSP/ASP: the slices start from the compute's values
         t0 = time.perf_counter()
-        if pending is not None:
+        if isinstance(pending, _Fetched):     # semi-synchronous: fetched ahead
+            pull = pending.pull
+            if pull is not None:
+                ex.begin(pull)
+        elif pending is not None:
             pull = ex.fetch(pending)
         else:
             agreement = self._vote(element, batch, err, self.stop_asked)
@@ -351,6 +361,10 @@ class Loop:
         if not n or fail is not None:
             grads = compute.zero_grads(pull)
         t3 = time.perf_counter()
+        if self.stale_rows and self._staged is not None:
+            # the next step's rows were read before this step's update: their fetch ends
+            # before the push (nothing of it runs beside this step's tables)
+            self._staged.join()
         row_lr, dense_lr = compute.rates(pull.step)
         by_horovod = self.dense_allreduce is not None and compute.n_dense > 0
         dense_grad = grads.dense if compute.n_dense and not by_horovod else None
@@ -371,16 +385,16 @@ class Loop:
                                                                       np.float32))
         t5 = time.perf_counter()
         if ex.synchronous and total[1] > 0:     # some rank asked to stop: no step
+            self.drop_staged()      # first: its rows fetched ahead were created after ours
             ex.abandon(pushed)
             self._inflight = None
-            self.drop_staged()
             self.stop_asked = True
             self.data_ended = False
             return None
         if agreement.outcome_failed:
+            self.drop_staged()      # first: its rows fetched ahead were created after ours
             ex.abandon(pushed)
             self._inflight = None
-            self.drop_staged()
             self._raise_outcome_error(agreement, fail, batch, pull.step,
                                       alone=not ex.synchronous)
         pushed.commit()
@@ -676,12 +690,13 @@ class _Staged:
     deadline) is raised by join() on the main thread."""
 
     __slots__ = ("loop", "iterator", "step", "comm", "threaded", "element", "batch", "err",
-                 "agreement", "pending", "exc", "done")
+                 "agreement", "pending", "fetched", "pull", "exc", "done")
 
     def __init__(self, loop: Loop, iterator, step: int, comm, threaded: bool):
         self.loop, self.iterator, self.step, self.comm = loop, iterator, step, comm
         self.threaded = threaded
         self.element = self.batch = self.err = self.agreement = self.pending = None
+        self.fetched, self.pull = False, None   # stale_rows: the rows fetched ahead
         self.exc = None
         self.done = None    # set by the helper thread when run() has returned
 
@@ -706,7 +721,10 @@ class _Staged:
         else:
             self.pending = ex.send_ids(ids, self.agreement, step=self.step, comm=self.comm)
         receive = getattr(ex, "receive_ids", None)
-        if receive is not None and self.threaded and receive(self.pending):
+        if loop.stale_rows:     # the rows too, before the step in flight is applied
+            self.pull = ex.fetch(self.pending, ahead=True, comm=self.comm)
+            self.fetched = True
+        elif receive is not None and self.threaded and receive(self.pending):
             reserve = getattr(ex, "reserve_for", None)
             if reserve is not None:     # room for the rows its fetch creates, made here
                 reserve(self.pending)
@@ -718,6 +736,9 @@ class _Staged:
             self.done.wait()
             self.done = None
         if drain:
+            if self.pull is not None:   # fetched ahead: the rows it created go again
+                pull, self.pull = self.pull, None
+                self.loop.ex.abandon(pull)
             receive = getattr(self.loop.ex, "receive_ids", None)
             if self.exc is None and self.pending is not None and receive is not None:
                 try:
@@ -728,6 +749,16 @@ class _Staged:
         if self.exc is not None:
             exc, self.exc = self.exc, None
             raise exc
+
+
+class _Fetched:
+    """A staged element's pull, fetched ahead (stale_rows); None: the step does not
+    proceed."""
+
+    __slots__ = ("pull",)
+
+    def __init__(self, pull):
+        self.pull = pull
 
 
 class _Helper:

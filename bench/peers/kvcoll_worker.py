@@ -122,7 +122,7 @@ def main(argv=None) -> None:
         "tables": f"{nf} growable hash tables, sharded by id hash over the ranks; "
                   "one row per distinct id (no collisions)",
         "threads": f"TensorFlow intra-op {args.threads}, inter-op 1 per process",
-        "steps": (f"pipeline {'on' if engine_of(model).prefetch else 'off'}, XLA "
+        "steps": (f"pipeline {pipeline_of(engine_of(model))}, XLA "
                   f"{'on' if engine_of(model).xla else 'off'} (--pipeline, --xla; "
                   "KVCOLL_PIPELINE, KVCOLL_XLA)"),
         "versions": {"tensorflow": tf.__version__, "keras": keras.__version__,
@@ -134,6 +134,11 @@ def main(argv=None) -> None:
                   train_loss=hist.history["loss"][-1], peak_rss=peak, row_bytes=row_bytes,
                   floor=floor)
     kv.shutdown()
+
+
+def pipeline_of(engine) -> str:
+    """The engine's --pipeline setting: on, off or semi."""
+    return "semi" if engine.stale_rows else "on" if engine.prefetch else "off"
 
 
 def measure_floor(args, model, data, comm, step_seconds: float, steps: int = 30) -> dict:

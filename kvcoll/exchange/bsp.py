@@ -113,6 +113,7 @@ class Pull(Mapping):
         self.headers = None    # BSP: every rank's header, (world, m)
         self.dense = None      # SSP/ASP: the dense vector the owners served
         self.served = None     # BSP: what this rank served, for the push
+        self.create = True     # a training pull (its serve created the absent rows)
         self.wire_error = None  # rows that overflowed a 16-bit wire (see check())
         self._cache = {}
 
@@ -254,6 +255,7 @@ class BspExchange:
         hold_tables(self, comm, tables, owners, wire_dtype)
         self.step = 0
         self.table_seconds = 0.0  # time spent in the tables' C calls (lookups, updates)
+        self.ahead_seconds = 0.0  # of the serves fetched ahead (semi-synchronous pipeline)
 
     def _sent(self, what: str, per_rank: np.ndarray, itemsize: int, comm=None) -> None:
         """Count what this rank sends to the others (per_rank: values per destination)."""
@@ -334,10 +336,17 @@ class BspExchange:
         if pending.create and pending.proceeds and pending.received is not None:
             self._set.reserve(pending.received[1])
 
-    def fetch(self, pending: IdsInFlight) -> Pull | None:
+    def fetch(self, pending: IdsInFlight, *, ahead: bool = False,
+              comm: Comm | None = None) -> Pull | None:
         """The second half of a pull: settle the agreement; when the step proceeds, the
         owners serve the ids and the rows come back (and a training pull's step
-        becomes this rank's step)."""
+        becomes this rank's step).
+
+        ahead: the semi-synchronous pipeline's helper fetches the next step's rows while
+        the step before it computes, before that step's update is applied (so its rows
+        miss that update), on `comm`, the helper's communicator; the step becomes this
+        rank's only when the loop takes the pull (begin), and the serve's time is not
+        the step's (`ahead_seconds`, not `table_seconds`)."""
         if not self.receive_ids(pending):
             return None  # every rank decides the same: nobody posts the payload
         recv_ids, recv_counts = pending.received
@@ -346,19 +355,23 @@ class BspExchange:
         reply = aligned_empty(int((recv_counts * dims).sum()), np.float32)
         t0 = time.perf_counter()
         served = self._set.serve(recv_ids, recv_counts, pending.step, pending.create, reply)
-        self.table_seconds += time.perf_counter() - t0
+        if ahead:
+            self.ahead_seconds += time.perf_counter() - t0
+        else:
+            self.table_seconds += time.perf_counter() - t0
         counts = pending.plan[1]
-        self.comm.step = pending.step
+        comm = self.comm if comm is None else comm
+        comm.step = pending.step
         wire = self.wire
         per_rank, expect = (recv_counts * dims).sum(axis=1), (counts * dims).sum(axis=1)
         send, _ = wire.pack(reply, per_rank)   # (an overflow arrives as Inf: see below)
         try:
-            got, _ = self.comm.alltoallv(send, wire.counts(per_rank), op="pull:rows",
-                                         recv_counts=wire.counts(expect)).wait()
+            got, _ = comm.alltoallv(send, wire.counts(per_rank), op="pull:rows",
+                                    recv_counts=wire.counts(expect)).wait()
         except BaseException:       # (a lost peer) the rows this step created go again
             self._set.forget_new(served, pending.step)
             raise
-        self._sent("rows", wire.counts(per_rank), wire.itemsize)
+        self._sent("rows", wire.counts(per_rank), wire.itemsize, comm)
         rows, bad = wire.unpack(got, expect)
         out = Pull(self._set, self._names, [a.size for a in pending.given], rows, pending.plan)
         out.step, out.served = pending.step, served
@@ -366,9 +379,16 @@ class BspExchange:
             name, key = out.where(bad)
             out.wire_error = wire.overflow_error(f"table {name!r}, key {key}: a value of its row",
                                                  None, pending.step)
-        if pending.create:
-            self.step = pending.step
+        out.create = pending.create
+        if not ahead:
+            self.begin(out)
         return out
+
+    def begin(self, pull: Pull) -> None:
+        """A training pull's step becomes this rank's step (fetch does it, except for a
+        pull fetched ahead: the loop calls it when the step before has committed)."""
+        if pull.create:
+            self.step = pull.step
 
     # -- push ---------------------------------------------------------------------------------
 

@@ -72,6 +72,23 @@ def _step_mode(step_mode, staleness) -> StepMode:
     return StepMode.of(step_mode, staleness)
 
 
+def _pipeline(value) -> tuple[bool, bool]:
+    """(pipelined, rows fetched ahead) from a prefetch= argument (True/"on", False/"off",
+    "semi"), else the run's --pipeline."""
+    if value is None:
+        from ..config import Config
+
+        value = (runtime.config() if runtime.is_initialized() else Config()).pipeline
+    if isinstance(value, str):
+        from ..config import PIPELINES
+
+        if value not in PIPELINES:
+            raise InvalidArgumentError(f"prefetch {value!r} is unknown; use True/'on', "
+                                       "False/'off' or 'semi' (rows one step stale)")
+        return value != "off", value == "semi"
+    return bool(value), False
+
+
 def _setting(value, name: str) -> bool:
     """An on/off setting given, else the run's (kvcoll.config: --xla, --pipeline)."""
     if value is not None:
@@ -89,13 +106,14 @@ class Engine:
     comm: kvcoll's communicator (default: the run's); step_mode, staleness: default the
     run's (--step-mode, --staleness); jit: compile the steps with tf.function; xla: with
     XLA (default: the run's --xla); prefetch: BSP, pipelined steps, the next batch
-    prepared and its ids exchanged while a step computes (default: the run's
-    --pipeline); wire_dtype: the rows' and row gradients' width on the wire, "fp32",
+    prepared and its ids exchanged while a step computes, True/"on", False/"off", or
+    "semi": its rows fetched too, one step stale (default: the run's --pipeline);
+    wire_dtype: the rows' and row gradients' width on the wire, "fp32",
     "fp16" or "bf16" (default: the run's --wire-dtype).
     """
 
     def __init__(self, model, *, comm=None, step_mode=None, staleness=None, jit: bool = True,
-                 xla: bool | None = None, prefetch: bool | None = None,
+                 xla: bool | None = None, prefetch: bool | str | None = None,
                  wire_dtype: str | None = None):
         if not isinstance(model, keras.Model):
             raise InvalidArgumentError(
@@ -111,8 +129,8 @@ class Engine:
         self.model = model
         self.comm = comm
         self.mode = _step_mode(step_mode, staleness)
-        self.jit, self.xla, self.prefetch = jit, _setting(xla, "xla"), \
-            _setting(prefetch, "pipeline")
+        self.jit, self.xla = jit, _setting(xla, "xla")
+        self.prefetch, self.stale_rows = _pipeline(prefetch)
         self.wire_dtype = wire_of(wire_dtype).name   # checked now, not at the first step
         self.declared = Declared(model)
         self.layout: Layout | None = None
@@ -210,7 +228,8 @@ class Engine:
         ex = make_exchange(self.comm, self.tables, self.mode, self.compute.n_dense, kernel,
                            wire_dtype=self.wire_dtype)
         reduce = _horovod.allreduce_sum if self.dense_backend() == "horovod" else None
-        self.loop = Loop(ex, self.compute, prefetch=self.prefetch, dense_allreduce=reduce)
+        self.loop = Loop(ex, self.compute, prefetch=self.prefetch, dense_allreduce=reduce,
+                         stale_rows=self.stale_rows)
         if getattr(self.comm, "elastic", False) and self.synchronous and reduce is None:
             # a lost rank: the survivors continue in memory
             from ..elastic import Session

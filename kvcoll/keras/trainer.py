@@ -36,7 +36,9 @@ class Trainer:
     keras.Model with kv.Embedding layers (no kv.Model needed). jit: compile the step
     with tf.function; xla: with XLA (default: the run's --xla); comm: kvcoll's
     communicator (default the run's); prefetch: BSP, pipelined steps in
-    `train_next(iterator)` (default: the run's --pipeline); wire_dtype: "fp32", "fp16"
+    `train_next(iterator)`: True/"on", False/"off", or "semi" (the next batch's rows
+    fetched while a step computes, one step stale; docs/performance.md) (default: the
+    run's --pipeline); wire_dtype: "fp32", "fp16"
     or "bf16", the rows and row gradients on the wire (default: the run's --wire-dtype;
     docs/wire-dtype.md).
 
@@ -50,7 +52,7 @@ class Trainer:
     NaN/Inf loss or input; CommTimeoutError when a rank does not take part in time."""
 
     def __init__(self, model, loss, optimizer, *, jit: bool = True, comm=None, step_mode=None,
-                 staleness: int | None = None, prefetch: bool | None = None,
+                 staleness: int | None = None, prefetch: bool | str | None = None,
                  xla: bool | None = None, wire_dtype: str | None = None):
         model.compile(optimizer=optimizer, loss=loss)
         self.engine = Engine(model, comm=comm, step_mode=step_mode, staleness=staleness,

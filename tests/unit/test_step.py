@@ -66,7 +66,7 @@ class FakeExchange:
     def send_ids(self, ids, agreement, create=True):
         return (ids, agreement, create)
 
-    def fetch(self, pending):
+    def fetch(self, pending, ahead=False, comm=None):
         ids, agreement, create = pending
         if not agreement.settle(agreement.header()[None]).proceeds:
             return None
@@ -76,11 +76,15 @@ class FakeExchange:
             self.table[k] = np.full(DIM, 0.01 * k, np.float32)
         rows = np.stack([self.table[int(k)] for k in keys]) if keys.size \
             else np.zeros((0, DIM), np.float32)
-        self.step += 1
-        pull = FakePull(self.step, keys, rows, created)
+        pull = FakePull(self.step + 1, keys, rows, created)
         pull.pos = {"t": inv}
-        self.log.append(("pull", self.step))
+        self.log.append(("fetch ahead" if ahead else "pull", pull.step))
+        if not ahead:
+            self.begin(pull)
         return pull
+
+    def begin(self, pull):
+        self.step = pull.step
 
     def pull(self, ids, agreement, dense=False):
         return self.fetch(self.send_ids(ids, agreement))
@@ -215,9 +219,9 @@ def data(n_batches=6, n=16, seed=0):
             for _ in range(n_batches)]
 
 
-def make(prefetch=False):
+def make(prefetch=False, stale_rows=False):
     ex = FakeExchange(FakeComm())
-    return Loop(ex, LogisticCompute(), prefetch=prefetch), ex
+    return Loop(ex, LogisticCompute(), prefetch=prefetch, stale_rows=stale_rows), ex
 
 
 def snapshot(loop, ex):
@@ -515,3 +519,79 @@ def test_an_outcome_sum_that_is_not_a_number_counts_as_failed():
         warnings.simplefilter("error")
         a.settle_outcome(np.array([0.0, np.nan, 0.0, np.inf], np.float32))
     assert a.outcome_failed == [1, 3]
+
+
+@pytest.mark.parametrize("threaded", [True, False])
+def test_stale_rows_fetch_the_next_rows_before_this_steps_update(threaded):
+    """TorchRec's semi-synchronous pipeline: step k + 1's rows are fetched while step k
+    computes, before its update: they are the table as step k - 1 left it (rows step k
+    changed read one step stale), and new rows are created then. Deterministic: the
+    same with the fetch in the helper thread or inline."""
+    loop, ex = make(prefetch=True, stale_rows=True)
+    loop.threaded = threaded
+    fetched = {}
+    real = ex.fetch
+
+    def recording(pending, ahead=False, comm=None):
+        pull = real(pending, ahead=ahead, comm=comm)
+        fetched[pull.step] = (ahead, dict(zip(map(int, pull.keys), pull.rows["g"])))
+        return pull
+
+    ex.fetch = recording
+    after = {0: {}}                 # the table after each committed step
+    it = iter(data(8, seed=3))
+    for k in range(1, 7):
+        loop.train_next(it)
+        after[k] = {key: v.copy() for key, v in ex.table.items()}
+        assert ex.step == k and loop.consumed == k
+    stale = 0
+    for k in range(2, 7):
+        ahead, rows = fetched[k]
+        assert ahead
+        for key, row in rows.items():
+            if key in after[k - 2]:
+                np.testing.assert_array_equal(row, after[k - 2][key])
+                stale += not np.array_equal(row, after[k - 1][key])
+            else:
+                assert key not in after[k - 2]       # created by the fetch ahead
+    assert stale > 0                                 # some rows missed step k - 1's update
+    assert ("fetch ahead", 7) in ex.log and 7 in fetched   # step 7 is staged, not begun
+    assert ex.step == 6 and loop._staged is not None
+
+
+def test_stale_rows_a_dropped_step_removes_the_rows_its_fetch_created():
+    """A stop asked after step 3 gives step 4 up (fetched ahead while step 3 ran): its
+    new rows go, and every counter is as after step 3."""
+    loop, ex = make(prefetch=True, stale_rows=True)
+    batches = data(6)
+    it = iter([(ids + 40 * k, y) for k, (ids, y) in enumerate(batches)])  # new rows
+    for _ in range(3):
+        loop.train_next(it)
+    loop.stop_asked = True
+    assert loop.train_next(it) is None and loop.stop_asked
+    assert loop._staged is None and ex.step == 3 and loop.consumed == 3
+    assert len(ex.table) == len({int(i) + 40 * k for k, (ids, _) in enumerate(batches[:3])
+                                 for i in ids})
+    # step 5, staged while step 4 ran, carried the stop in its vote: nothing fetched
+    assert ex.log[-1] == ("abandon", 4) and ("fetch ahead", 5) not in ex.log
+
+
+def test_stale_rows_a_failed_step_removes_its_rows_and_those_fetched_ahead():
+    """Step 4's loss is NaN: it is given up with step 5, whose rows were fetched (and
+    created) while step 4 computed; the rows step 4's fetch created (while step 3
+    computed) go too: the table is as step 3 left it."""
+    loop, ex = make(prefetch=True, stale_rows=True)
+    batches = [(ids + 40 * k, y) for k, (ids, y) in enumerate(data(6))]   # new rows
+    batches[3] = (batches[3][0], np.full(len(batches[3][1]), np.nan, np.float32))
+    it = iter(batches)
+    for _ in range(3):
+        loop.train_next(it)
+    before = snapshot(loop, ex)
+    with pytest.raises(errors.NonFiniteError, match="step 4"):
+        loop.train_next(it)
+    assert ex.log[-2:] == [("abandon", 5), ("abandon", 4)]
+    assert loop._staged is None and ex.step == 3 and loop.consumed == 3
+    first3 = {int(i) for ids, _ in batches[:3] for i in ids}
+    assert set(ex.table) == first3          # step 4's rows (created ahead) went
+    for key in first3:
+        np.testing.assert_array_equal(ex.table[key], before[0][key])
