@@ -260,13 +260,7 @@ def main(argv=None) -> int:
     p.add_argument("--zipf", type=float, default=1.2)
     p.add_argument("--pool", type=int, default=24, help="distinct batches, cycled")
     p.add_argument("--wire", choices=("fp32", "fp16"), default="fp32")
-    p.add_argument("--cpus", default=None,
-                   help="step: run every rank on these CPUs only (e.g. 0: two ranks share "
-                        "one core, the oversubscription calibration)")
     args = p.parse_args(argv)
-    if args.cpus:
-        # before kvcoll or MPI start a thread: threads inherit their creator's affinity
-        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     rec = net(args) if args.mode == "net" else step(args)
     if _rank() == 0:
         print("@@record " + json.dumps(rec), flush=True)
