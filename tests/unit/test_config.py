@@ -26,6 +26,8 @@ def test_unknown_environment_variable_is_an_error():
     ({"KVCOLL_STALENESS": "-1"}, "staleness must be an integer >= 0"),
     ({"KVCOLL_COMM_TIMEOUT": "0"}, "comm_timeout must be > 0"),
     ({"KVCOLL_ID_HASH": "md5"}, "id_hash 'md5' is unknown; use one of auto, farmhash64, xxh64"),
+    ({"KVCOLL_PIPELINE": "yes"}, "pipeline must be one of 'on', 'off', 'semi', got 'yes'"),
+    ({"KVCOLL_XLA": "semi"}, "xla must be 'on' or 'off', got 'semi'"),
 ])
 def test_bad_values_name_the_field(env, match):
     with pytest.raises(InvalidArgumentError, match=match):
@@ -37,6 +39,12 @@ def test_id_hash_setting_from_code_flag_or_environment():
     assert Config.resolve(["--id-hash", "xxh64"], {}).id_hash == "xxh64"
     assert Config.resolve([], {"KVCOLL_ID_HASH": "farmhash64"}).id_hash == "farmhash64"
     assert Config.resolve(["--id-hash=xxh64"], {}, id_hash="farmhash64").id_hash == "farmhash64"
+
+
+def test_pipeline_setting_on_off_or_semi():
+    assert Config().pipeline == "on"
+    assert Config.resolve(["--pipeline", "semi"], {}).pipeline == "semi"
+    assert Config.resolve([], {"KVCOLL_PIPELINE": "off"}).pipeline == "off"
 
 
 def test_step_mode_presets():
