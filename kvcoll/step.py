@@ -284,7 +284,7 @@ class Loop:
         if staged is not None:
             element = staged.element
             args = (staged.batch, staged.err, staged.agreement,
-                    _Fetched(staged.pull) if staged.fetched else staged.pending)
+                    _Fetched(staged.pull) if self.stale_rows else staged.pending)
         else:
             if element is None:
                 element = self._next(iterator)
@@ -690,13 +690,13 @@ class _Staged:
     deadline) is raised by join() on the main thread."""
 
     __slots__ = ("loop", "iterator", "step", "comm", "threaded", "element", "batch", "err",
-                 "agreement", "pending", "fetched", "pull", "exc", "done")
+                 "agreement", "pending", "pull", "exc", "done")
 
     def __init__(self, loop: Loop, iterator, step: int, comm, threaded: bool):
         self.loop, self.iterator, self.step, self.comm = loop, iterator, step, comm
         self.threaded = threaded
         self.element = self.batch = self.err = self.agreement = self.pending = None
-        self.fetched, self.pull = False, None   # stale_rows: the rows fetched ahead
+        self.pull = None    # stale_rows: the rows fetched ahead (None: no step)
         self.exc = None
         self.done = None    # set by the helper thread when run() has returned
 
@@ -723,7 +723,6 @@ class _Staged:
         receive = getattr(ex, "receive_ids", None)
         if loop.stale_rows:     # the rows too, before the step in flight is applied
             self.pull = ex.fetch(self.pending, ahead=True, comm=self.comm)
-            self.fetched = True
         elif receive is not None and self.threaded and receive(self.pending):
             reserve = getattr(ex, "reserve_for", None)
             if reserve is not None:     # room for the rows its fetch creates, made here
@@ -736,9 +735,10 @@ class _Staged:
             self.done.wait()
             self.done = None
         if drain:
-            if self.pull is not None:   # fetched ahead: the rows it created go again
-                pull, self.pull = self.pull, None
+            if self.pull is not None:   # fetched ahead: its exchanges are complete, and
+                pull, self.pull = self.pull, None   # the rows it created go again
                 self.loop.ex.abandon(pull)
+                return
             receive = getattr(self.loop.ex, "receive_ids", None)
             if self.exc is None and self.pending is not None and receive is not None:
                 try:

@@ -113,7 +113,6 @@ class Pull(Mapping):
         self.headers = None    # BSP: every rank's header, (world, m)
         self.dense = None      # SSP/ASP: the dense vector the owners served
         self.served = None     # BSP: what this rank served, for the push
-        self.create = True     # a training pull (its serve created the absent rows)
         self.wire_error = None  # rows that overflowed a 16-bit wire (see check())
         self._cache = {}
 
@@ -255,7 +254,6 @@ class BspExchange:
         hold_tables(self, comm, tables, owners, wire_dtype)
         self.step = 0
         self.table_seconds = 0.0  # time spent in the tables' C calls (lookups, updates)
-        self.ahead_seconds = 0.0  # of the serves fetched ahead (semi-synchronous pipeline)
 
     def _sent(self, what: str, per_rank: np.ndarray, itemsize: int, comm=None) -> None:
         """Count what this rank sends to the others (per_rank: values per destination)."""
@@ -346,7 +344,7 @@ class BspExchange:
         the step before it computes, before that step's update is applied (so its rows
         miss that update), on `comm`, the helper's communicator; the step becomes this
         rank's only when the loop takes the pull (begin), and the serve's time is not
-        the step's (`ahead_seconds`, not `table_seconds`)."""
+        the step's (not in `table_seconds`)."""
         if not self.receive_ids(pending):
             return None  # every rank decides the same: nobody posts the payload
         recv_ids, recv_counts = pending.received
@@ -355,9 +353,7 @@ class BspExchange:
         reply = aligned_empty(int((recv_counts * dims).sum()), np.float32)
         t0 = time.perf_counter()
         served = self._set.serve(recv_ids, recv_counts, pending.step, pending.create, reply)
-        if ahead:
-            self.ahead_seconds += time.perf_counter() - t0
-        else:
+        if not ahead:
             self.table_seconds += time.perf_counter() - t0
         counts = pending.plan[1]
         comm = self.comm if comm is None else comm
@@ -379,16 +375,15 @@ class BspExchange:
             name, key = out.where(bad)
             out.wire_error = wire.overflow_error(f"table {name!r}, key {key}: a value of its row",
                                                  None, pending.step)
-        out.create = pending.create
-        if not ahead:
+        if pending.create and not ahead:
             self.begin(out)
         return out
 
     def begin(self, pull: Pull) -> None:
         """A training pull's step becomes this rank's step (fetch does it, except for a
-        pull fetched ahead: the loop calls it when the step before has committed)."""
-        if pull.create:
-            self.step = pull.step
+        pull fetched ahead, always a training one: the loop calls it when the step
+        before has committed)."""
+        self.step = pull.step
 
     # -- push ---------------------------------------------------------------------------------
 

@@ -72,13 +72,18 @@ def _step_mode(step_mode, staleness) -> StepMode:
     return StepMode.of(step_mode, staleness)
 
 
+def _run_config():
+    """The run's settings (kvcoll.config), the defaults before kv.init."""
+    from ..config import Config
+
+    return runtime.config() if runtime.is_initialized() else Config()
+
+
 def _pipeline(value) -> tuple[bool, bool]:
     """(pipelined, rows fetched ahead) from a prefetch= argument (True/"on", False/"off",
     "semi"), else the run's --pipeline."""
     if value is None:
-        from ..config import Config
-
-        value = (runtime.config() if runtime.is_initialized() else Config()).pipeline
+        value = _run_config().pipeline
     if isinstance(value, str):
         from ..config import PIPELINES
 
@@ -89,14 +94,9 @@ def _pipeline(value) -> tuple[bool, bool]:
     return bool(value), False
 
 
-def _setting(value, name: str) -> bool:
-    """An on/off setting given, else the run's (kvcoll.config: --xla, --pipeline)."""
-    if value is not None:
-        return bool(value)
-    from ..config import Config
-
-    config = runtime.config() if runtime.is_initialized() else Config()
-    return getattr(config, name) == "on"
+def _xla(value) -> bool:
+    """The xla= argument given, else the run's --xla."""
+    return bool(value) if value is not None else _run_config().xla == "on"
 
 
 class Engine:
@@ -129,7 +129,7 @@ class Engine:
         self.model = model
         self.comm = comm
         self.mode = _step_mode(step_mode, staleness)
-        self.jit, self.xla = jit, _setting(xla, "xla")
+        self.jit, self.xla = jit, _xla(xla)
         self.prefetch, self.stale_rows = _pipeline(prefetch)
         self.wire_dtype = wire_of(wire_dtype).name   # checked now, not at the first step
         self.declared = Declared(model)

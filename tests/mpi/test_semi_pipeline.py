@@ -23,7 +23,7 @@ from kvcoll.keras import engine_of  # noqa: E402
 tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(1)
 
-from toy import B, build, global_batch, take  # noqa: E402
+from toy import B, batches, build, train_all  # noqa: E402
 
 STEPS = 8
 TOL = dict(rtol=1e-6, atol=1e-6)
@@ -35,19 +35,8 @@ def optimizer():
                                    sparse=kv.optimizers.Adagrad(0.2))
 
 
-def batches(lo, hi, steps=STEPS):
-    for step in range(steps):
-        b = take(global_batch(step), lo, hi)
-        label = b.pop("label")
-        yield b, label
-
-
 def train(t, lo, hi):
-    it = batches(lo, hi)
-    losses = []
-    while (loss := t.train_next(it)) is not None:
-        losses.append(loss)
-    return losses
+    return train_all(t, lo, hi, STEPS)
 
 
 def assert_same_model(dist, ref_model, ref_tables):
@@ -93,7 +82,7 @@ def test_semi_fit_over_epochs_equals_one_rank(comm):
         model.compile(optimizer=optimizer(), loss=BCE)
         if c is None:
             kv.broadcast_variables(model.variables, root_rank=0)
-        hist = model.fit(batches(lo, hi), steps_per_epoch=4, epochs=2, verbose=0)
+        hist = model.fit(batches(lo, hi, STEPS), steps_per_epoch=4, epochs=2, verbose=0)
         eng = engine_of(model)
         assert eng.stale_rows and eng.loop._staged is None and eng.step == 8
         out.append((model, eng, hist.history["loss"]))

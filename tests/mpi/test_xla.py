@@ -21,7 +21,7 @@ from kvcoll.keras.compute import bucket  # noqa: E402
 tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(1)
 
-from toy import B, build, global_batch, take  # noqa: E402
+from toy import B, build, train_all  # noqa: E402
 
 STEPS = 8
 
@@ -32,19 +32,8 @@ def trainer(comm=None, xla=True, prefetch=True):
                       comm=comm, xla=xla, prefetch=prefetch)
 
 
-def batches(lo, hi, seen=None):
-    for step in range(STEPS):
-        b = take(global_batch(step), lo, hi)
-        label = b.pop("label")
-        yield b, label
-
-
 def train(t, lo, hi):
-    it = batches(lo, hi)
-    losses = []
-    while (loss := t.train_next(it)) is not None:
-        losses.append(loss)
-    return losses
+    return train_all(t, lo, hi, STEPS)
 
 
 def test_xla_distributed_equals_xla_on_one_rank(comm):

@@ -61,3 +61,21 @@ def take(batch, lo, hi):
         else:
             out[k] = v[lo:hi]
     return out
+
+
+def batches(lo, hi, steps):
+    """(features, labels) of samples lo..hi-1 of global batches 0..steps-1."""
+    for step in range(steps):
+        b = take(global_batch(step), lo, hi)
+        label = b.pop("label")
+        yield b, label
+
+
+def train_all(trainer, lo, hi, steps):
+    """kv.Trainer.train_next over batches(lo, hi, steps) until every rank is done: the
+    losses."""
+    it = batches(lo, hi, steps)
+    losses = []
+    while (loss := trainer.train_next(it)) is not None:
+        losses.append(loss)
+    return losses
