@@ -22,3 +22,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "faults" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The tests/mpi modules that took longest in their launches (test_mpi.py's
+    `mpi_seconds`, the slowest rank's): where the suite's time goes."""
+    spent = [(dict(r.user_properties)["mpi_seconds"], r.nodeid)
+             for kind in ("passed", "failed") for r in terminalreporter.stats.get(kind, ())
+             if r.when == "call" and "mpi_seconds" in dict(getattr(r, "user_properties", ()))]
+    if spent:
+        terminalreporter.write_sep("-", "tests/mpi modules, seconds in their launch")
+        for seconds, nodeid in sorted(spent, reverse=True)[:12]:
+            terminalreporter.write_line(f"{seconds:7.1f}s  {nodeid.split('[', 1)[-1][:-1]}")

@@ -34,6 +34,7 @@ ONE_RANK_TOO = {"test_comm.py", "test_keras_bsp.py", "test_pipeline.py", "test_r
 CASES = [(m, w) for m in MODULES for w in ((1, 2, 3) if m in ONE_RANK_TOO else (2, 3))]
 
 _RESULTS: dict = {}   # world -> {module: (passed, what to show when not)}
+_SECONDS: dict = {}   # world -> {module: its tests' seconds in the launch (slowest rank)}
 
 
 @pytest.mark.parametrize("module,world", CASES)
@@ -44,6 +45,8 @@ def test_mpi_module(request, module, world):
                   and it.callspec.params["world"] == world]
         _RESULTS[world] = run_modules(world, chosen)
     passed, why = _RESULTS[world][module]
+    if module in _SECONDS.get(world, {}):   # shown by conftest.py's summary
+        request.node.user_properties.append(("mpi_seconds", _SECONDS[world][module]))
     assert passed, f"{module} failed on {world} ranks: {why}"
 
 
@@ -59,6 +62,11 @@ def run_modules(world: int, modules: list) -> dict:
                 and any(m in out for m in LAUNCH_FAILED):
             retried = True      # mpirun could not start: nothing of the program ran
             continue
+        for m in left:
+            spent = [sum(x.get("seconds", 0.0) for x in lines if "test" in x
+                         and _mine(x["test"], m)) for lines in ranks.values()]
+            if any(spent):
+                _SECONDS.setdefault(world, {})[m] = max(spent)
         failed = [m for m in left if states[m] == "failed"]
         if not failed and (code != 0 or stalled):
             # a crash, an abort without a report, or a stall: the module it was in
@@ -104,8 +112,7 @@ def _state(module: str, ranks: dict, world: int) -> str:
     (every rank ran them all, none passed), "not run" (no rank reported a test of it)
     or "partly run"."""
     def mine(nodeid):
-        path = nodeid.split("::")[0]
-        return path == module or path.endswith("/" + module)
+        return _mine(nodeid, module)
     started, complete, passed = False, len(ranks) == world, True
     for lines in ranks.values():
         collected = {t for x in lines for t in x.get("collected", ()) if mine(t)}
@@ -119,6 +126,12 @@ def _state(module: str, ranks: dict, world: int) -> str:
     if complete:
         return "passed" if passed else "skipped"
     return "partly run" if started else "not run"
+
+
+def _mine(nodeid: str, module: str) -> bool:
+    """Whether the test `nodeid` (as a rank reports it) is one of `module`'s."""
+    path = nodeid.split("::")[0]
+    return path == module or path.endswith("/" + module)
 
 
 def criteo_message(i: int) -> bytes:

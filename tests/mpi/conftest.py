@@ -72,7 +72,8 @@ def pytest_collectreport(report):
 
 
 def pytest_runtest_logreport(report):
-    _report(test=report.nodeid, when=report.when, outcome=report.outcome)
+    _report(test=report.nodeid, when=report.when, outcome=report.outcome,
+            seconds=round(report.duration, 3))
     if report.failed and kvcoll.is_initialized() and kvcoll.size() > 1:
         # (what the test printed, e.g. "revoked its communicator", is in its sections)
         captured = "".join(f"-- {title}\n{text}" for title, text in report.sections)
