@@ -27,9 +27,10 @@ def pytest_collection_modifyitems(config, items):
 def pytest_terminal_summary(terminalreporter):
     """The tests/mpi modules that took longest in their launches (test_mpi.py's
     `mpi_seconds`, the slowest rank's): where the suite's time goes."""
-    spent = [(dict(r.user_properties)["mpi_seconds"], r.nodeid)
-             for kind in ("passed", "failed") for r in terminalreporter.stats.get(kind, ())
-             if r.when == "call" and "mpi_seconds" in dict(getattr(r, "user_properties", ()))]
+    calls = [r for kind in ("passed", "failed") for r in terminalreporter.stats.get(kind, ())
+             if r.when == "call"]
+    spent = [(dict(r.user_properties)["mpi_seconds"], r.nodeid) for r in calls
+             if "mpi_seconds" in dict(r.user_properties)]
     if spent:
         terminalreporter.write_sep("-", "tests/mpi modules, seconds in their launch")
         for seconds, nodeid in sorted(spent, reverse=True)[:12]:

@@ -111,12 +111,10 @@ def _state(module: str, ranks: dict, world: int) -> str:
     none failed, one passed), "failed" (a rank's test or collection failed), "skipped"
     (every rank ran them all, none passed), "not run" (no rank reported a test of it)
     or "partly run"."""
-    def mine(nodeid):
-        return _mine(nodeid, module)
     started, complete, passed = False, len(ranks) == world, True
     for lines in ranks.values():
-        collected = {t for x in lines for t in x.get("collected", ()) if mine(t)}
-        got = [x for x in lines if "test" in x and mine(x["test"])]
+        collected = {t for x in lines for t in x.get("collected", ()) if _mine(t, module)}
+        got = [x for x in lines if "test" in x and _mine(x["test"], module)]
         if any(x["outcome"] == "failed" for x in got):
             return "failed"
         started = started or bool(got)
