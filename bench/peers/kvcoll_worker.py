@@ -169,9 +169,7 @@ def measure_floor(args, model, data, comm, step_seconds: float, steps: int = 30)
     comm.barrier()
     c0, t0 = time.process_time(), time.perf_counter()
     for step in range(first, first + steps):
-        batch = compute.prepare(element(step))
-        pulled = ex.pull(compute.ids(batch))
-        ex.push(pulled, {g: np.zeros_like(m) for g, m in pulled.rows.items()}).commit()
+        sparse_step(ex, compute, element(step))
     sparse = [time.perf_counter() - t0, time.process_time() - c0]
     comm.barrier()
     # dense alone: ready-made rows, every rank at once, no communication while timed
@@ -201,6 +199,15 @@ def measure_floor(args, model, data, comm, step_seconds: float, steps: int = 30)
     return out
 
 
+def sparse_step(ex, compute, element) -> None:
+    """A step's sparse side alone: `element` read and prepared, its rows pulled and
+    pushed back with a zero gradient (the row optimizer runs; no TensorFlow step)."""
+    import numpy as np
+
+    pulled = ex.pull(compute.ids(compute.prepare(element)))
+    ex.push(pulled, {g: np.zeros_like(m) for g, m in pulled.rows.items()}).commit()
+
+
 def sparse_on_fresh_tables(args, eng, data, comm):
     """The sparse side alone as the fit ran it: on new, empty tables like the model's,
     every batch from the first (the warmup's untimed), so that it creates the rows the
@@ -220,9 +227,7 @@ def sparse_on_fresh_tables(args, eng, data, comm):
 
         def one(step):
             b = data.batch(step, rank, world)
-            batch = compute.prepare((features(b, nf), b["label"]))
-            pulled = ex.pull(compute.ids(batch))
-            ex.push(pulled, {g: np.zeros_like(m) for g, m in pulled.rows.items()}).commit()
+            sparse_step(ex, compute, (features(b, nf), b["label"]))
 
         for step in range(args.warmup):
             one(step)
