@@ -5,8 +5,8 @@
  * kv_realloc / kv_free, which call the functions installed by kv_set_allocator
  * (malloc, realloc and free by default). The tests install an allocator that fails
  * on the k-th call to walk every out-of-memory path. Large table blocks use
- * kv_alloc_huge: 2 MiB-aligned anonymous mappings advised MADV_HUGEPAGE, or the
- * hook while a test allocator is installed.
+ * kv_alloc_huge: 2 MiB-aligned anonymous mappings advised MADV_HUGEPAGE (unless
+ * kv_set_huge_advice(0)), or the hook while a test allocator is installed.
  *
  * Invariants:
  *   - the three hooks are always non-NULL (NULL arguments restore the defaults);
@@ -77,6 +77,12 @@ void kv_free(void *p) {
 
 static int use_mmap(size_t n) { return !g_custom && n >= KV_HUGE_MIN; }
 
+static int g_huge_advice = 1; /* kv_set_huge_advice: advise MADV_HUGEPAGE (default) */
+
+void kv_set_huge_advice(int on) { __atomic_store_n(&g_huge_advice, on != 0, __ATOMIC_RELAXED); }
+
+int kv_huge_advice(void) { return __atomic_load_n(&g_huge_advice, __ATOMIC_RELAXED); }
+
 size_t kv_huge_size(size_t n) {
     return use_mmap(n) ? (n + PAGE - 1) & ~(PAGE - 1) : n;
 }
@@ -99,7 +105,7 @@ void *kv_alloc_huge(size_t n) {
     if (head) munmap(m, head);
     if (tail) munmap(p + len, tail);
 #ifdef MADV_HUGEPAGE
-    (void)madvise(p, len, MADV_HUGEPAGE); /* advice only: 4 KiB pages if it fails */
+    if (kv_huge_advice()) (void)madvise(p, len, MADV_HUGEPAGE); /* 4 KiB pages if it fails */
 #endif
     return p; /* anonymous mappings are zero-filled */
 }

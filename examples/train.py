@@ -78,6 +78,10 @@ def parse_args(argv=None):
                         "docs/performance.md)")
     p.add_argument("--xla", choices=("on", "off"), default=None,
                    help="the dense step under XLA (default: KVCOLL_XLA or off)")
+    p.add_argument("--huge-pages", choices=("on", "off"), default=None,
+                   help="the tables' memory advised MADV_HUGEPAGE (default: "
+                        "KVCOLL_HUGE_PAGES or on; off for VMs whose host backs memory "
+                        "lazily: docs/performance.md)")
     p.add_argument("--slow-rank", type=int, default=None, metavar="R",
                    help="debug: rank R sleeps --slow-ms per step (a straggler, for tests and "
                         "benchmarks)")

@@ -127,6 +127,14 @@ class Config:
         "auto" chooses when the world spans several hosts of the same number of ranks,
         more than one, and has at least kvcoll._topology.AUTO_TWO_LEVEL_MIN_RANKS ranks.
         See docs/exchange-topology.md and docs/scaling.md.
+    huge_pages: "on" (default) or "off": whether the tables' arenas and indexes (blocks
+        of 1 MiB or more) are advised MADV_HUGEPAGE, so transparent huge pages back them
+        (a random row read then costs no 4 KiB TLB miss). "off" leaves them to the
+        system (huge pages only where transparent_hugepage is "always"): for VMs whose
+        host backs guest memory lazily, where a huge page's first touch cost several
+        times the 4 KiB pages' and the rows a step creates waited for it (1 GiB took
+        0.1-2.0 s to fault in with the advice, 0.3-0.9 s without, on the 2-core test
+        VMs). Applies to what tables allocate after kv.init. See docs/performance.md.
     elastic_min_np: 0 (default): a lost rank ends the job. N >= 1: the run is elastic
         (kvcoll.elastic; the elastic launcher, `kvcollrun --elastic --min-np N`, sets it):
         the survivors of a lost rank continue in memory while at least N ranks are left.
@@ -143,6 +151,7 @@ class Config:
     xla: str = "off"
     wire_dtype: str = "fp32"
     exchange_topology: str = "auto"
+    huge_pages: str = "on"
     elastic_min_np: int = 0
 
     def __post_init__(self):
@@ -175,6 +184,10 @@ class Config:
                 f"exchange_topology {self.exchange_topology!r} is unknown; use one of "
                 f"{', '.join(EXCHANGE_TOPOLOGIES)} (kv.init(exchange_topology=...), "
                 "--exchange-topology, KVCOLL_EXCHANGE_TOPOLOGY)")
+        if self.huge_pages not in ("on", "off"):
+            raise InvalidArgumentError(
+                f"huge_pages must be 'on' or 'off', got {self.huge_pages!r} "
+                "(kv.init(huge_pages=...), --huge-pages, KVCOLL_HUGE_PAGES)")
         if isinstance(self.elastic_min_np, bool) or not isinstance(self.elastic_min_np, int) \
                 or self.elastic_min_np < 0:
             raise InvalidArgumentError(

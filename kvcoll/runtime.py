@@ -29,6 +29,7 @@ import threading
 import numpy as np
 
 from . import ids
+from ._c import lib
 from .comm import Comm, announce, install_abort_hook, skip_finalize, threads_refused
 from .config import Config
 from .errors import CommError, CommTimeoutError, InvalidArgumentError, KvcollError
@@ -59,6 +60,7 @@ def init(argv: list[str] | None = None, **settings) -> Config:
         return _state["config"]
     cfg = Config.resolve(sys.argv[1:] if argv is None else argv, **settings)
     ids.configure(cfg.id_hash)
+    lib.kv_set_huge_advice(cfg.huge_pages == "on")
     if cfg.elastic_min_np:  # (kvcoll.elastic) MPI_Finalize may hang after a lost peer
         skip_finalize()
     _horovod_threads()

@@ -1520,6 +1520,57 @@ static void test_reserve_prefault(void) {
     kv_table_set_prefault(KV_PREFAULT_AUTO);
 }
 
+/* The system's transparent huge page mode: 'a' (always), 'm' (madvise), 'n' (never),
+ * 0 if unknown (the bracketed word of /sys/kernel/mm/transparent_hugepage/enabled). */
+static int thp_mode(void) {
+    FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
+    char line[128] = {0};
+    if (!f) return 0;
+    if (!fgets(line, sizeof line, f)) line[0] = 0;
+    fclose(f);
+    char *b = strchr(line, '[');
+    return b ? b[1] : 0;
+}
+
+/* smaps' THPeligible of the mapping holding p: 1 or 0, -1 if not found. */
+static int thp_eligible(const void *p) {
+    FILE *f = fopen("/proc/self/smaps", "r");
+    if (!f) return -1;
+    char line[512];
+    int inside = 0, out = -1;
+    unsigned long a = 0, e = 0, at = (unsigned long)p;
+    while (out < 0 && fgets(line, sizeof line, f)) {
+        if (sscanf(line, "%lx-%lx ", &a, &e) == 2 && strchr(line, '-') < strchr(line, ' '))
+            inside = a <= at && at < e;
+        else if (inside && !strncmp(line, "THPeligible:", 12))
+            out = atoi(line + 12) != 0;
+    }
+    fclose(f);
+    return out;
+}
+
+/* kv_set_huge_advice: on (the default), the blocks kv_alloc_huge maps are advised
+ * MADV_HUGEPAGE, so where the system gives huge pages only when asked ("madvise") they
+ * are eligible for them; off, they are not. (Under "always" or "never" the advice
+ * changes nothing: only the switch is checked.) */
+static void test_huge_advice(void) {
+    CHECK_EQ_INT(kv_huge_advice(), 1);
+    int mode = thp_mode();
+    for (int on = 1; on >= 0; on--) {
+        kv_set_huge_advice(on);
+        CHECK_EQ_INT(kv_huge_advice(), on);
+        size_t n = (size_t)4 << 20;
+        unsigned char *p = kv_alloc_huge(n);
+        CHECK(p != NULL);
+        if (!p) continue;
+        p[0] = p[n - 1] = 1;
+        int eligible = thp_eligible(p);
+        if (mode == 'm' && eligible >= 0) CHECK_EQ_INT(eligible, on);
+        kv_free_huge(p, n);
+    }
+    kv_set_huge_advice(1);
+}
+
 /* ---- two threads: finds never see a torn or foreign row (and set_optim is locked) - */
 
 typedef struct {
@@ -1877,7 +1928,7 @@ int main(int argc, char **argv) {
     (void)test_apply_ref, (void)test_init_normal_accuracy, (void)test_set_optim;
     (void)test_admission_once_per_step, (void)test_forget_new, (void)test_admission_state;
     (void)test_nonfinite_updates, (void)test_reserve;
-    (void)test_reserve_prefault;
+    (void)test_reserve_prefault, (void)test_huge_advice;
 #else
     test_random_ops();
     test_key_patterns();
@@ -1902,6 +1953,7 @@ int main(int argc, char **argv) {
     test_lifecycle_oom();
     test_reserve();
     test_reserve_prefault();
+    test_huge_advice();
     test_threads();
 #endif
     return test_summary();

@@ -28,6 +28,7 @@ def test_unknown_environment_variable_is_an_error():
     ({"KVCOLL_ID_HASH": "md5"}, "id_hash 'md5' is unknown; use one of auto, farmhash64, xxh64"),
     ({"KVCOLL_PIPELINE": "yes"}, "pipeline must be one of 'on', 'off', 'semi', got 'yes'"),
     ({"KVCOLL_XLA": "semi"}, "xla must be 'on' or 'off', got 'semi'"),
+    ({"KVCOLL_HUGE_PAGES": "maybe"}, "huge_pages must be 'on' or 'off', got 'maybe'"),
 ])
 def test_bad_values_name_the_field(env, match):
     with pytest.raises(InvalidArgumentError, match=match):
@@ -45,6 +46,31 @@ def test_pipeline_setting_on_off_or_semi():
     assert Config().pipeline == "on"
     assert Config.resolve(["--pipeline", "semi"], {}).pipeline == "semi"
     assert Config.resolve([], {"KVCOLL_PIPELINE": "off"}).pipeline == "off"
+
+
+def test_huge_pages_setting_reaches_the_tables_allocator(monkeypatch):
+    """kv.init(huge_pages="off") turns kv_alloc_huge's MADV_HUGEPAGE advice off for the
+    blocks tables map from then on ("on", the default, back on); what the advice does
+    is csrc/tests/test_table.c's test_huge_advice."""
+    from kvcoll import CommError, runtime
+    from kvcoll._c import lib
+
+    assert Config().huge_pages == "on"
+    assert Config.resolve(["--huge-pages", "off"], {}).huge_pages == "off"
+    assert Config.resolve([], {"KVCOLL_HUGE_PAGES": "off"}).huge_pages == "off"
+
+    def failing(**_):      # init stops at the communicator, after applying the setting
+        raise CommError("no MPI in this test")
+
+    monkeypatch.setattr(runtime, "Comm", failing)
+    monkeypatch.setattr(runtime, "_state", {})
+    try:
+        for setting, advised in (("off", 0), ("on", 1)):
+            with pytest.raises(CommError, match="no MPI"):
+                runtime.init(argv=[], huge_pages=setting)
+            assert lib.kv_huge_advice() == advised
+    finally:
+        lib.kv_set_huge_advice(1)
 
 
 def test_step_mode_presets():
