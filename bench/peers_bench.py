@@ -65,9 +65,11 @@ DISTURBED = 0.5      # CPUs used by other processes during a run that make it ru
 LABELS = {"kvcoll": "kvcoll", "kvcoll-rowwise": "kvcoll, row-wise Adagrad", "tfra": "TFRA",
           "torchrec": "TorchRec", "torchrec-exact": "TorchRec, no collisions",
           "kvcoll-nopipe": "kvcoll, pipeline off",
-          "kvcoll-semi": "kvcoll, semi-sync pipeline (rows one step stale)"}
-# opt-in kvcoll runs (named in --peers-only): their --pipeline setting
-PIPELINE_VARIANTS = {"kvcoll-nopipe": "off", "kvcoll-semi": "semi"}
+          "kvcoll-semi": "kvcoll, semi-sync pipeline (rows one step stale)",
+          "kvcoll-nohuge": "kvcoll, --huge-pages off"}
+# opt-in kvcoll runs (named in --peers-only): the setting each changes, and its value
+VARIANTS = {"kvcoll-nopipe": ("pipeline", "off"), "kvcoll-semi": ("pipeline", "semi"),
+            "kvcoll-nohuge": ("huge_pages", "off")}
 
 
 def add_arguments(p) -> None:
@@ -81,8 +83,9 @@ def add_arguments(p) -> None:
                    help="TorchRec's rows per table (ids modulo this)")
     g.add_argument("--peers-only", default="",
                    help="comma-separated subset of kvcoll,kvcoll-rowwise,tfra,torchrec,"
-                        "torchrec-exact; kvcoll-nopipe and kvcoll-semi (kvcoll with "
-                        "--pipeline off or semi) run only when named")
+                        "torchrec-exact; kvcoll-nopipe, kvcoll-semi and kvcoll-nohuge "
+                        "(kvcoll with --pipeline off or semi, or --huge-pages off) run "
+                        "only when named")
     g.add_argument("--peers-wait", type=float, default=90,
                    help="seconds to wait at most for a quiet machine before each run")
     g.add_argument("--peers-retries", type=int, default=1,
@@ -213,8 +216,9 @@ def command(impl: str, world: int, threads: int, flags: list[str]) -> tuple[list
     flags = [*flags, "--threads", str(threads)]
     mpirun = [os.path.join(os.path.dirname(sys.executable), "mpirun"), "--oversubscribe",
               "--bind-to", "none", "-np", str(world)]
-    if impl in PIPELINE_VARIANTS:
-        env["KVCOLL_PIPELINE"] = PIPELINE_VARIANTS[impl]
+    if impl in VARIANTS:
+        setting, value = VARIANTS[impl]
+        env[f"KVCOLL_{setting.upper()}"] = value
         impl = "kvcoll"
     if impl in ("kvcoll", "kvcoll-rowwise"):
         if impl == "kvcoll-rowwise":
@@ -310,10 +314,10 @@ def plan(only: list[str]) -> list[tuple[str, int, int]]:
     runs = [(impl, world, 2 // world) for world in (1, 2)
             for impl in ("kvcoll", "kvcoll-rowwise", "tfra", "torchrec")]
     runs.append(("torchrec-exact", 1, 2))
-    # opt-in (--peers-only ...,kvcoll-nopipe,kvcoll-semi): kvcoll's unpipelined steps
-    # and its semi-synchronous ones, beside the exact pipeline in the same rounds
-    runs += [(impl, world, 2 // world) for impl in PIPELINE_VARIANTS for world in (1, 2)]
-    return [r for r in runs if (not only and r[0] not in PIPELINE_VARIANTS) or r[0] in only]
+    # opt-in (--peers-only ...,kvcoll-nopipe,kvcoll-semi,kvcoll-nohuge): kvcoll with one
+    # setting changed, beside its defaults in the same rounds
+    runs += [(impl, world, 2 // world) for impl in VARIANTS for world in (1, 2)]
+    return [r for r in runs if (not only and r[0] not in VARIANTS) or r[0] in only]
 
 
 def run(args) -> None:
@@ -537,7 +541,7 @@ def markdown(summary, manifest, records, machine) -> str:
         lines.append(f"- kvcoll and TFRA grow a row per distinct id: {kv1['rows']:,} rows "
                      "after these steps.")
     lines += _rowwise_lines(summary)
-    lines += _pipeline_lines(summary)
+    lines += _variant_lines(summary)
     if busy:
         lines.append(
             f"- The machine is shared: before each run the bench waited (up to "
@@ -607,11 +611,11 @@ def _rowwise_lines(summary: list[dict]) -> list[str]:
     return lines
 
 
-def _pipeline_lines(summary: list[dict]) -> list[str]:
-    """kvcoll with its pipeline off or semi-synchronous against the default (exact)
-    pipeline, per shape: throughputs (same run, interleaved) and AUCs."""
+def _variant_lines(summary: list[dict]) -> list[str]:
+    """kvcoll with one setting changed (its pipeline off or semi-synchronous, huge pages
+    off) against its defaults, per shape: throughputs (same run, interleaved) and AUCs."""
     lines = []
-    for impl, setting in PIPELINE_VARIANTS.items():
+    for impl, (setting, value) in VARIANTS.items():
         for world in (1, 2):
             a, v = _get(summary, "kvcoll", world), _get(summary, impl, world)
             if not (a and v and a.get("runs") and v.get("runs")):
@@ -621,10 +625,11 @@ def _pipeline_lines(summary: list[dict]) -> list[str]:
                 auc = (f", AUC {v['eval_auc']:.4f} against {a['eval_auc']:.4f} "
                        f"({v['eval_auc'] - a['eval_auc']:+.4f})")
             lines.append(
-                f"- kvcoll with --pipeline {setting} on {world} x {a['threads_per_rank']}: "
-                f"{v['samples_per_sec']:,.0f} samples/s against {a['samples_per_sec']:,.0f} "
-                f"with the exact pipeline ({v['samples_per_sec'] / a['samples_per_sec']:.2f}x, "
-                f"medians of the same interleaved rounds){auc}.")
+                f"- kvcoll with --{setting.replace('_', '-')} {value} on {world} x "
+                f"{a['threads_per_rank']}: {v['samples_per_sec']:,.0f} samples/s against "
+                f"{a['samples_per_sec']:,.0f} with the defaults "
+                f"({v['samples_per_sec'] / a['samples_per_sec']:.2f}x, medians of the same "
+                f"interleaved rounds){auc}.")
     return lines
 
 
@@ -671,7 +676,7 @@ def chart(summary: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    impls = [i for i in ("kvcoll", "kvcoll-rowwise", *PIPELINE_VARIANTS, "tfra", "torchrec",
+    impls = [i for i in ("kvcoll", "kvcoll-rowwise", *VARIANTS, "tfra", "torchrec",
                          "torchrec-exact")
              if any(s["framework"] == i for s in summary)]
     fig, ax = plt.subplots(figsize=(7.5, 4), dpi=110)

@@ -130,6 +130,8 @@ def main(argv=None) -> None:
         "steps": (f"pipeline {pipeline_of(engine_of(model))}, XLA "
                   f"{'on' if engine_of(model).xla else 'off'} (--pipeline, --xla; "
                   "KVCOLL_PIPELINE, KVCOLL_XLA)"),
+        "huge_pages": (f"{runtime.config().huge_pages}: the tables' memory advised "
+                       "MADV_HUGEPAGE or not (--huge-pages, KVCOLL_HUGE_PAGES)"),
         "versions": {"tensorflow": tf.__version__, "keras": keras.__version__,
                      "kvcoll": getattr(kv, "__version__", "checkout")},
     }
