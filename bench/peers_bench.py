@@ -659,7 +659,7 @@ def floor_lines(summary: list[dict]) -> list[str]:
     for s in rows:
         f = s["floor"]
         fresh = "| — | — | — |"
-        if "floor_fresh_ms" in f:    # (runs from before it was measured: none)
+        if "floor_fresh_ms" in f:    # (a record from before it was measured: none)
             fresh = (f"| {f['sparse_fresh_ms']:.1f} ({f['sparse_fresh_cpu_ms']:.1f}) | "
                      f"{f['floor_fresh_ms']:.1f} | {f['step_over_floor_fresh']:.2f} |")
         lines.append(f"| {LABELS[s['framework']]} | {s['ranks']} x {s['threads_per_rank']} | "

@@ -50,6 +50,8 @@ void kv_free(void *p);
  */
 #define KV_HUGE_MIN ((size_t)1 << 20)
 void *kv_alloc_huge(size_t n);
+void kv_free_huge(void *p, size_t n);
+size_t kv_huge_size(size_t n); /* bytes a block of n bytes really holds */
 /* Whether kv_alloc_huge advises MADV_HUGEPAGE (on by default), process-wide, for the
  * blocks it maps from now on (thread-safe). Off, a block gets huge pages only where the
  * system gives them unasked (transparent_hugepage "always"). Huge pages spare random
@@ -57,7 +59,5 @@ void *kv_alloc_huge(size_t n);
  * first touch can cost several times that of 4 KiB pages (kvcoll.Config huge_pages). */
 void kv_set_huge_advice(int on);
 int kv_huge_advice(void);
-void kv_free_huge(void *p, size_t n);
-size_t kv_huge_size(size_t n); /* bytes a block of n bytes really holds */
 
 #endif
