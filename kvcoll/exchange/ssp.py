@@ -302,9 +302,9 @@ class SspExchange:
                 self.comm.answer_liveness()
             lead = max(0, step - 1 - (slow if slow is not None else step - 1))
         if behind is not None:
-            raise self._timed_out(f"ssp:gate at step {step} waited {self.comm.timeout:g}s "
-                                  f"for rank(s) {behind} to finish step "
-                                  f"{step - self.staleness - 1}")
+            raise self._timed_out(f"ssp:gate at step {step}: rank(s) {behind} did not "
+                                  f"finish step {step - self.staleness - 1} within "
+                                  f"{self.comm.timeout:g}s")
         self.last_wait = time.perf_counter() - t_wait
         self.max_lead = max(self.max_lead, lead)
         self.trace.append(_Trace(step, lead, 0, time.time()))
