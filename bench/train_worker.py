@@ -126,7 +126,7 @@ def keras2_ops():
     return types.SimpleNamespace(
         split=split, sum=lambda x, axis=None, keepdims=False: tf.reduce_sum(x, axis, keepdims),
         concatenate=lambda xs, axis=0: tf.concat(xs, axis), stack=lambda xs, axis=0:
-        tf.stack(xs, axis), square=tf.square)
+        tf.stack(xs, axis), square=tf.square, reshape=tf.reshape)
 
 
 def features(batch):

@@ -38,17 +38,21 @@ def _inputs(num_fields: int, num_numeric: int):
 
 
 def _embed_all(ids: dict, dim: int, embed):
-    """Per field: [B, 1] first-order weight and [B, dim] vector, from one lookup.
+    """Every field's row, [B, F, dim + 1], split once into the first-order weights
+    [B, F, 1] and the vectors [B, F, dim].
 
-    One split per field, not two slices: the gradient of a split is one concat, where
-    each slice's gradient is a zero-filled [B, dim + 1] buffer written element by
-    element (at 26 fields the slices made a 2048-sample dense step 10% slower)."""
-    first, vecs = [], []
-    for f, x in ids.items():
-        w, v = ops.split(embed(f, dim + 1)(x), [1], axis=1)   # [B, 1], [B, dim]
-        first.append(w)
-        vecs.append(v)
-    return first, vecs
+    The rows are stacked once and split once, as TorchRec's and TFRA's DeepFMs slice
+    their [B, F, dim + 1] lookup. A split per field, then a stack of the vectors and a
+    concat of the weights, made 26 small copies each way: the same DeepFM's dense step
+    (kvcoll's compute.train and apply, 4096 samples, 2 threads) took 1.15x as long."""
+    rows = ops.stack([embed(f, dim + 1)(x) for f, x in ids.items()], axis=1)
+    return ops.split(rows, [1], axis=2)
+
+
+def _deep_input(vecs, numeric):
+    """The MLP's input: each field's vector, field after field, then the numerics."""
+    return ops.concatenate([ops.reshape(vecs, (-1, vecs.shape[1] * vecs.shape[2])), numeric],
+                           axis=1)
 
 
 def _mlp(x, hidden, name: str):
@@ -69,15 +73,14 @@ def build_deepfm(num_fields: int, num_numeric: int, dim: int, embed,
     ids, numeric = _inputs(num_fields, num_numeric)
     first, vecs = _embed_all(ids, dim, embed)
 
-    linear = ops.sum(ops.concatenate(first, axis=1), axis=1, keepdims=True)     # [B, 1]
+    linear = ops.sum(first, axis=1)                                             # [B, 1]
     linear = linear + layers.Dense(1, name="numeric_linear")(numeric)
 
-    v = ops.stack(vecs, axis=1)                                                  # [B, F, dim]
-    sum_sq = ops.square(ops.sum(v, axis=1))
-    sq_sum = ops.sum(ops.square(v), axis=1)
+    sum_sq = ops.square(ops.sum(vecs, axis=1))                                  # vecs: [B, F, dim]
+    sq_sum = ops.sum(ops.square(vecs), axis=1)
     fm = 0.5 * ops.sum(sum_sq - sq_sum, axis=1, keepdims=True)                  # [B, 1]
 
-    deep = _mlp(ops.concatenate(vecs + [numeric], axis=1), hidden, "deep")      # [B, 1]
+    deep = _mlp(_deep_input(vecs, numeric), hidden, "deep")                     # [B, 1]
     logit = layers.Add(name="logit")([linear, fm, deep])
     return keras.Model(inputs={**ids, "numeric": numeric}, outputs=logit, name="deepfm")
 
@@ -92,8 +95,8 @@ def build_wdl(num_fields: int, num_numeric: int, dim: int, embed,
     """
     ids, numeric = _inputs(num_fields, num_numeric)
     first, vecs = _embed_all(ids, dim, embed)
-    wide = ops.sum(ops.concatenate(first, axis=1), axis=1, keepdims=True)
+    wide = ops.sum(first, axis=1)
     wide = wide + layers.Dense(1, name="numeric_linear")(numeric)
-    deep = _mlp(ops.concatenate(vecs + [numeric], axis=1), hidden, "deep")
+    deep = _mlp(_deep_input(vecs, numeric), hidden, "deep")
     logit = layers.Add(name="logit")([wide, deep])
     return keras.Model(inputs={**ids, "numeric": numeric}, outputs=logit, name="wdl")
