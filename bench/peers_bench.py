@@ -66,10 +66,10 @@ LABELS = {"kvcoll": "kvcoll", "kvcoll-rowwise": "kvcoll, row-wise Adagrad", "tfr
           "torchrec": "TorchRec", "torchrec-exact": "TorchRec, no collisions",
           "kvcoll-nopipe": "kvcoll, pipeline off",
           "kvcoll-semi": "kvcoll, semi-sync pipeline (rows one step stale)",
-          "kvcoll-nohuge": "kvcoll, --huge-pages off"}
+          "kvcoll-nohuge": "kvcoll, --huge-pages off", "kvcoll-xla": "kvcoll, --xla on"}
 # opt-in kvcoll runs (named in --peers-only): the setting each changes, and its value
 VARIANTS = {"kvcoll-nopipe": ("pipeline", "off"), "kvcoll-semi": ("pipeline", "semi"),
-            "kvcoll-nohuge": ("huge_pages", "off")}
+            "kvcoll-nohuge": ("huge_pages", "off"), "kvcoll-xla": ("xla", "on")}
 
 
 def add_arguments(p) -> None:
@@ -83,9 +83,9 @@ def add_arguments(p) -> None:
                    help="TorchRec's rows per table (ids modulo this)")
     g.add_argument("--peers-only", default="",
                    help="comma-separated subset of kvcoll,kvcoll-rowwise,tfra,torchrec,"
-                        "torchrec-exact; kvcoll-nopipe, kvcoll-semi and kvcoll-nohuge "
-                        "(kvcoll with --pipeline off or semi, or --huge-pages off) run "
-                        "only when named")
+                        "torchrec-exact; kvcoll-nopipe, kvcoll-semi, kvcoll-nohuge and "
+                        "kvcoll-xla (kvcoll with --pipeline off or semi, --huge-pages off "
+                        "or --xla on) run only when named")
     g.add_argument("--peers-wait", type=float, default=90,
                    help="seconds to wait at most for a quiet machine before each run")
     g.add_argument("--peers-retries", type=int, default=1,
@@ -314,8 +314,8 @@ def plan(only: list[str]) -> list[tuple[str, int, int]]:
     runs = [(impl, world, 2 // world) for world in (1, 2)
             for impl in ("kvcoll", "kvcoll-rowwise", "tfra", "torchrec")]
     runs.append(("torchrec-exact", 1, 2))
-    # opt-in (--peers-only ...,kvcoll-nopipe,kvcoll-semi,kvcoll-nohuge): kvcoll with one
-    # setting changed, beside its defaults in the same rounds
+    # opt-in (--peers-only ...,kvcoll-nopipe,kvcoll-semi,kvcoll-nohuge,kvcoll-xla): kvcoll
+    # with one setting changed, beside its defaults in the same rounds
     runs += [(impl, world, 2 // world) for impl in VARIANTS for world in (1, 2)]
     return [r for r in runs if (not only and r[0] not in VARIANTS) or r[0] in only]
 
