@@ -515,8 +515,9 @@ def _gathered_grad(g, rows):
 
 
 def bucket(n: int) -> int:
-    """The rows a matrix of n rows is padded to under XLA: the next of 4, 5, 6 or 7 times
-    a power of two (at least 16): four sizes an octave, at most 25% of padding."""
+    """A new padded size for a matrix of n rows under XLA (when no size compiled already
+    serves: KerasCompute._rows_size): the next of 4, 5, 6 or 7 times a power of two (at
+    least 16): four sizes an octave, at most 25% of padding."""
     if n <= 16:
         return 16
     k = max(0, (n - 1).bit_length() - 3)
