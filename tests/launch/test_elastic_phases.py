@@ -16,7 +16,11 @@ The same for every wait of a save (the incremental save after step 35, run as an
 attempt like the job's steps): the vote of step 35, the plan's broadcast, the files'
 gathering, the commit's broadcast and the save's vote. The survivors agree on whether
 the save counts (never one saving again while another goes on: they would part ways),
-finish the job, and hold step 35's state.
+finish the job, and hold step 35's state. Rank 2 lost in step 35's allreduce, the wait
+before that vote, leaves step 35 to go either way, as any step's allreduce does: rank 2
+posted its part, and whether the survivors' allreduce completes without it depends on
+how far it got (both happen: CI saw 34, this host 35 in 16 runs of 16); the survivors
+hold the state of the step they name.
 """
 
 import json
@@ -43,7 +47,7 @@ SAVED_AT = 35      # (--incremental-every 5)
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     d = tmp_path_factory.mktemp("ref")
-    saves = (KILL_AT, KILL_AT + 1, SAVED_AT)
+    saves = (KILL_AT, KILL_AT + 1, SAVED_AT - 1, SAVED_AT)
     code, out = mpirun(3, [JOB, "--steps", SAVED_AT, "--save-at", ",".join(map(str, saves)),
                            "--save-dir", d], 120, "uninterrupted")
     assert code == 0, out[-4000:]
@@ -58,9 +62,10 @@ def test_a_rank_lost_in_any_wait_of_a_step(reference, tmp_path, k):
 
 @pytest.mark.parametrize("k", range(4, 13))
 def test_a_rank_lost_in_any_wait_of_a_save(reference, tmp_path, k):
-    """(k counts the waits from step 35's: its vote is the 5th)"""
+    """(k counts rank 2's waits from step 35's first: 4 is its allreduce, 5 its vote, 6-11
+    the save's broadcasts and gathers, 12 the save's vote)"""
     s = lose_rank_2(tmp_path, SAVED_AT - 1, k, reference, (30, SAVED_AT))
-    assert s == SAVED_AT, (k, s)
+    assert s == SAVED_AT or (k == 4 and s == SAVED_AT - 1), (k, s)
 
 
 def lose_rank_2(tmp_path, at: int, k: int, reference, reverted_to) -> int:
