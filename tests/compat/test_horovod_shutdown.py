@@ -24,6 +24,7 @@ import pytest
 
 from compat_env import HERE, ROOT
 from mpirun import LAUNCH_FAILED, sweep_stale_sessions
+from zygote import started
 
 pytest.importorskip("horovod.tensorflow", reason="the Horovod lane only (./dev compat tf215)")
 
@@ -53,21 +54,10 @@ def _env():
 @pytest.fixture
 def zygote(tmp_path):
     """The zygote's socket path; the zygote and every child it forked are killed after."""
-    sock, log_path = tmp_path / "zygote.sock", tmp_path / "zygote.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, str(HERE / "hvd_shutdown.py"), "serve",
-                                 str(sock)], stdout=log, stderr=subprocess.STDOUT, env=_env(),
-                                cwd=ROOT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while "ready" not in log_path.read_text():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the zygote did not start:\n{log_path.read_text()}")
-            time.sleep(0.1)
-        yield sock
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)   # its session: the zygote and its children
-        proc.wait()
+    sock = tmp_path / "zygote.sock"
+    with started([sys.executable, HERE / "hvd_shutdown.py", "serve", sock], sock, _env(),
+                 ROOT) as path:
+        yield path
 
 
 def _launch(sock, case):
