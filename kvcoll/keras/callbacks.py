@@ -310,10 +310,13 @@ class Publish(keras.callbacks.Callback):
     every_seconds is wall time: after each step rank 0 looks at its clock and one
     8-byte broadcast tells every rank whether to publish after this step (BSP), so the
     cadence holds when the pace of the steps changes, as it does on a stream that
-    catches up with its backlog and then waits for data. In SSP/ASP the ranks step at
-    their own pace: a due publish (by each rank's clock) happens at the epoch's end
-    (with an unbounded stream, an epoch is steps_per_epoch steps). `published` holds a
-    PublishInfo per version."""
+    catches up with its backlog and then waits for data. While the data is late (BSP:
+    the idle rounds kvcoll's loop runs while every rank waits, one each idle_poll of a
+    kv.data.stream), the steps not yet published are published once every_seconds have
+    passed, without waiting for the next step: the last rows before a pause reach
+    serving too. In SSP/ASP the ranks step at their own pace: a due publish (by each
+    rank's clock) happens at the epoch's end (with an unbounded stream, an epoch is
+    steps_per_epoch steps). `published` holds a PublishInfo per version."""
 
     def __init__(self, directory, every_seconds: float | None = None,
                  every_n_steps: int | None = None, base_every: int = 10,
@@ -355,6 +358,9 @@ class Publish(keras.callbacks.Callback):
     def _is_due(self, eng) -> bool:
         if self.every_n_steps and eng.step % self.every_n_steps == 0:
             return True
+        return self._time_is_due(eng)
+
+    def _time_is_due(self, eng) -> bool:
         if self.every_seconds is None:
             return False
         due = self._last is None or time.monotonic() - self._last >= self.every_seconds
@@ -387,6 +393,16 @@ class Publish(keras.callbacks.Callback):
             self.publish()
         else:
             self._due = True
+
+    def on_idle(self):
+        """BSP, every rank at the same idle round of fit (its data late): publish the
+        steps trained since the last version once every_seconds have passed."""
+        eng = self._engine()
+        if self.every_seconds is None or not self.published or \
+                self.published[-1].step == eng.step:    # (the same on every rank)
+            return
+        if self._time_is_due(eng):
+            self.publish()
 
     def on_epoch_end(self, epoch, logs=None):
         eng = self._engine()

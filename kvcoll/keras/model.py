@@ -469,6 +469,10 @@ def _train_step(model, iterator):
     step = attempt if eng.elastic is None else lambda: eng.elastic.run(attempt)
     out = step()
     while out is IDLE:             # every rank waits for data: keep the ranks in step
+        if loop.synchronous:       # BSP: every rank is at the same idle round
+            for cb in eng.fit_callbacks:
+                if hasattr(cb, "on_idle"):
+                    cb.on_idle()   # (kv.callbacks.Publish: the last steps reach serving)
         out = step()
     if out is None:                # every rank is out of data, or a stop was agreed
         run.ended["train"] = True

@@ -3,6 +3,7 @@ the steps changes, as it does on a stream: a burst of fast steps (a backlog read
 slow ones (the job waits for data). A version is published within about S seconds of
 the previous one whatever the pace, not after the number of steps the burst's pace
 predicted (the defect: after a burst the next publish waited for a hundred slow steps).
+And when the data pauses, the steps before the pause are published during it.
 """
 
 import os
@@ -72,3 +73,33 @@ def test_every_seconds_holds_when_the_pace_of_steps_changes(tmp_path):
         else:
             assert t - last < EVERY, (f"step {step} ended {t - last:.2f}s after the last "
                                       f"version and published none", cb.times)
+
+
+def test_the_steps_before_a_pause_in_the_data_are_published_during_it(tmp_path):
+    """The data pauses (a stream caught up: empty batches, kvcoll's idle rounds) right
+    after a step that was not due: that step is published EVERY seconds after the
+    version before it, during the pause, not when the next data comes (the defect: the
+    online demo's last step waited for the job's stop, 2 minutes later)."""
+    keras.utils.set_random_seed(0)
+    ids = keras.Input(shape=(), dtype="int64", name="id")
+    model = kv.Model({"id": ids}, keras.layers.Dense(1)(kv.Embedding("t", 4)(ids)))
+    engine_of(model, comm=Comm.local())
+    model.compile(optimizer=kv.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                  loss=keras.losses.BinaryCrossentropy(from_logits=True))
+    cb = Timed(str(tmp_path / "pub"), every_seconds=EVERY, publish_at_end=False)
+    pause = []
+
+    def data(g):
+        for _ in range(5):      # quick steps: the first is published, the others not due
+            yield ({"id": g.integers(0, 1000, 32)}, (g.random(32) < 0.5).astype(np.float32))
+        pause.append(time.monotonic())
+        for _ in range(int(3 * EVERY / 0.05)):   # a pause of 3 EVERY, idle every 0.05 s
+            time.sleep(0.05)
+            yield ({"id": np.zeros(0, np.int64)}, np.zeros(0, np.float32))
+
+    model.fit(data(np.random.default_rng(1)), epochs=1, verbose=0, callbacks=[cb])
+    assert [step for _, step in cb.times] == [1, 5], cb.times
+    t5 = cb.times[1][0]
+    assert pause[0] < t5 and t5 - cb.times[0][0] >= EVERY, (pause, cb.times)
+    assert t5 - pause[0] < 2 * EVERY, (f"published {t5 - pause[0]:.2f}s into the pause",
+                                        cb.times)
