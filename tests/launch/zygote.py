@@ -37,6 +37,7 @@ import struct
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 _LEN = struct.Struct("!I")
 _CODE = struct.Struct("!i")
@@ -204,16 +205,16 @@ def started(serve_argv: list, sock, env: dict, cwd, timeout: float = 120):
     """Run a zygote (`serve_argv`: its command line, which serves at `sock`) for the
     duration of the block: yields `sock`. The zygote and every child it forked are
     SIGKILLed after, and a zygote that never says "ready" fails the caller."""
-    log_path = f"{sock}.log"
+    log_path = Path(f"{sock}.log")
     with open(log_path, "w") as log:
         proc = subprocess.Popen([str(a) for a in serve_argv], stdout=log,
                                 stderr=subprocess.STDOUT, env=env, cwd=cwd,
                                 start_new_session=True)
     try:
         deadline = time.monotonic() + timeout
-        while "ready" not in open(log_path).read():
+        while "ready" not in log_path.read_text():
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the zygote did not start:\n{open(log_path).read()}")
+                raise RuntimeError(f"the zygote did not start:\n{log_path.read_text()}")
             time.sleep(0.1)
         yield sock
     finally:

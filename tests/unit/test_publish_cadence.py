@@ -48,14 +48,19 @@ def batches(g):
         yield ({"id": g.integers(0, 1000, 32)}, (g.random(32) < 0.5).astype(np.float32))
 
 
-def test_every_seconds_holds_when_the_pace_of_steps_changes(tmp_path):
+def model_and_publish(tmp_path):
+    """A one-process model (one table) and a Timed publish every EVERY seconds."""
     keras.utils.set_random_seed(0)
     ids = keras.Input(shape=(), dtype="int64", name="id")
     model = kv.Model({"id": ids}, keras.layers.Dense(1)(kv.Embedding("t", 4)(ids)))
     engine_of(model, comm=Comm.local())
     model.compile(optimizer=kv.DistributedOptimizer(keras.optimizers.SGD(0.1)),
                   loss=keras.losses.BinaryCrossentropy(from_logits=True))
-    cb = Timed(str(tmp_path / "pub"), every_seconds=EVERY, publish_at_end=False)
+    return model, Timed(str(tmp_path / "pub"), every_seconds=EVERY, publish_at_end=False)
+
+
+def test_every_seconds_holds_when_the_pace_of_steps_changes(tmp_path):
+    model, cb = model_and_publish(tmp_path)
     model.fit(batches(np.random.default_rng(1)), epochs=1, verbose=0, callbacks=[cb])
     slow = [t for t, step in cb.times if step > FAST]
     # the slow phase lasts SLOW * SLOW_S = 3 s: a version about every EVERY seconds
@@ -80,13 +85,7 @@ def test_the_steps_before_a_pause_in_the_data_are_published_during_it(tmp_path):
     after a step that was not due: that step is published EVERY seconds after the
     version before it, during the pause, not when the next data comes (the defect: the
     online demo's last step waited for the job's stop, 2 minutes later)."""
-    keras.utils.set_random_seed(0)
-    ids = keras.Input(shape=(), dtype="int64", name="id")
-    model = kv.Model({"id": ids}, keras.layers.Dense(1)(kv.Embedding("t", 4)(ids)))
-    engine_of(model, comm=Comm.local())
-    model.compile(optimizer=kv.DistributedOptimizer(keras.optimizers.SGD(0.1)),
-                  loss=keras.losses.BinaryCrossentropy(from_logits=True))
-    cb = Timed(str(tmp_path / "pub"), every_seconds=EVERY, publish_at_end=False)
+    model, cb = model_and_publish(tmp_path)
     pause = []
 
     def data(g):
