@@ -41,6 +41,13 @@ What a step on one rank costs (bench/results/scale.md says where each figure com
   tree (reduce, then broadcast: 2 log2 P steps of the whole vector) below 64 KiB or P < 4,
   else reduce-scatter + allgather (Rabenseifner: 2 log2 P steps, 2 (P-1)/P x bytes).
   Ring (the NCCL/Horovod shape, 2(P-1) steps) is not what libnbc picks by default.
+- the scheduler's hand-offs: when ranks (and other busy processes) outnumber the cores,
+  a BSP collective ends only when its slowest rank has been back on a core, which takes
+  the scheduler milliseconds, not the stage's microseconds. Each collective (every
+  all-to-all stage with a message, and the allreduce) waits `Cluster.handoff_s` per task
+  that shares the slowest rank's core (`Cluster.corunners`: ceil(tasks / cores) - 1).
+  `handoff_s` is measured on 2 ranks that share the cores with a busy process; on hosts
+  with a core per rank there is no co-runner and the term is 0.
 - overlap: BSP's pipeline (kvcoll.step's prefetch) runs the next step's dedup/route and
   id exchange while this step's dense compute runs; rows are looked up only after the
   update, so only `plan_s` and the ids' stages (messages and bytes) hide behind compute,
@@ -60,6 +67,7 @@ __all__ = [
     "Step",
     "Workload",
     "allreduce_seconds",
+    "collectives",
     "efficiency",
     "messages",
     "samples_per_sec",
@@ -114,7 +122,10 @@ class Workload:
 @dataclasses.dataclass(frozen=True)
 class Cluster:
     """P ranks on hosts of `per_host` ranks; `cpu_share`: the share of a core a rank gets
-    (1 on hosts of their own; cores / ranks when ranks outnumber the cores)."""
+    (1 on hosts of their own; cores / ranks when ranks outnumber the cores);
+    `corunners`: the other tasks that share the slowest rank's core (0 when every rank
+    has a core of its own); `handoff_s`: the seconds a collective waits for the scheduler
+    per co-runner (see the module docstring)."""
 
     ranks: int
     per_host: int
@@ -122,12 +133,17 @@ class Cluster:
     inter: Link
     cpu_share: float = 1.0
     nic_shared: bool = True   # the L ranks of a host share its link's bandwidth
+    corunners: int = 0
+    handoff_s: float = 0.0
 
     def __post_init__(self):
         if self.ranks < 1 or self.per_host < 1 or self.ranks % self.per_host:
             raise ValueError(f"{self.ranks} ranks do not fill hosts of {self.per_host}")
         if not 0 < self.cpu_share <= 1:
             raise ValueError(f"cpu_share must be in (0, 1], got {self.cpu_share}")
+        if self.corunners < 0 or not self.handoff_s >= 0:
+            raise ValueError(f"corunners and handoff_s must be >= 0, got {self.corunners} "
+                             f"and {self.handoff_s}")
 
     @property
     def hosts(self) -> int:
@@ -144,10 +160,12 @@ class Step:
     allreduce: float
     overlap: float = 0.0
     parts: dict = dataclasses.field(default_factory=dict)
+    handoffs: float = 0.0     # the collectives' waits for the scheduler
 
     @property
     def total(self) -> float:
-        return self.cpu + self.latency + self.bytes + self.allreduce - self.overlap
+        return (self.cpu + self.latency + self.bytes + self.allreduce + self.handoffs
+                - self.overlap)
 
 
 def stages(ranks: int, per_host: int, topology: str) -> list[tuple[str, str, int, int]]:
@@ -177,6 +195,14 @@ def messages(ranks: int, per_host: int, topology: str) -> tuple[int, int]:
     """Messages a rank sends per step: (inside its host, across hosts)."""
     st = stages(ranks, per_host, topology)
     return sum(s[2] for s in st), sum(s[3] for s in st)
+
+
+def collectives(ranks: int, per_host: int, topology: str) -> int:
+    """The collectives a step waits in: its all-to-all stages that send a message, and
+    the allreduce (none on one rank)."""
+    if ranks == 1:
+        return 0
+    return sum(1 for s in stages(ranks, per_host, topology) if s[2] + s[3]) + 1
 
 
 def allreduce_seconds(n_bytes: float, ranks: int, link: Link) -> float:
@@ -232,9 +258,13 @@ def step_seconds(w: Workload, c: Cluster, topology: str = "flat", wire_bytes: in
         hidden = (w.plan_s / share + lat.get("ids:counts", 0.0) + lat.get("ids", 0.0)
                   + byte_s["ids"])
         overlap = min(w.compute_s / share, hidden)
+    # the scheduler's hand-offs (wall time, not the rank's CPU: not stretched by share)
+    hand = collectives(P, L, topology) * c.corunners * c.handoff_s
     parts = {"cpu": cpu, **{f"latency:{s}": v for s, v in lat.items()},
              **{f"bytes:{s}": v for s, v in byte_s.items()}, "allreduce": ar}
-    return Step(cpu, sum(lat.values()), sum(byte_s.values()), ar, overlap, parts)
+    if hand:
+        parts["handoffs"] = hand
+    return Step(cpu, sum(lat.values()), sum(byte_s.values()), ar, overlap, parts, hand)
 
 
 def samples_per_sec(w: Workload, c: Cluster, topology: str = "flat", wire_bytes: int = 4,

@@ -2,6 +2,7 @@
 closed form, and the shape of its answers (one rank has no exchange, a CPU share
 stretches a step, fp16 halves the rows' bytes, two-level pays at scale only)."""
 
+import dataclasses
 import itertools
 import math
 
@@ -135,3 +136,31 @@ def test_two_level_threshold_is_where_two_level_starts_to_win_for_good():
     # a link whose messages are free never makes two-level worth it
     free = sm.Link("free", TCP.stage_s, 0.0, TCP.bandwidth)
     assert sm.two_level_threshold(W, SHM, free, most=256) == 257
+
+
+def test_the_schedulers_handoffs_are_a_wait_per_collective_and_corunner():
+    # flat: 4 stages + the allreduce; two-level: 10 stages + the allreduce (3 hosts x 2)
+    assert sm.collectives(6, 2, "flat") == 5 and sm.collectives(6, 2, "two-level") == 11
+    assert sm.collectives(1, 1, "flat") == 0
+    # hosts of one rank: two-level's stages inside a host send nothing, so do not wait
+    assert sm.collectives(4, 1, "two-level") == 5
+    c = sm.Cluster(6, 2, SHM, TCP, cpu_share=1 / 3, corunners=2, handoff_s=1e-3)
+    bare = dataclasses.replace(c, handoff_s=0.0)
+    for topo, n in (("flat", 5), ("two-level", 11)):
+        st, st0 = sm.step_seconds(W, c, topo), sm.step_seconds(W, bare, topo)
+        assert st.handoffs == pytest.approx(n * 2 * 1e-3)     # a wait: not stretched by share
+        assert st.total - st0.total == pytest.approx(st.handoffs)
+        assert st0.handoffs == 0 and "handoffs" not in st0.parts
+    # a core per rank (the curves): no co-runner, no term, whatever handoff_s says
+    own = cluster(256, 8)
+    assert sm.step_seconds(W, dataclasses.replace(own, handoff_s=5e-3), "two-level").total \
+        == pytest.approx(sm.step_seconds(W, own, "two-level").total)
+    with pytest.raises(ValueError, match="corunners and handoff_s"):
+        sm.Cluster(4, 2, SHM, TCP, corunners=-1)
+
+
+def test_corunners_are_the_tasks_beyond_the_cores_on_the_slowest_ranks_core():
+    from bench.scale_bench import corunners
+    assert [corunners(2, p) for p in (1, 2, 3, 4, 5, 6)] == [0, 0, 1, 1, 2, 2]
+    assert corunners(2, 2, others=0.8) == 1 and corunners(2, 2, others=0.3) == 0
+    assert corunners(32, 8) == 0
