@@ -571,7 +571,7 @@ def markdown(r: dict, machine: dict, command: str, png: str | None) -> str:
                 f"| {i} | {h['others_cores']:.2f} | {h['cpu_share']:.2f} | "
                 f"{h['measured_compute_s'] * 1e3:.1f} / {h['predicted_compute_s'] * 1e3:.1f} | "
                 f"{h['measured_rest_s'] * 1e3:.1f} / {h['predicted_rest_s'] * 1e3:.1f} | "
-                f"{h['collectives']} x {h['corunners']} | {h['handoff_s'] * 1e3:.2f} |")
+                f"{h['collectives']:g} x {h['corunners']} | {h['handoff_s'] * 1e3:.2f} |")
         lines += ["", (f"The model takes the median, **{hd['handoff_s'] * 1e3:.2f} ms** a "
                        "collective per co-runner."), ""]
     checks = r["checks"]
@@ -582,8 +582,11 @@ def markdown(r: dict, machine: dict, command: str, png: str | None) -> str:
          "min(1, (cores - the others' cores) / P), and the slowest rank shares its core "
          "with ceil((P + the others' cores, rounded) / cores) - 1 co-runners: each "
          "collective of the step (every all-to-all stage, and the allreduce) waits the "
-         "measured hand-off per co-runner (the model's explicit CPU-share terms; on hosts "
-         "with a core per rank both are neutral). Inside a netns host the ranks talk TCP "
+         "measured hand-off per co-runner, times the fraction of the other ranks it "
+         "exchanges with (1 for a flat stage and the allreduce; a two-level stage talks "
+         "to the ranks of its host, or to those of its local rank on the other hosts). "
+         "These are the model's explicit CPU-share terms; on hosts with a core per rank "
+         "both are neutral. Inside a netns host the ranks talk TCP "
          "too (no shared memory). Measured: the loop's phases summed, mean over ranks. "
          "Every run is the numpy job, unpipelined, fp32 rows."), "",
         ("| hosts x ranks, exchange | others' CPU during (before) | CPU share | co-runners "
@@ -620,7 +623,8 @@ def markdown(r: dict, machine: dict, command: str, png: str | None) -> str:
             mc = c["measured_phases_ms"]["compute"]
             pc = 1e3 * w["compute_s"] / c["cpu_share"]
             mr, pr = c["measured_ms"] - mc, c["predicted_ms"] - pc
-            waits = sm.collectives(c["ranks"], c["per_host"], c["topology"])
+            waits = sum(1 for st in sm.stages(c["ranks"], c["per_host"], c["topology"])
+                        if st[2] + st[3]) + 1
             why.append(f"{c['label']}: compute {mc:.1f} ms measured, {pc:.1f} predicted "
                        f"({mc / pc:.2f}x); the rest {mr:.1f} against {pr:.1f} ({mr / pr:.2f}x: "
                        f"{(mr - pr) / waits:+.1f} ms in each of its {waits} collective "

@@ -45,9 +45,12 @@ What a step on one rank costs (bench/results/scale.md says where each figure com
   a BSP collective ends only when its slowest rank has been back on a core, which takes
   the scheduler milliseconds, not the stage's microseconds. Each collective (every
   all-to-all stage with a message, and the allreduce) waits `Cluster.handoff_s` per task
-  that shares the slowest rank's core (`Cluster.corunners`: ceil(tasks / cores) - 1).
-  `handoff_s` is measured on 2 ranks that share the cores with a busy process; on hosts
-  with a core per rank there is no co-runner and the term is 0.
+  that shares the slowest rank's core (`Cluster.corunners`: ceil(tasks / cores) - 1),
+  times the fraction of the other ranks it exchanges with: 1 for the flat stages and the
+  allreduce, (L-1)/(P-1) or (H-1)/(P-1) for a two-level stage (a co-runner holds the
+  stage up only if it is one of its partners). `handoff_s` is measured on 2 ranks that
+  share the cores with a busy process; on hosts with a core per rank there is no
+  co-runner and the term is 0.
 - overlap: BSP's pipeline (kvcoll.step's prefetch) runs the next step's dedup/route and
   id exchange while this step's dense compute runs; rows are looked up only after the
   update, so only `plan_s` and the ids' stages (messages and bytes) hide behind compute,
@@ -197,12 +200,13 @@ def messages(ranks: int, per_host: int, topology: str) -> tuple[int, int]:
     return sum(s[2] for s in st), sum(s[3] for s in st)
 
 
-def collectives(ranks: int, per_host: int, topology: str) -> int:
-    """The collectives a step waits in: its all-to-all stages that send a message, and
-    the allreduce (none on one rank)."""
+def collectives(ranks: int, per_host: int, topology: str) -> float:
+    """The collectives a step waits in (its all-to-all stages that send a message, and
+    the allreduce; none on one rank), each counted by the fraction of the other ranks
+    it exchanges with: the step's waits for the scheduler, in flat stages."""
     if ranks == 1:
-        return 0
-    return sum(1 for s in stages(ranks, per_host, topology) if s[2] + s[3]) + 1
+        return 0.0
+    return sum((s[2] + s[3]) / (ranks - 1) for s in stages(ranks, per_host, topology)) + 1
 
 
 def allreduce_seconds(n_bytes: float, ranks: int, link: Link) -> float:

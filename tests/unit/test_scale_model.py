@@ -139,14 +139,17 @@ def test_two_level_threshold_is_where_two_level_starts_to_win_for_good():
 
 
 def test_the_schedulers_handoffs_are_a_wait_per_collective_and_corunner():
-    # flat: 4 stages + the allreduce; two-level: 10 stages + the allreduce (3 hosts x 2)
-    assert sm.collectives(6, 2, "flat") == 5 and sm.collectives(6, 2, "two-level") == 11
+    # flat: 4 stages + the allreduce, each with every other rank; two-level (3 hosts x 2):
+    # 6 stages with the 1 other rank of the host and 4 with the 2 others of the local
+    # rank, each of 5 other ranks, + the allreduce
+    assert sm.collectives(6, 2, "flat") == 5
+    assert sm.collectives(6, 2, "two-level") == pytest.approx(6 / 5 + 4 * 2 / 5 + 1)
     assert sm.collectives(1, 1, "flat") == 0
     # hosts of one rank: two-level's stages inside a host send nothing, so do not wait
-    assert sm.collectives(4, 1, "two-level") == 5
+    assert sm.collectives(4, 1, "two-level") == pytest.approx(5)
     c = sm.Cluster(6, 2, SHM, TCP, cpu_share=1 / 3, corunners=2, handoff_s=1e-3)
     bare = dataclasses.replace(c, handoff_s=0.0)
-    for topo, n in (("flat", 5), ("two-level", 11)):
+    for topo, n in (("flat", 5), ("two-level", 3.8)):
         st, st0 = sm.step_seconds(W, c, topo), sm.step_seconds(W, bare, topo)
         assert st.handoffs == pytest.approx(n * 2 * 1e-3)     # a wait: not stretched by share
         assert st.total - st0.total == pytest.approx(st.handoffs)
