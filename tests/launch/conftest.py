@@ -3,12 +3,27 @@ in `./dev faults`, which CI runs after the suite; `./dev test` skips them, to st
 its time budget.
 
 Before each test, the session directories of mpiruns killed earlier are removed (see
-mpirun.sweep_stale_sessions): a later mpirun given the same pid would fail to start."""
+mpirun.sweep_stale_sessions): a later mpirun given the same pid would fail to start.
+
+The `zygote` fixture: a fork server for the ranks of short jobs (tests/launch/zygote.py)."""
 
 import os
+import sys
 
 import pytest
-from mpirun import sweep_stale_sessions
+from mpirun import PRELOAD, ROOT, ZYGOTE, base_env, sweep_stale_sessions
+from zygote import started
+
+
+@pytest.fixture(scope="session")
+def zygote(tmp_path_factory):
+    """The socket of a zygote holding mpirun.PRELOAD (one per pytest process): pass it to
+    mpirun.run/start (zygote=...) to start each rank as a fork of it instead of a fresh
+    interpreter, which saves each rank the seconds of CPU of those imports."""
+    sock = tmp_path_factory.mktemp("zygote") / "zygote.sock"
+    with started([sys.executable, ZYGOTE, "serve", sock, *PRELOAD], sock, base_env(),
+                 ROOT) as path:
+        yield path
 
 
 def pytest_runtest_setup(item):

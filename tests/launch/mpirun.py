@@ -15,6 +15,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 MPIRUN = Path(sys.executable).parent / "mpirun"
+ZYGOTE = Path(__file__).resolve().parent / "zygote.py"
+# what a zygote imports for the jobs it forks (tests/launch/zygote.py): seconds of CPU
+# each rank would otherwise spend on it
+PRELOAD = ("tensorflow", "keras", "kvcoll", "kvcoll.keras")
 
 
 # What Open MPI's launcher prints when it could not start at all; nothing of the program
@@ -82,30 +86,45 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def run(world: int, argv: list, timeout: float, what: str, env_extra=None, launcher=None):
+def run(world: int, argv: list, timeout: float, what: str, env_extra=None, launcher=None,
+        zygote=None):
     """Run `python argv...` on `world` ranks; return (exit code, combined output).
     launcher: the command before `-np world` (default: this venv's mpirun with the flags
-    a small shared host needs). A launch that failed before any rank started (see
-    LAUNCH_FAILED) is tried once more."""
-    code, out = _run(world, argv, timeout, what, env_extra, launcher)
+    a small shared host needs). zygote: see start(). A launch that failed before any
+    rank started (see LAUNCH_FAILED) is tried once more."""
+    code, out = _run(world, argv, timeout, what, env_extra, launcher, zygote)
     if code != 0 and any(m in out for m in LAUNCH_FAILED):
         print(f"{what}: mpirun could not start ({out.strip()[:200]!r}); trying again")
-        code, out = _run(world, argv, timeout, what, env_extra, launcher)
+        code, out = _run(world, argv, timeout, what, env_extra, launcher, zygote)
     return code, out
 
 
-def start(world: int, argv: list, env_extra=None, launcher=None) -> subprocess.Popen:
-    """Start `python argv...` on `world` ranks and return at once: the launcher's process,
-    in a session of its own (os.killpg(proc.pid, ...) reaches every rank), its stdout
-    and stderr merged into proc.stdout (text)."""
-    sweep_stale_sessions()
-    sweep_stale_segments()
-    launcher = launcher or [str(MPIRUN), "--oversubscribe", "--bind-to", "none"]
-    cmd = [*map(str, launcher), "-np", str(world), sys.executable, *map(str, argv)]
+def base_env() -> dict:
+    """The environment every launch starts from (start()'s, before its env_extra)."""
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_rmaps_base_oversubscribe="1", TF_CPP_MIN_LOG_LEVEL="2",
                PYTHONPATH=str(ROOT))
     env.pop("KVCOLL_STEP_MODE", None)
+    return env
+
+
+def start(world: int, argv: list, env_extra=None, launcher=None, zygote=None
+          ) -> subprocess.Popen:
+    """Start `python argv...` on `world` ranks and return at once: the launcher's process,
+    in a session of its own (os.killpg(proc.pid, ...) reaches every rank), its stdout
+    and stderr merged into proc.stdout (text). zygote: the socket of a zygote (the
+    `zygote` fixture): each rank is then a fork of it, which holds PRELOAD already, and
+    mpirun's rank process stands for it (tests/launch/zygote.py); for jobs on this host
+    that signal their ranks by the pids the ranks report, if at all (the rank's
+    environment is the launch's, but what the imports read of it at import time is the
+    zygote's)."""
+    sweep_stale_sessions()
+    sweep_stale_segments()
+    launcher = launcher or [str(MPIRUN), "--oversubscribe", "--bind-to", "none"]
+    python = [sys.executable] if zygote is None else \
+        [sys.executable, "-S", str(ZYGOTE), "rank", str(zygote)]
+    cmd = [*map(str, launcher), "-np", str(world), *python, *map(str, argv)]
+    env = base_env()
     if world > (os.cpu_count() or 1):
         # More ranks than cores: TensorFlow's pools, sized to every core in each rank,
         # fight over them (tests/mpi on 3 ranks here: 151 s, with one thread each 123 s)
@@ -116,8 +135,8 @@ def start(world: int, argv: list, env_extra=None, launcher=None) -> subprocess.P
                             env=env, start_new_session=True, cwd=ROOT)
 
 
-def _run(world: int, argv: list, timeout: float, what: str, env_extra, launcher):
-    proc = start(world, argv, env_extra, launcher)
+def _run(world: int, argv: list, timeout: float, what: str, env_extra, launcher, zygote):
+    proc = start(world, argv, env_extra, launcher, zygote)
     out, timed_out = finish(proc, timeout)
     if timed_out:
         pytest.fail(f"{what} on {world} ranks did not finish in {timeout:.0f}s "

@@ -26,8 +26,9 @@ DRIVER = ROOT / "tests" / "mpi" / "ckpt_driver.py"
 TIMEOUT = float(os.environ.get("KVCOLL_TEST_MPI_TIMEOUT", "240"))
 
 
-def run_driver(world: int, args, timeout: float = TIMEOUT):
-    return run(world, [DRIVER, *args], timeout, "ckpt_driver.py")
+def run_driver(zygote, world: int, args, timeout: float = TIMEOUT):
+    """The driver on `world` ranks, each a fork of the zygote (conftest.py)."""
+    return run(world, [DRIVER, *args], timeout, "ckpt_driver.py", zygote=zygote)
 
 
 def load(path) -> dict:
@@ -42,9 +43,9 @@ def assert_same_state(a: dict, b: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, zygote):
     d = tmp_path_factory.mktemp("ckpt")
-    code, out = run_driver(3, ["train", "--steps", 10, "--dir", d / "chain", "--full-at", 4,
+    code, out = run_driver(zygote, 3, ["train", "--steps", 10, "--dir", d / "chain", "--full-at", 4,
                                "--incremental-at", "5,6,7", "--full-dir", d / "full",
                                "--full-dir-at", 7, "--dump-at", 7, "--dump", d / "s7.npz",
                                "--losses", d / "losses.json"])
@@ -69,9 +70,9 @@ def test_chain_layout(trained):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_restore_on_any_world_size(trained, world):
+def test_restore_on_any_world_size(trained, world, zygote):
     d = trained
-    code, out = run_driver(world, ["resume", "--steps", 10, "--dir", d / "chain",
+    code, out = run_driver(zygote, world, ["resume", "--steps", 10, "--dir", d / "chain",
                                    "--dump", d / f"r{world}.npz", "--losses",
                                    d / f"l{world}.json", "--also-dir", d / "full",
                                    "--also-dump", d / f"f{world}.npz"])
@@ -93,9 +94,9 @@ def test_restore_on_any_world_size(trained, world):
         np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
-def test_killed_save_leaves_previous_checkpoint(tmp_path):
+def test_killed_save_leaves_previous_checkpoint(tmp_path, zygote):
     d = tmp_path
-    code, out = run_driver(2, ["train", "--steps", 4, "--dir", d / "ck", "--full-at", 2,
+    code, out = run_driver(zygote, 2, ["train", "--steps", 4, "--dir", d / "ck", "--full-at", 2,
                                "--dump-at", 2, "--dump", d / "s2.npz", "--kill-rank", 1,
                                "--kill-at", 4, "--kill-after-files", 1])
     assert code != 0, out[-4000:]
@@ -104,11 +105,11 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path):
     left = sorted(p.name for p in ck.iterdir())
     assert any(".tmp-" in n for n in left), left          # the abandoned save
     assert "ckpt-0000000004" not in left, left
-    code, out = run_driver(2, ["resume", "--steps", 2, "--dir", ck, "--dump", d / "r.npz"])
+    code, out = run_driver(zygote, 2, ["resume", "--steps", 2, "--dir", ck, "--dump", d / "r.npz"])
     assert code == 0, out[-8000:]
     assert_same_state(load(d / "r.npz"), load(d / "s2.npz"))
     # the next save removes the abandoned directory
-    code, out = run_driver(1, ["resume", "--steps", 3, "--dir", ck, "--dump", d / "r3.npz",
+    code, out = run_driver(zygote, 1, ["resume", "--steps", 3, "--dir", ck, "--dump", d / "r3.npz",
                                "--full-at", 3])
     assert code == 0, out[-8000:]
     left = sorted(p.name for p in ck.iterdir())
@@ -118,14 +119,15 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path):
 TRAIN = ROOT / "examples" / "train.py"
 
 
-def test_train_py_checkpoint_restore_export(tmp_path):
+def test_train_py_checkpoint_restore_export(tmp_path, zygote):
     """examples/train.py --checkpoint-dir/-every, --incremental-every, --restore on another
     world size, --export-dir."""
     small = ["--no-progress", "--batch-size", "256", "--eval-samples", "1000", "--hidden", "16",
              "--vocab", "10000"]
     ck, ex = tmp_path / "ck", tmp_path / "ex"
     code, out = run(2, [TRAIN, *small, "--steps", "5", "--checkpoint-dir", ck,
-                        "--checkpoint-every", "2", "--incremental-every", "1"], TIMEOUT, "train.py")
+                        "--checkpoint-every", "2", "--incremental-every", "1"], TIMEOUT, "train.py",
+                    zygote=zygote)
     assert code == 0, out[-8000:]
     assert "step     1  saved full" in out          # no parent yet: full
     assert "step     3  saved delta" in out and "step     4  saved full" in out
@@ -133,7 +135,7 @@ def test_train_py_checkpoint_restore_export(tmp_path):
     assert (ck / "latest").read_text() == "ckpt-0000000005\n"
     code, out = run(1, [TRAIN, *small, "--steps", "7", "--checkpoint-dir", ck, "--restore",
                         "--export-dir", ex, "--metrics-out", tmp_path / "m.json"],
-                    TIMEOUT, "train.py")
+                    TIMEOUT, "train.py", zygote=zygote)
     assert code == 0, out[-8000:]
     assert "restored ckpt-0000000005 (step 5; a full checkpoint and 1 incremental" in out, \
         out[-3000:]

@@ -6,7 +6,7 @@ a process that holds them.
         the zygote: imports the modules, prints "ready", then forks one child per rank
         that connects; the child runs the rank's script and the zygote reports how it
         ended. It stops when the process that started it is gone.
-    mpirun -np N python -S zygote.py rank SOCKET SCRIPT ARG...
+    mpirun -np N python -S zygote.py rank SOCKET SCRIPT ARG...   (or -c CODE, -m MODULE)
         one rank, launched by mpirun: hands its environment (the MPI launcher's
         variables), working directory, argv and stdin/stdout/stderr to the zygote, and
         ends as the child that ran the rank ended: with its exit code, or killed by the
@@ -14,7 +14,8 @@ a process that holds them.
         process is killed (mpirun ending the job), the zygote SIGKILLs the child at once.
 
 The child initialises MPI itself, as the rank mpirun started would, runs SCRIPT as
-`python SCRIPT ARG...` would (as __main__, its directory first on sys.path), then ends as
+`python SCRIPT ARG...` would (as __main__, its directory first on sys.path; `-c CODE` and
+`-m MODULE` as python runs them), then ends as
 the interpreter does: the atexit handlers, MPI_Finalize if mpi4py initialised MPI and
 may finalize it, then os._exit (the module teardown is skipped: seconds with TensorFlow
 loaded, and no MPI call in it).
@@ -119,14 +120,29 @@ def exit_like_python(code: int, finalize_mpi: bool) -> int:
 
 
 def run_script(request: dict) -> int:
-    """The default runner: request["argv"] as `python SCRIPT ARG...` would run it (MPI
-    started by mpi4py, as kv.init() does); the exit code."""
+    """The default runner: request["argv"] as `python ARG...` would run it (MPI started by
+    mpi4py, as kv.init() does): `SCRIPT ARG...`, `-c CODE ARG...` or `-m MODULE ARG...`;
+    the exit code."""
     import runpy
 
-    script = request["argv"][0]
-    sys.argv = list(request["argv"])
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
-    code = call(lambda: runpy.run_path(script, run_name="__main__"))
+    argv = list(request["argv"])
+    if argv[0] == "-c" and len(argv) >= 2:
+        import types
+
+        sys.argv = ["-c", *argv[2:]]
+        sys.path[0] = ""
+        main = types.ModuleType("__main__")     # (this file's functions keep their own)
+        sys.modules["__main__"] = main
+        code = call(lambda: exec(compile(argv[1], "<string>", "exec"), main.__dict__))
+    elif argv[0] == "-m" and len(argv) >= 2:
+        sys.argv = [argv[1], *argv[2:]]     # runpy puts the module's path in argv[0]
+        sys.path[0] = os.getcwd()
+        code = call(lambda: runpy.run_module(argv[1], run_name="__main__", alter_sys=True))
+    else:
+        script = argv[0]
+        sys.argv = argv
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        code = call(lambda: runpy.run_path(script, run_name="__main__"))
     mpi4py = sys.modules.get("mpi4py")
     return exit_like_python(code, mpi4py is not None and mpi4py.rc.finalize is not False)
 
