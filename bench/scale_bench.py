@@ -185,7 +185,7 @@ def handoff_of(summary: dict, w: sm.Workload, tcp: sm.Link, cores: int, busy: in
     processes: what its collectives (not its compute) took beyond the model's terms at
     its CPU share, per collective and per co-runner."""
     s = share(cores, 2, summary["others_cores"])
-    k = max(1, math.ceil((2 + busy) / cores) - 1)
+    k = max(1, corunners(cores, 2, busy))
     st = sm.step_seconds(w, sm.Cluster(2, 1, tcp, tcp, cpu_share=s), "flat")
     ph = summary["phases_s"]
     measured_rest = measured_step_s(summary) - ph["compute"]

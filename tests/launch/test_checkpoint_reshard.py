@@ -45,10 +45,11 @@ def assert_same_state(a: dict, b: dict) -> None:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, zygote):
     d = tmp_path_factory.mktemp("ckpt")
-    code, out = run_driver(zygote, 3, ["train", "--steps", 10, "--dir", d / "chain", "--full-at", 4,
-                               "--incremental-at", "5,6,7", "--full-dir", d / "full",
-                               "--full-dir-at", 7, "--dump-at", 7, "--dump", d / "s7.npz",
-                               "--losses", d / "losses.json"])
+    code, out = run_driver(zygote, 3, ["train", "--steps", 10, "--dir", d / "chain",
+                                       "--full-at", 4, "--incremental-at", "5,6,7",
+                                       "--full-dir", d / "full", "--full-dir-at", 7,
+                                       "--dump-at", 7, "--dump", d / "s7.npz",
+                                       "--losses", d / "losses.json"])
     assert code == 0, out[-8000:]
     return d
 
@@ -73,9 +74,9 @@ def test_chain_layout(trained):
 def test_restore_on_any_world_size(trained, world, zygote):
     d = trained
     code, out = run_driver(zygote, world, ["resume", "--steps", 10, "--dir", d / "chain",
-                                   "--dump", d / f"r{world}.npz", "--losses",
-                                   d / f"l{world}.json", "--also-dir", d / "full",
-                                   "--also-dump", d / f"f{world}.npz"])
+                                           "--dump", d / f"r{world}.npz", "--losses",
+                                           d / f"l{world}.json", "--also-dir", d / "full",
+                                           "--also-dump", d / f"f{world}.npz"])
     assert code == 0, out[-8000:]
     assert "chain ['ckpt-0000000004', 'ckpt-0000000005', 'ckpt-0000000006', " \
            "'ckpt-0000000007']) at step 7" in out, out[-3000:]
@@ -96,21 +97,23 @@ def test_restore_on_any_world_size(trained, world, zygote):
 
 def test_killed_save_leaves_previous_checkpoint(tmp_path, zygote):
     d = tmp_path
-    code, out = run_driver(zygote, 2, ["train", "--steps", 4, "--dir", d / "ck", "--full-at", 2,
-                               "--dump-at", 2, "--dump", d / "s2.npz", "--kill-rank", 1,
-                               "--kill-at", 4, "--kill-after-files", 1])
+    code, out = run_driver(zygote, 2, ["train", "--steps", 4, "--dir", d / "ck",
+                                       "--full-at", 2, "--dump-at", 2, "--dump", d / "s2.npz",
+                                       "--kill-rank", 1, "--kill-at", 4,
+                                       "--kill-after-files", 1])
     assert code != 0, out[-4000:]
     ck = d / "ck"
     assert (ck / "latest").read_text() == "ckpt-0000000002\n"
     left = sorted(p.name for p in ck.iterdir())
     assert any(".tmp-" in n for n in left), left          # the abandoned save
     assert "ckpt-0000000004" not in left, left
-    code, out = run_driver(zygote, 2, ["resume", "--steps", 2, "--dir", ck, "--dump", d / "r.npz"])
+    code, out = run_driver(zygote, 2, ["resume", "--steps", 2, "--dir", ck,
+                                       "--dump", d / "r.npz"])
     assert code == 0, out[-8000:]
     assert_same_state(load(d / "r.npz"), load(d / "s2.npz"))
     # the next save removes the abandoned directory
-    code, out = run_driver(zygote, 1, ["resume", "--steps", 3, "--dir", ck, "--dump", d / "r3.npz",
-                               "--full-at", 3])
+    code, out = run_driver(zygote, 1, ["resume", "--steps", 3, "--dir", ck,
+                                       "--dump", d / "r3.npz", "--full-at", 3])
     assert code == 0, out[-8000:]
     left = sorted(p.name for p in ck.iterdir())
     assert not any(".tmp-" in n for n in left) and "ckpt-0000000003" in left, left
@@ -126,8 +129,8 @@ def test_train_py_checkpoint_restore_export(tmp_path, zygote):
              "--vocab", "10000"]
     ck, ex = tmp_path / "ck", tmp_path / "ex"
     code, out = run(2, [TRAIN, *small, "--steps", "5", "--checkpoint-dir", ck,
-                        "--checkpoint-every", "2", "--incremental-every", "1"], TIMEOUT, "train.py",
-                    zygote=zygote)
+                        "--checkpoint-every", "2", "--incremental-every", "1"], TIMEOUT,
+                    "train.py", zygote=zygote)
     assert code == 0, out[-8000:]
     assert "step     1  saved full" in out          # no parent yet: full
     assert "step     3  saved delta" in out and "step     4  saved full" in out

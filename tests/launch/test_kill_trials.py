@@ -35,13 +35,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from zygote import started
+from mpirun import ZYGOTE
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 KVCOLLRUN = ROOT / "launch" / "kvcollrun"
 DRIVER = ROOT / "tests" / "launch" / "kill_driver.py"
-ZYGOTE = ROOT / "tests" / "launch" / "zygote.py"
-PRELOAD = ("tensorflow", "keras", "kvcoll", "kvcoll.keras")   # what the driver imports
 TRIALS = int(os.environ.get("KVCOLL_TEST_KILL_TRIALS", "5"))   # per phase
 SEED = int(os.environ.get("KVCOLL_TEST_KILL_SEED", "2026"))     # the moments and victims
 PHASES = ("train", "save", "export", "restore")
@@ -55,16 +53,6 @@ def _env() -> dict:
                KVCOLLRUN_KILL_AFTER="5")
     env.pop("KVCOLL_STEP_MODE", None)
     return env
-
-
-@pytest.fixture(scope="module")
-def zygote(tmp_path_factory):
-    """The socket of a zygote holding the driver's imports: each rank of each job is a
-    fork of it (tests/launch/zygote.py), which saves a TensorFlow import per rank."""
-    sock = tmp_path_factory.mktemp("zygote") / "zygote.sock"
-    with started([sys.executable, ZYGOTE, "serve", sock, *PRELOAD], sock, _env(),
-                 ROOT) as path:
-        yield path
 
 
 def job(zygote, world: int, args: list, timeout: float = 240) -> tuple[int, str, float]:
